@@ -1,0 +1,60 @@
+"""W4A16 accuracy on SmolLM2-135M: FP16 vs RTN vs GPTQ (symmetric, group 64), with wall time and peak RSS.
+
+Protocol (issue #2): WikiText-2 perplexity over the first 40 windows of 2048 tokens; calibration on the first
+32 windows of 2048 tokens of shared/data/c4 (documents in file order joined with "\\n\\n").
+
+    python bench/accuracy.py [--work DIR] [--windows 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from _common import SHARED, eval_ppl, manifest, need, quantkit, table
+
+VARIANTS = {
+    "RTN": ["--recipe", "rtn-w4a16-g128"],
+    "GPTQ (act-order off)": ["--recipe", "gptq-w4a16-g128", "--set", "passes.gptq.act_order=false"],
+    "GPTQ (static act-order)": ["--recipe", "gptq-w4a16-g128"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, help="keep artifacts here (default: a temp dir)")
+    parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--only", nargs="*", help="run only these variants")
+    args = parser.parse_args()
+    model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
+    data = need(SHARED / "data")
+    c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
+    work = args.work or Path(tempfile.mkdtemp(prefix="quantkit-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
+    rows = [["FP16 (GGUF dequantized)", f"{fp:.2f}", "-", "-", "-"]]
+    common = ["--calib", str(c4), "--num-samples", "32", "--seq-len", "2048", "--set", "calibration.sampling=first",
+              "--set", "weights.group_size=64", "--overwrite"]
+    for name, extra in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        out = work / name.split()[0].lower().replace("(", "") / name.replace(" ", "_").replace("(", "").replace(")", "")
+        wall = quantkit("quantize", str(model), "-o", str(out), *extra, *common)
+        m = manifest(out)
+        ppl = eval_ppl(out, data, args.windows, 2048, out.with_suffix(".json"))
+        gap = (ppl - fp)
+        rows.append([name, f"{ppl:.2f}", f"{wall:.0f} s", f"{m['peak_rss_bytes'] / 2**30:.2f} GiB", f"{gap:+.2f}"])
+    rtn = next((float(r[1]) for r in rows if r[0] == "RTN"), None)
+    print()
+    print(f"SmolLM2-135M, W4A16 sym g64, WikiText-2 ppl (first {args.windows} x 2048), calib 32 x 2048 c4")
+    print(table(["method", "wikitext2 ppl", "quantize wall", "peak RSS", "ppl - FP16"], rows))
+    if rtn is not None:
+        for r in rows[2:]:
+            closed = (rtn - float(r[1])) / (rtn - fp)
+            print(f"{r[0]}: closes {closed:.0%} of the RTN-to-FP16 gap")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The output directory: atomic writes, the resume journal, the manifest, and reading an artifact back.
+
+A run writes into `OUT.partial/` and renames it to `OUT` only when complete, so `OUT` is never half-written.
+Each decoder layer is its own safetensors shard, written atomically and recorded (with its sha256) in
+`quantkit_journal.json`; `--resume` trusts exactly the shards the journal lists and whose hash matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit.errors import QuantkitError
+
+MANIFEST = "quantkit_manifest.json"
+RECIPE = "quantkit_recipe.yaml"
+JOURNAL = "quantkit_journal.json"
+
+
+class ArtifactError(QuantkitError):
+    """The output directory is in a state the requested operation cannot use."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write a file via a temp file in the same directory and a rename, so readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, _FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+
+def shard_name(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+@dataclass
+class OutputDir:
+    """The final and in-progress locations of one run's output."""
+
+    final: Path
+
+    @property
+    def work(self) -> Path:
+        return self.final.with_name(self.final.name + ".partial")
+
+    def check(self, resume: bool, overwrite: bool) -> None:
+        """Refuse, before any work, to clobber an existing output or an interrupted run."""
+        if self.final.exists() and not overwrite:
+            raise ArtifactError(
+                f"{self.final} already exists; pass --overwrite to replace it"
+                + (" (it is complete: nothing to resume)" if resume else "")
+            )
+        if resume and not (self.work / JOURNAL).is_file():
+            raise ArtifactError(f"--resume: no interrupted run found ({self.work / JOURNAL} does not exist)")
+        if not resume and self.work.exists() and not overwrite:
+            raise ArtifactError(
+                f"{self.work} holds an interrupted run; pass --resume to continue it or --overwrite to restart"
+            )
+
+    def prepare(self, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+        """Create or reopen the work dir; returns the journal when resuming."""
+        self.check(resume, overwrite)
+        if resume:
+            return json.loads((self.work / JOURNAL).read_text())
+        if self.work.exists():
+            shutil.rmtree(self.work)
+        self.work.mkdir(parents=True)
+        return None
+
+    def save_journal(self, journal: dict[str, Any]) -> None:
+        atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))
+
+    def commit(self) -> None:
+        """Move the finished work dir into place (replacing an old output only now, when --overwrite)."""
+        (self.work / JOURNAL).unlink(missing_ok=True)
+        if self.final.exists():
+            old = self.final.with_name(self.final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            self.final.rename(old)
+            self.work.rename(self.final)
+            shutil.rmtree(old)
+        else:
+            self.work.rename(self.final)
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a finished artifact, or an error saying what `path` is instead."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        partial = Path(str(path) + ".partial")
+        extra = f"; {partial} holds an unfinished run (quantkit quantize ... --resume)" if partial.exists() else ""
+        raise ArtifactError(f"{path} is not a quantkit artifact (no {MANIFEST}){extra}")
+    return json.loads(manifest.read_text())

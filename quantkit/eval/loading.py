@@ -1,0 +1,100 @@
+"""Load a model for evaluation: an FP checkpoint as-is, or a quantkit artifact dequantized exactly as an
+engine would reconstruct it, with the activation and KV-cache simulation its recipe records."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from quantkit import simulate
+from quantkit.artifact import MANIFEST, RECIPE, load_manifest, read_safetensors
+from quantkit.formats import get_packer
+from quantkit.models.adapters import adapter_for
+from quantkit.models.source import open_model
+from quantkit.quantizers import QuantSpec
+from quantkit.recipe import Recipe, parse_recipe
+
+
+@dataclass
+class EvalModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    description: str
+    recipe: Recipe | None = None
+
+
+def is_artifact(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> EvalModel:
+    """The model at `path` ready for eval in `dtype` (float32 by default: CPU kernels, and exact upcasts)."""
+    if is_artifact(path):
+        return _load_artifact(Path(path), dtype)
+    source = open_model(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    return EvalModel(model.eval(), tokenizer, f"{source.origin} (unquantized, {source.dtype})")
+
+
+def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
+    manifest = load_manifest(path)
+    recipe = parse_recipe(yaml.safe_load((path / RECIPE).read_text()), where=RECIPE)
+    config_data = json.loads((path / "config.json").read_text())
+    config_data.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_data)
+    model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
+    adapter = adapter_for(config.model_type)
+    packer = get_packer(manifest["format"])(recipe, model_dtype)
+    specs = {
+        role: QuantSpec(w["bits"], w["symmetric"], w["granularity"], w["group_size"] or 128, 1.0)
+        for role, w in manifest["weights"].items()
+    }
+    quantized = {}
+    for i in range(config.num_hidden_layers):
+        for role, name in adapter.linear_names(list(specs)):
+            quantized[f"{adapter.layer_prefix(i)}{name}"] = role
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = read_safetensors(path / shard)
+        for module, role in quantized.items():
+            parts = {k[len(module) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(module + ".weight")}
+            if parts:
+                weight = packer.unpack(parts, specs[role]).dequantize().to(model_dtype)
+                state[f"{module}.weight"] = weight
+        state.update(tensors)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing = set(model.state_dict()) - set(state)
+    if getattr(config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    if missing:
+        raise RuntimeError(f"{path}: artifact lacks tensors {sorted(missing)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    _rebuild_buffers(model)
+    act = simulate.ActivationSim(recipe.activations.bits, recipe.activations.symmetric) if recipe.activations else None
+    kv = simulate.KVSim(recipe.kv_cache.bits, recipe.kv_cache.symmetric) if recipe.kv_cache else None
+    linear_names = [name for _, name in adapter.linear_names(list(specs))]
+    blocks = list(model.get_submodule(adapter.layers_prefix))
+    simulate.attach(blocks, linear_names, model.config, act, kv)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sim = ", ".join(s for s in (f"A{act.bits} per-token" if act else "", f"KV{kv.bits} per-head" if kv else "") if s)
+    desc = f"{path} ({manifest['recipe']}, {manifest['format']}{'; simulating ' + sim if sim else ''})"
+    return EvalModel(model.eval(), tokenizer, desc, recipe)
+
+
+def _rebuild_buffers(model: torch.nn.Module) -> None:
+    """Non-persistent buffers (RoPE inv_freq) were created on meta; recompute them on the CPU."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and module.inv_freq.is_meta:
+            fresh = type(module)(model.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, name, buf)

@@ -1,0 +1,90 @@
+"""WikiText-2 perplexity with the GPTQ/AWQ/QServe protocol.
+
+`"\n\n".join(test rows)` is tokenized once (with the tokenizer's BOS), cut into non-overlapping windows of
+`seq_len` tokens (the tail shorter than a window is dropped), and ppl = exp(sum_i L * mean_nll_i / (n * L)),
+exactly as those papers' evaluation scripts compute it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+WIKITEXT_FILE = "wikitext-2-raw-v1/test.jsonl"
+
+
+class DataNotFoundError(QuantkitError):
+    """An evaluation data file is missing."""
+
+
+def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
+    value = data_dir or os.environ.get("QUANTKIT_DATA_DIR")
+    return Path(value) if value else None
+
+
+def wikitext_rows(data_dir: str | Path | None) -> list[str]:
+    """The WikiText-2 raw test rows (HF layout: one JSON object with "text" per line)."""
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        raise DataNotFoundError(
+            f"WikiText-2 needs its local test rows: pass --data-dir DIR (or set QUANTKIT_DATA_DIR) where "
+            f"DIR/{WIKITEXT_FILE} holds the HF `wikitext-2-raw-v1` test split as JSON lines"
+        )
+    path = root / WIKITEXT_FILE
+    if not path.is_file():
+        raise DataNotFoundError(f"WikiText-2 test rows not found: {path} is missing (task wikitext)")
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    windows: int
+    seq_len: int
+    tokens: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@torch.no_grad()
+def perplexity(
+    model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int, limit: int | None = None, batch_size: int = 1
+) -> PerplexityResult:
+    """Perplexity over the first `limit` (default all) non-overlapping `seq_len` windows of `token_ids` [T]."""
+    t0 = time.time()
+    n = token_ids.numel() // seq_len
+    if limit is not None:
+        n = min(n, limit)
+    if n == 0:
+        raise QuantkitError(f"text has {token_ids.numel()} tokens, fewer than one window of {seq_len}")
+    windows = token_ids[: n * seq_len].view(n, seq_len)
+    nll_sum = 0.0
+    for start in range(0, n, batch_size):
+        batch = windows[start:start + batch_size]
+        logits = model(batch).logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+        ).view(batch.shape[0], -1)
+        nll_sum += float((loss.mean(dim=1) * seq_len).sum())
+    return PerplexityResult(math.exp(nll_sum / (n * seq_len)), n, seq_len, n * seq_len, time.time() - t0)
+
+
+def wikitext_perplexity(
+    model: torch.nn.Module, tokenizer: Any, data_dir: str | Path | None, seq_len: int = 2048,
+    limit: int | None = None, batch_size: int = 1,
+) -> PerplexityResult:
+    """The papers' WikiText-2 perplexity of `model`."""
+    text = "\n\n".join(wikitext_rows(data_dir))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    return perplexity(model, ids, seq_len, limit, batch_size)

@@ -1,0 +1,18 @@
+"""Packers: turn quantized linears into the exact tensors an engine loads, and back (reference unpack)."""
+
+from __future__ import annotations
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.base import Packer
+from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+
+PACKERS: dict[str, type[Packer]] = {CompressedTensorsPacker.name: CompressedTensorsPacker}
+
+
+def get_packer(name: str) -> type[Packer]:
+    if name not in PACKERS:
+        raise QuantkitError(f"unknown export format {name!r}; known formats: {', '.join(sorted(PACKERS))}")
+    return PACKERS[name]
+
+
+__all__ = ["PACKERS", "Packer", "get_packer"]

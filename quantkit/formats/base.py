@@ -1,0 +1,40 @@
+"""The packer interface every export format implements."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.passes.base import QuantizedLinear
+from quantkit.quantizers import QuantSpec
+
+
+class ExportError(QuantkitError):
+    """The quantized model cannot be expressed in the requested format."""
+
+
+class Packer:
+    """Pack quantized linears into a format's tensors (and back), and write its config entry."""
+
+    name: ClassVar[str]
+
+    def __init__(self, recipe: Any, dtype: torch.dtype):
+        self.recipe = recipe
+        self.dtype = dtype
+
+    def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
+        """Raise ExportError if `module` of `shape` cannot be stored with `spec`."""
+
+    def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
+        """Tensors for one linear, named relative to the module (e.g. `weight_packed`)."""
+        raise NotImplementedError
+
+    def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
+        """Exact inverse of `pack`."""
+        raise NotImplementedError
+
+    def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
+        """The `quantization_config` entry of config.json; `specs` maps linear role names to their spec."""
+        raise NotImplementedError

@@ -1,0 +1,168 @@
+"""compressed-tensors `pack-quantized` / `int-quantized` checkpoints (vLLM, SGLang, transformers).
+
+Layout (see shared/formats.md): `weight_packed` int32 [N, ceil(K*b/32)] holds codes + 2^(b-1) as a dense
+little-endian bit stream along K (for 4 bits: eight per word, low nibble first); `weight_scale` in the model
+dtype [N, K/g] ([N, 1] per channel); `weight_zero_point` (asymmetric only) is packed the same way along N,
+[ceil(N*b/32), K/g]; `weight_shape` int64 [2]; `weight_g_idx` int32 [K] for act-order groups. 8-bit weights
+use `int-quantized`: `weight` int8 [N, K] plus scale (and an unpacked int8 zero point if asymmetric).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from quantkit.formats.base import ExportError, Packer
+from quantkit.passes.base import QuantizedLinear
+from quantkit.quantizers import QParams, QuantSpec
+
+ROLE_PATTERNS = {
+    "qkv": r"re:.*self_attn\.(q|k|v)_proj$",
+    "o": r"re:.*self_attn\.o_proj$",
+    "gate_up": r"re:.*mlp\.(gate|up)_proj$",
+    "down": r"re:.*mlp\.down_proj$",
+}
+
+
+def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """Pack signed codes [R, C] (int8, in [-2^(b-1), 2^(b-1)-1]) densely into int32 words along `dim`."""
+    if codes.dtype != torch.int8 or codes.ndim != 2:
+        raise ValueError("pack_int32 takes a 2-D int8 tensor of codes")
+    u = codes.numpy().astype(np.int64) + (1 << (bits - 1))
+    if u.min(initial=0) < 0 or u.max(initial=0) >= (1 << bits):
+        raise ValueError(f"codes out of range for {bits} bits")
+    if dim == 0:
+        u = u.T
+    rows, cols = u.shape
+    padded = -(-cols // 32) * 32
+    u = np.pad(u, ((0, 0), (0, padded - cols))).reshape(rows, padded // 32, 32).astype(np.uint64)
+    words = np.zeros((rows, padded // 32, bits), dtype=np.uint64)
+    for j in range(32):
+        word, shift = divmod(j * bits, 32)
+        words[:, :, word] |= (u[:, :, j] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+        if shift + bits > 32:
+            words[:, :, word + 1] |= u[:, :, j] >> np.uint64(32 - shift)
+    out = words.reshape(rows, -1)[:, : -(-cols * bits // 32)].astype(np.uint32).view(np.int32)
+    if dim == 0:
+        out = out.T
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of `pack_int32`: signed int8 codes with `length` elements along `dim`."""
+    if packed.dtype != torch.int32 or packed.ndim != 2:
+        raise ValueError("unpack_int32 takes a 2-D int32 tensor")
+    w = packed.numpy().view(np.uint32).astype(np.uint64)
+    if dim == 0:
+        w = w.T
+    rows, n_words = w.shape
+    if n_words != -(-length * bits // 32):
+        raise ValueError(f"{n_words} packed words cannot hold exactly {length} {bits}-bit values")
+    blocks = -(-length // 32)
+    w = np.pad(w, ((0, 0), (0, blocks * bits - n_words))).reshape(rows, blocks, bits)
+    mask = np.uint64((1 << bits) - 1)
+    u = np.zeros((rows, blocks, 32), dtype=np.uint64)
+    for j in range(32):
+        word, shift = divmod(j * bits, 32)
+        v = w[:, :, word] >> np.uint64(shift)
+        if shift + bits > 32:
+            v |= w[:, :, word + 1] << np.uint64(32 - shift)
+        u[:, :, j] = v & mask
+    codes = u.reshape(rows, -1)[:, :length].astype(np.int64) - (1 << (bits - 1))
+    if dim == 0:
+        codes = codes.T
+    return torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8)))
+
+
+class CompressedTensorsPacker(Packer):
+    name = "compressed-tensors"
+
+    def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
+        if spec.granularity == "group" and shape[1] % spec.group_size:
+            raise ExportError(f"{module}: group size {spec.group_size} does not divide input width {shape[1]}")
+
+    def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
+        spec, qp = q.spec, q.qparams
+        n, k = q.codes.shape
+        scale = qp.scale.to(self.dtype)
+        if spec.granularity == "tensor":
+            scale = scale.reshape(1)
+        out: dict[str, torch.Tensor] = {"weight_scale": scale.contiguous()}
+        if spec.bits == 8:
+            out["weight"] = q.codes.contiguous()
+            if qp.zero is not None:
+                out["weight_zero_point"] = qp.zero.to(torch.int8).reshape(scale.shape).contiguous()
+        else:
+            out["weight_packed"] = pack_int32(q.codes, spec.bits, dim=1)
+            out["weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+            if qp.zero is not None:
+                zero = qp.zero.to(torch.int8).reshape(-1, qp.zero.shape[-1])
+                out["weight_zero_point"] = pack_int32(zero, spec.bits, dim=0)
+        if q.g_idx is not None:
+            out["weight_g_idx"] = q.g_idx.to(torch.int32).contiguous()
+        return out
+
+    def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
+        scale = tensors["weight_scale"].float()
+        scale = scale.reshape(1, 1) if scale.ndim == 1 else scale
+        if "weight" in tensors:
+            codes = tensors["weight"]
+            k = codes.shape[1]
+            zero = tensors.get("weight_zero_point")
+            zero = zero.to(torch.int32).reshape(scale.shape) if zero is not None else None
+        else:
+            k = int(tensors["weight_shape"][1])
+            codes = unpack_int32(tensors["weight_packed"], spec.bits, k, dim=1)
+            zero = tensors.get("weight_zero_point")
+            if zero is not None:
+                zero = unpack_int32(zero, spec.bits, scale.shape[0], dim=0).to(torch.int32)
+        g_idx = tensors.get("weight_g_idx")
+        g_idx = g_idx.long() if g_idx is not None else None
+        group_size = spec.columns_per_group(k)
+        return QuantizedLinear(codes, QParams(scale, zero, group_size), spec, g_idx)
+
+    def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
+        recipe = self.recipe
+        by_spec: dict[QuantSpec, list[str]] = {}
+        for role, spec in specs.items():
+            by_spec.setdefault(spec, []).append(role)
+        formats = {"int-quantized" if s.bits == 8 else "pack-quantized" for s in by_spec}
+        if len(formats) > 1:
+            raise ExportError("compressed-tensors export cannot mix 8-bit and packed sub-8-bit weights")
+        (format_name,) = formats
+        act = None
+        if recipe.activations is not None:
+            act = {
+                "num_bits": recipe.activations.bits, "type": "int", "symmetric": recipe.activations.symmetric,
+                "strategy": "token", "dynamic": True, "observer": None,
+            }
+        actorder = None
+        for p in recipe.passes:
+            if p.name == "gptq" and p.config.act_order:
+                actorder = "static" if p.config.static_groups else "group"
+        groups = {}
+        single = len(by_spec) == 1 and set(specs) == set(ROLE_PATTERNS)
+        for i, (spec, roles) in enumerate(by_spec.items()):
+            weights = {
+                "num_bits": spec.bits, "type": "int", "symmetric": spec.symmetric,
+                "strategy": spec.granularity, "group_size": spec.group_size if spec.granularity == "group" else None,
+                "dynamic": False, "observer": "minmax",
+                "actorder": actorder if spec.granularity == "group" else None,
+            }
+            groups[f"group_{i}"] = {
+                "targets": ["Linear"] if single else [ROLE_PATTERNS[r] for r in roles],
+                "weights": weights,
+                "input_activations": act,
+                "output_activations": None,
+                "format": format_name,
+            }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": format_name,
+            "quantization_status": "compressed",
+            "config_groups": groups,
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+        }

@@ -1,0 +1,1 @@
+"""Model access: role-based architecture adapters, lazy checkpoint sources, and decoder-block construction."""

@@ -1,0 +1,49 @@
+"""Build one decoder block from its tensors with transformers' own layer class, and run it on cached inputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.models.source import ModelSource
+
+
+def build_block(source: ModelSource, index: int, tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Decoder layer `index` in float32 with the checkpoint's weights (or `tensors`, block-relative names)."""
+    cls = source.adapter.decoder_layer_class()
+    with torch.device("meta"):
+        block = cls(source.config, layer_idx=index)
+    state = tensors if tensors is not None else source.layer_tensors(index)
+    block.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
+    return block.eval()
+
+
+class BlockRunner:
+    """Runs decoder blocks over a calibration cache [n, L, H] in chunks, with shared RoPE tables and mask."""
+
+    def __init__(self, source: ModelSource, seq_len: int, batch_size: int = 8):
+        config = source.config
+        config._attn_implementation = "sdpa"
+        self.batch_size = batch_size
+        rotary = source.adapter.rotary_embedding_class()(config)
+        positions = torch.arange(seq_len).unsqueeze(0)
+        probe = torch.zeros(1, seq_len, 1)
+        self.position_embeddings = rotary(probe, positions)
+        window = getattr(config, "sliding_window", None)
+        self.mask = None
+        if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
+            i = torch.arange(seq_len)
+            allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            self.mask = allowed[None, None]
+
+    @torch.no_grad()
+    def run(self, block: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Block outputs for every sequence of `x`, written into `out` (allocated like `x` when omitted)."""
+        out = torch.empty_like(x) if out is None else out
+        cos, sin = self.position_embeddings
+        for start in range(0, x.shape[0], self.batch_size):
+            chunk = x[start:start + self.batch_size].float()
+            y = block(chunk, attention_mask=self.mask, position_embeddings=(cos, sin))
+            y = y[0] if isinstance(y, tuple) else y
+            out[start:start + self.batch_size] = y.to(out.dtype)
+        return out

@@ -1,0 +1,230 @@
+"""Open a checkpoint (local dir, hub id, or GGUF file) and read its tensors lazily, one layer at a time.
+
+Only safetensors are read (never pickles). Every shard's header is validated up front, so a truncated or
+corrupt file fails before any work starts, and every tensor read is checked for NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from quantkit.errors import QuantkitError
+from quantkit.models.adapters import ArchAdapter, adapter_for
+
+
+class ModelError(QuantkitError):
+    """The model could not be found, read or trusted."""
+
+
+SAFETENSORS_DTYPES = {"F16", "BF16", "F32", "F64", "I8", "U8", "I16", "I32", "I64", "BOOL", "F8_E4M3", "F8_E5M2"}
+
+
+def check_safetensors(path: Path) -> dict[str, dict]:
+    """Parse and validate a safetensors header (sizes, offsets, dtypes); returns the tensor entries."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelError(f"{path}: not a safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ModelError(f"{path}: corrupt or truncated safetensors (header says {n} bytes, file has {size})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: corrupt safetensors header ({exc})") from None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    data_size = size - 8 - n
+    end = 0
+    for name, entry in entries.items():
+        try:
+            start, stop = entry["data_offsets"]
+            dtype = entry["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if dtype not in SAFETENSORS_DTYPES or not 0 <= start <= stop:
+            raise ModelError(f"{path}: corrupt safetensors header entry for {name!r}")
+        end = max(end, stop)
+    if end != data_size:
+        what = "truncated" if end > data_size else "corrupt (trailing bytes)"
+        raise ModelError(f"{path}: {what} safetensors: tensors need {end} data bytes, file has {data_size}")
+    return entries
+
+
+class ModelSource:
+    """A local Hugging Face checkpoint directory read lazily through safetensors."""
+
+    def __init__(self, path: Path, trust_remote_code: bool = False, origin: str | None = None):
+        self.path = path
+        self.origin = origin or str(path)
+        try:
+            self.config: PretrainedConfig = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"{path}: cannot read config.json ({exc})") from None
+        self.adapter: ArchAdapter = adapter_for(
+            getattr(self.config, "model_type", "?"), getattr(self.config, "architectures", None)
+        )
+        self._where: dict[str, Path] = {}
+        self._dtypes: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+            hint = (
+                f" It has {', '.join(pickles)}: quantkit never unpickles; convert them with "
+                "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir2)` in a trusted environment."
+                if pickles else ""
+            )
+            raise ModelError(f"{path}: no *.safetensors weights found.{hint}")
+        for file in files:
+            for name, entry in check_safetensors(file).items():
+                self._where[name] = file
+                self._dtypes[name] = entry["dtype"]
+                self._shapes[name] = tuple(entry.get("shape", ()))
+        self.num_layers: int = int(self.config.num_hidden_layers)
+        for i in range(self.num_layers):
+            prefix = self.adapter.layer_prefix(i)
+            if not any(n.startswith(prefix) for n in self._where):
+                raise ModelError(f"{path}: weights of layer {i} ({prefix}*) are missing")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's floating dtype (from the embedding), used for unquantized tensors and scales."""
+        code = self._dtypes[self.adapter.embed + ".weight"]
+        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(code, torch.float16)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.adapter.lm_head + ".weight" not in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read the named tensors (grouped per shard, file closed after), checking each is finite."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self._where:
+                raise ModelError(f"{self.origin}: tensor {name!r} not found in the checkpoint")
+            by_file.setdefault(self._where[name], []).append(name)
+        out = {}
+        for file, group in by_file.items():
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in group:
+                        out[name] = f.get_tensor(name)
+            except (OSError, RuntimeError) as exc:
+                raise ModelError(f"{file}: cannot read tensors ({exc})") from None
+        for name, t in out.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                bad = (~torch.isfinite(t)).sum().item()
+                raise ModelError(f"{self.origin}: tensor {name!r} has {bad} NaN/Inf values; refusing to quantize it")
+        return out
+
+    def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """All tensors of decoder layer `index`, keyed relative to the block (e.g. `self_attn.q_proj.weight`)."""
+        prefix = self.adapter.layer_prefix(index)
+        names = [n for n in self._where if n.startswith(prefix)]
+        return {n[len(prefix):]: t for n, t in self.read(names).items()}
+
+    def non_layer_names(self) -> list[str]:
+        return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
+
+
+def open_model(spec: str | os.PathLike, trust_remote_code: bool = False, cache_dir: Path | None = None) -> ModelSource:
+    """Resolve MODEL (local dir, `.gguf` file or dir holding one, or hub id) into a local ModelSource."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(gguf_to_safetensors(path, cache_dir), trust_remote_code, origin=str(path))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, trust_remote_code)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(gguf_to_safetensors(ggufs[0], cache_dir), trust_remote_code, origin=str(ggufs[0]))
+        raise ModelError(
+            f"{path}: not a model directory (no config.json"
+            + (f"; several .gguf files, pass one of {', '.join(p.name for p in ggufs)}" if ggufs else "")
+            + ")"
+        )
+    if path.exists():
+        raise ModelError(f"{path}: expected a model directory or a .gguf file")
+    looks_like_hub_id = str(spec).count("/") == 1 and not str(spec).startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ModelError(f"{spec}: no such model directory or file")
+    return ModelSource(_download(str(spec)), trust_remote_code, origin=str(spec))
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch config, tokenizer and safetensors of a hub model (never pickles)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        )
+    except Exception as exc:  # offline, unknown repo, auth: all end in the same advice
+        raise ModelError(
+            f"{repo_id}: not a local path, and downloading it from the Hugging Face hub failed "
+            f"({type(exc).__name__}). Offline, pass a local directory holding config.json, tokenizer files and "
+            "*.safetensors, or a .gguf file."
+        ) from None
+    return Path(local)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
+
+
+def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its hash.
+
+    The conversion holds the whole model in memory (transformers dequantizes GGUF to float32); quantization
+    afterwards streams from the cache like any checkpoint.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = (cache_dir or default_cache_dir()) / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:  # pragma: no cover
+        raise ModelError(f"reading GGUF needs transformers and gguf: {exc}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelError(f"{gguf}: transformers could not read this GGUF file ({exc})") from None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF block quantization is undone; the copy is plain float16
+    config.torch_dtype = torch.float16
+    state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    from safetensors.torch import save_file
+
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tmp.rename(target)
+    return target

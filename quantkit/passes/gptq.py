@@ -1,0 +1,154 @@
+"""GPTQ (Frantar et al., 2023): quantize columns in order, spreading each one's error onto the rest via H^-1.
+
+All arithmetic in float32. Damping starts at `damp` x mean(diag H) and is escalated tenfold whenever the
+Cholesky factorization fails; the damping actually used is logged per linear. Act-order visits columns by
+decreasing diag(H); with static groups the group scales come from the unpermuted weight, so groups stay
+contiguous and no g_idx is needed by the loader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.passes import register
+from quantkit.passes.base import LayerWork, Pass, QuantizedLinear
+from quantkit.quantizers import QParams, QuantSpec, compute_qparams, quantize_column, search_qparams
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    block_size: int = 128
+    damp: float = 0.01
+    act_order: bool = True
+    static_groups: bool = True
+    observer: str = "minmax"  # "minmax" or "mse" (per-group clipping search before the column sweep)
+    max_damp: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0 < self.damp <= self.max_damp:
+            raise ValueError(f"damp must be in (0, max_damp], got {self.damp}")
+        if self.observer not in ("minmax", "mse"):
+            raise ValueError(f"observer must be 'minmax' or 'mse', got {self.observer!r}")
+
+
+@register
+class GPTQ(Pass):
+    name = "gptq"
+    Config = GPTQConfig
+    quantizes = True
+    needs_hessian = True
+
+    def run(self, work: LayerWork) -> None:
+        for name, spec in work.specs.items():
+            w = work.weight(name).detach().float()
+            result, damp, loss = gptq_quantize(w, work.hessian(name), spec, self.config, work.scale_dtype)
+            work.results[name] = result
+            work.metrics[f"{name}.gptq_loss"] = loss
+            if damp != self.config.damp:
+                work.notes.append(f"{name}: Cholesky failed at damp {self.config.damp:g}, used {damp:g}")
+
+
+def _qparams(w: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype) -> QParams:
+    if config.observer == "mse":
+        return search_qparams(w, spec, scale_dtype)
+    return compute_qparams(w, spec, scale_dtype)
+
+
+def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp I)^-1, escalating the damping until it factorizes."""
+    mean_diag = torch.mean(torch.diag(h)).item()
+    damp = config.damp
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    while True:
+        chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        if info == 0:
+            hinv = torch.cholesky_inverse(chol)
+            upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if info == 0:
+                return upper, damp
+        if damp * 10 > config.max_damp:
+            raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp:g}")
+        damp *= 10
+
+
+def gptq_quantize(
+    w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype
+) -> tuple[QuantizedLinear, float, float]:
+    """Quantize `w` [N, K] with Hessian [K, K]; returns the result, the damping used, and GPTQ's loss."""
+    w = w.clone()
+    n, k = w.shape
+    h = hessian.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    gs = spec.columns_per_group(k)
+    grouped = spec.granularity == "group"
+
+    static: QParams | None = None
+    if not grouped or config.static_groups:
+        static = _qparams(w, spec, config, scale_dtype)
+
+    perm = None
+    if config.act_order:
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    hinv, damp = _inverse_cholesky(h, config)
+
+    codes = torch.zeros(n, k, dtype=torch.int8)
+    n_groups = k // gs
+    scales = torch.zeros(n, n_groups)
+    zeros = torch.zeros(n, n_groups, dtype=torch.int32) if not spec.symmetric else None
+    g_idx = torch.arange(k) // gs  # group of each column, in original column order
+    loss = torch.zeros(n)
+    col_groups = g_idx[perm] if perm is not None else g_idx  # group of each permuted column (static case)
+
+    for i1 in range(0, k, config.block_size):
+        i2 = min(i1 + config.block_size, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        h1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static is not None:
+                g = int(col_groups[col]) if grouped else 0
+                scale = static.scale[:, g] if static.scale.shape[0] > 1 else static.scale[:, 0].expand(n)
+                zero = None if static.zero is None else (
+                    static.zero[:, g] if static.zero.shape[0] > 1 else static.zero[:, 0].expand(n)
+                )
+            else:
+                g = col // gs
+                if col % gs == 0:  # dynamic groups: params from the error-updated weights of this group
+                    span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :gs]
+                    qp = _qparams(span, QuantSpec(spec.bits, spec.symmetric, "channel", 0, spec.clip_ratio),
+                                  config, scale_dtype)
+                    scales[:, g] = qp.scale[:, 0]
+                    if zeros is not None:
+                        zeros[:, g] = qp.zero[:, 0]
+                    if perm is not None:
+                        g_idx[perm[col:col + gs]] = g
+                scale = scales[:, g]
+                zero = zeros[:, g] if zeros is not None else None
+            col_w = w1[:, i]
+            q, deq = quantize_column(col_w, scale, zero, spec)
+            codes[:, col] = q
+            d = h1[i, i]
+            loss += (col_w - deq) ** 2 / d**2 / 2
+            e = (col_w - deq) / d
+            w1[:, i:] -= e.unsqueeze(1) @ h1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    if static is not None:
+        qparams = static
+        g_idx_out = None
+    else:
+        qparams = QParams(scale=scales, zero=zeros, group_size=gs)
+        g_idx_out = None if torch.equal(g_idx, torch.arange(k) // gs) else g_idx
+    return QuantizedLinear(codes, qparams, spec, g_idx_out), damp, float(loss.sum())

@@ -1,0 +1,421 @@
+"""The layer-streaming quantization run: calibrate, quantize and pack one decoder block at a time.
+
+Only one block's weights (plus its Hessians and the activation cache) are ever in memory. Block i is
+calibrated on the outputs of the already-quantized blocks 0..i-1 (GPTQ's sequential mode), written as its
+own safetensors shard, and recorded in a journal; `resume` replays the written shards to rebuild the
+activation cache and continues bit-identically from the first missing block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit import __version__, simulate
+from quantkit.artifact import (
+    JOURNAL,
+    MANIFEST,
+    RECIPE,
+    OutputDir,
+    atomic_save_safetensors,
+    atomic_write,
+    read_safetensors,
+    sha256_file,
+    shard_name,
+)
+from quantkit.calib import (
+    CalibrationError,
+    CalibrationSet,
+    generate_calibration,
+    load_calibration,
+    named_sets,
+    resolve_named_set,
+)
+from quantkit.errors import QuantkitError
+from quantkit.formats import Packer, get_packer
+from quantkit.models.adapters import ArchAdapter
+from quantkit.models.block import BlockRunner, build_block
+from quantkit.models.source import ModelSource, open_model
+from quantkit.passes import LayerWork, get_pass
+from quantkit.quantizers import QuantSpec
+from quantkit.recipe import Recipe, to_yaml
+
+log = logging.getLogger("quantkit")
+
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ShapeError(QuantkitError):
+    """A layer's shape does not fit the recipe (e.g. a group size that does not divide its input width)."""
+
+
+@dataclass
+class LayerReport:
+    index: int
+    rel_error: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    replayed: bool = False
+
+
+@dataclass
+class RunSummary:
+    output: Path
+    seconds: float
+    peak_rss_bytes: int
+    output_bytes: int
+    calibration: dict[str, Any]
+    layers: list[LayerReport]
+    notes: list[str]
+
+
+class Reporter:
+    """Progress sink; the CLI renders it with rich, tests use this silent default."""
+
+    def start(self, total: int, description: str) -> None: ...
+    def layer_done(self, report: LayerReport) -> None: ...
+    def warn(self, message: str) -> None:
+        log.warning(message)
+
+
+@dataclass
+class QuantizeJob:
+    model: str
+    recipe: Recipe
+    output: Path
+    calib: str | None = None
+    data_dir: Path | None = None
+    device: str = "cpu"
+    resume: bool = False
+    overwrite: bool = False
+    trust_remote_code: bool = False
+
+
+def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str, QuantSpec]:
+    """The quantization spec of each target role, checked against every layer's real shapes up front."""
+    adapter = source.adapter
+    specs: dict[str, QuantSpec] = {}
+    for role, name in adapter.linear_names(recipe.targets):
+        full = f"{adapter.layer_prefix(0)}{name}.weight"
+        n, k = source.shape(full)
+        spec = recipe.weights.spec()
+        if spec.granularity == "group" and k % spec.group_size:
+            if recipe.weights.indivisible != "per_channel":
+                raise ShapeError(
+                    f"{full[:-7]}: group size {spec.group_size} does not divide its input width {k} "
+                    f"(output width {n}); choose a group size dividing {k} "
+                    "or set weights.indivisible=per_channel to quantize such layers per channel"
+                )
+            spec = recipe.weights.spec("channel")
+        if role in specs and specs[role] != spec:
+            raise ShapeError(f"linears of role {role} need different specs; this architecture is not supported")
+        specs[role] = spec
+        for i in range(source.num_layers):
+            layer_name = f"{adapter.layer_prefix(i)}{name}"
+            packer.check(layer_name, spec, source.shape(layer_name + ".weight"))
+    return specs
+
+
+def _collect_hessians(block: nn.Module, work: LayerWork, adapter: ArchAdapter) -> tuple[list, dict[str, int]]:
+    """Forward pre-hooks accumulating X^T X on the first linear of each role (the role's linears share X)."""
+    counts: dict[str, int] = {}
+    handles = []
+    for role in {r for r in work.linears.values()}:
+        first = next(n for n, r in work.linears.items() if r == role)
+        k = block.get_submodule(first).in_features
+        work.hessians[role] = torch.zeros(k, k)
+        counts[role] = 0
+
+        def hook(module, args, role=role):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            work.hessians[role].addmm_(x.T, x)
+            counts[role] += x.shape[0]
+
+        handles.append(block.get_submodule(first).register_forward_pre_hook(hook))
+    return handles, counts
+
+
+def _deployed_block(
+    source: ModelSource, index: int, shard: dict[str, torch.Tensor], packer: Packer, specs: dict[str, QuantSpec],
+    targets: list[str],
+) -> nn.Module:
+    """Block whose weights are exactly what an engine reconstructs from the shard (dequantized in model dtype)."""
+    adapter = source.adapter
+    prefix = adapter.layer_prefix(index)
+    tensors = {k[len(prefix):]: v for k, v in shard.items()}
+    state: dict[str, torch.Tensor] = {}
+    quantized = {name: role for role, name in adapter.linear_names(targets)}
+    for name, role in quantized.items():
+        parts = {k[len(name) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(name + ".weight")}
+        q = packer.unpack(parts, specs[role])
+        state[f"{name}.weight"] = q.dequantize().to(source.dtype)
+    state.update(tensors)
+    return build_block(source, index, state)
+
+
+def _sim_config(recipe: Recipe) -> tuple[simulate.ActivationSim | None, simulate.KVSim | None]:
+    act = simulate.ActivationSim(recipe.activations.bits, recipe.activations.symmetric) if recipe.activations else None
+    kv = simulate.KVSim(recipe.kv_cache.bits, recipe.kv_cache.symmetric) if recipe.kv_cache else None
+    return act, kv
+
+
+def resolve_calibration(
+    job: QuantizeJob, source: ModelSource, tokenizer: Any, reporter: Reporter
+) -> CalibrationSet:
+    """Token windows from --calib, else the recipe's named set, else (offline, no data) self-generated text.
+
+    Only an unreachable named set falls back to generation; a reachable but unusable one (too short, empty)
+    is an error, as is any problem with an explicit --calib.
+    """
+    cal = job.recipe.calibration
+    kwargs = dict(num_samples=cal.num_samples, seq_len=cal.seq_len, seed=cal.seed)
+    if job.calib is None and cal.dataset in named_sets():
+        try:
+            resolve_named_set(cal.dataset, job.data_dir)
+        except CalibrationError as exc:
+            reporter.warn(
+                f"{exc}\nFalling back to calibration text generated by the model itself (data-free, as in "
+                "LLM-QAT); pass --calib FILE for results comparable to the papers."
+            )
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+            return generate_calibration(model, tokenizer, **kwargs)
+    return load_calibration(
+        job.calib, tokenizer, sampling=cal.sampling, text_field=cal.text_field,
+        data_dir=job.data_dir, default_set=cal.dataset, **kwargs,
+    )
+
+
+def fit_context(recipe: Recipe, source: ModelSource, reporter: Reporter) -> Recipe:
+    """Cap calibration windows at the model's context length, saying so (the saved recipe records the cap)."""
+    max_pos = getattr(source.config, "max_position_embeddings", None)
+    if max_pos is None or recipe.calibration.seq_len <= max_pos:
+        return recipe
+    reporter.warn(
+        f"calibration.seq_len {recipe.calibration.seq_len} exceeds the model's context "
+        f"(max_position_embeddings {max_pos}); using windows of {max_pos} tokens"
+    )
+    return replace(recipe, calibration=replace(recipe.calibration, seq_len=max_pos))
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
+
+
+def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSummary:
+    """Quantize `job.model` with `job.recipe` into `job.output`; see the module docstring."""
+    from transformers import AutoTokenizer
+
+    reporter = reporter or Reporter()
+    t0 = time.time()
+    source = open_model(job.model, trust_remote_code=job.trust_remote_code)
+    job = replace(job, recipe=fit_context(job.recipe, source, reporter))
+    recipe = job.recipe
+    packer = get_packer(recipe.export.format)(recipe, source.dtype)
+    specs = plan_specs(source, recipe, packer)
+    out = OutputDir(Path(job.output))
+    out.check(resume=job.resume, overwrite=job.overwrite)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
+    calib = resolve_calibration(job, source, tokenizer, reporter)
+    journal = out.prepare(resume=job.resume, overwrite=job.overwrite)
+    recipe_yaml = to_yaml(recipe)
+    try:
+        calib_info = {
+            "source": calib.source, "sampling": calib.sampling, "seed": calib.seed,
+            "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
+            "sha256": calib.sha256,
+        }
+        identity = {
+            "model": source.origin, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
+            "calibration_sha256": calib.sha256,
+        }
+        if journal is not None:
+            for key, value in identity.items():
+                if journal.get(key) != value:
+                    raise QuantkitError(
+                        f"--resume: the interrupted run used a different {key.replace('_', ' ')} "
+                        f"({journal.get(key)!r} vs {value!r}); rerun with --overwrite to start afresh"
+                    )
+        else:
+            journal = {**identity, "quantkit_version": __version__, "layers": {}}
+            out.save_journal(journal)
+        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter)
+        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer)
+    except KeyboardInterrupt:
+        reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
+        raise
+    out.commit()
+    manifest = json.loads((out.final / MANIFEST).read_text())
+    return RunSummary(
+        output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
+        output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
+    )
+
+
+def _run_layers(
+    job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
+    calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter,
+) -> list[LayerReport]:
+    recipe, adapter = job.recipe, source.adapter
+    total = source.num_layers + 1
+    cache_dtype = CACHE_DTYPES[recipe.engine.cache_dtype]
+    runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size)
+    act_sim, kv_sim = _sim_config(recipe)
+    if not recipe.engine.simulate_activations:
+        act_sim = kv_sim = None
+    passes = [get_pass(p.name)(p.config) for p in recipe.passes]
+    need_h = any(p.needs_hessian for p in passes)
+    linear_names = [name for _, name in adapter.linear_names(recipe.targets)]
+
+    embed = source.read([adapter.embed + ".weight"])[adapter.embed + ".weight"]
+    x = embed[calib.tokens].to(cache_dtype)
+    del embed
+    y_fp = torch.empty_like(x)
+    reports: list[LayerReport] = []
+    reporter.start(source.num_layers, "quantizing layers")
+    for i in range(source.num_layers):
+        t_layer = time.time()
+        shard_path = out.work / shard_name(i + 1, total)
+        done = journal["layers"].get(str(i))
+        if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
+            block = _deployed_block(source, i, read_safetensors(shard_path), packer, specs, recipe.targets)
+            simulate.attach([block], linear_names, source.config, act_sim, kv_sim)
+            runner.run(block, x, out=x)
+            report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True)
+            reports.append(report)
+            reporter.layer_done(report)
+            continue
+
+        block = build_block(source, i)
+        work = LayerWork(
+            index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
+            specs={}, scale_dtype=source.dtype,
+        )
+        work.specs = {name: specs[role] for name, role in work.linears.items()}
+        handles, counts = _collect_hessians(block, work, adapter) if need_h else ([], {})
+        runner.run(block, x, out=y_fp)
+        for h in handles:
+            h.remove()
+        for role, count in counts.items():
+            work.hessians[role].mul_(2.0 / count)
+        for p in passes:
+            p.run(work)
+        missing = set(work.linears) - set(work.results)
+        if missing:
+            raise QuantkitError(f"layer {i}: no pass quantized {sorted(missing)}")
+
+        prefix = adapter.layer_prefix(i)
+        shard: dict[str, torch.Tensor] = {}
+        for name, q in work.results.items():
+            for key, t in packer.pack(q).items():
+                shard[f"{prefix}{name}.{key}"] = t
+        for key, t in block.state_dict().items():
+            if not any(key == f"{name}.weight" for name in work.results):
+                shard[prefix + key] = t.to(source.dtype)
+        atomic_save_safetensors(shard, shard_path)
+        work.hessians.clear()
+
+        block = _deployed_block(source, i, shard, packer, specs, recipe.targets)
+        simulate.attach([block], linear_names, source.config, act_sim, kv_sim)
+        if recipe.engine.propagate == "quantized":
+            runner.run(block, x, out=x)
+            rel = float(torch.linalg.vector_norm(x.float() - y_fp.float()) / torch.linalg.vector_norm(y_fp.float()))
+        else:
+            y_q = runner.run(block, x)
+            rel = float(torch.linalg.vector_norm(y_q.float() - y_fp.float()) / torch.linalg.vector_norm(y_fp.float()))
+            x.copy_(y_fp)
+        report = LayerReport(i, rel, time.time() - t_layer, work.notes, work.metrics)
+        journal["layers"][str(i)] = {
+            "shard": shard_path.name, "sha256": sha256_file(shard_path), "rel_error": rel,
+            "seconds": report.seconds, "notes": work.notes, "metrics": work.metrics,
+        }
+        out.save_journal(journal)
+        reports.append(report)
+        reporter.layer_done(report)
+    return reports
+
+
+def _finalize(
+    job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
+    calib_info: dict[str, Any], layers: list[LayerReport], recipe_yaml: str, t0: float, tokenizer: Any,
+) -> None:
+    """Write the non-layer shard, index, config, tokenizer, recipe and manifest into the work dir."""
+    total = source.num_layers + 1
+    rest = {name: t.to(source.dtype) if t.is_floating_point() else t
+            for name, t in source.read(source.non_layer_names()).items()}
+    atomic_save_safetensors(rest, out.work / shard_name(total, total))
+    weight_map: dict[str, str] = {}
+    for i in range(total):
+        name = shard_name(i + 1, total)
+        for key in read_safetensors_keys(out.work / name):
+            weight_map[key] = name
+    index = {"metadata": {"total_size": sum((out.work / n).stat().st_size for n in set(weight_map.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write(out.work / "model.safetensors.index.json", json.dumps(index, indent=2))
+
+    config = json.loads((source.path / "config.json").read_text())
+    config["quantization_config"] = packer.quantization_config(specs)
+    config["torch_dtype"] = str(source.dtype).removeprefix("torch.")
+    config.pop("dtype", None)
+    atomic_write(out.work / "config.json", json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (source.path / extra).is_file():
+            shutil.copyfile(source.path / extra, out.work / extra)
+    tokenizer.save_pretrained(out.work)
+    atomic_write(out.work / RECIPE, recipe_yaml)
+
+    import safetensors
+    import transformers
+
+    notes = [f"layer {r.index}: {n}" for r in layers for n in r.notes]
+    files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST))
+    manifest = {
+        "quantkit_version": __version__,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "safetensors": safetensors.__version__, "python": platform.python_version()},
+        "model": source.origin,
+        "architecture": source.adapter.model_type,
+        "num_layers": source.num_layers,
+        "recipe": job.recipe.name,
+        "format": packer.name,
+        "weights": {role: {"bits": s.bits, "symmetric": s.symmetric, "granularity": s.granularity,
+                           "group_size": s.group_size if s.granularity == "group" else None}
+                    for role, s in specs.items()},
+        "activations": None if job.recipe.activations is None else {"bits": job.recipe.activations.bits},
+        "kv_cache": None if job.recipe.kv_cache is None else {"bits": job.recipe.kv_cache.bits},
+        "calibration": calib_info,
+        "layers": [{"index": r.index, "rel_error": r.rel_error, "seconds": r.seconds, "metrics": r.metrics}
+                   for r in layers],
+        "notes": notes,
+        "timings": {"total_seconds": time.time() - t0, "layer_seconds": sum(r.seconds for r in layers)},
+        "peak_rss_bytes": _peak_rss(),
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
+    }
+    atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def read_safetensors_keys(path: Path) -> list[str]:
+    from quantkit.models.source import check_safetensors
+
+    return list(check_safetensors(path))
+
+
+ProgressCallback = Callable[[LayerReport], None]

@@ -1,0 +1,253 @@
+"""Recipes: validated YAML naming the weight/activation/KV formats, calibration data, ordered passes and packer.
+
+`load_recipe(name_or_path, overrides)` applies `--set key.path=value` overrides to the raw YAML, then
+validates every field (unknown or ill-typed fields are errors naming the field and the allowed ones). The
+resolved recipe (`to_yaml`) is what gets saved next to the output, so a run can be reproduced exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from quantkit.config import ConfigError, build, to_dict
+from quantkit.errors import QuantkitError
+from quantkit.models.adapters import ROLES
+from quantkit.passes import PASSES, get_pass
+from quantkit.quantizers import QuantSpec
+from quantkit.resources import data_path
+
+
+class RecipeError(QuantkitError):
+    """A recipe cannot be found, parsed or validated."""
+
+
+@dataclass(frozen=True)
+class WeightConfig:
+    bits: int = 4
+    symmetric: bool = True
+    granularity: Literal["tensor", "channel", "group"] = "group"
+    group_size: int = 128
+    clip_ratio: float = 1.0
+    # layers whose input width the group size does not divide: "error", or quantize them per channel
+    indivisible: Literal["error", "per_channel"] = "error"
+
+    def spec(self, granularity: str | None = None) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, granularity or self.granularity, self.group_size, self.clip_ratio)
+
+    def __post_init__(self) -> None:
+        self.spec()  # range checks live in QuantSpec
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """Dynamic per-token activation quantization of every quantized linear's input."""
+
+    bits: int = 8
+    symmetric: bool = True
+    granularity: Literal["token"] = "token"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"activation bits must be in 2..8, got {self.bits}")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Dynamic per-(token, KV head) quantization of post-RoPE keys and of values."""
+
+    bits: int = 4
+    symmetric: bool = False
+    granularity: Literal["head"] = "head"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"kv_cache bits must be in 2..8, got {self.bits}")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    dataset: str = "pileval"  # a named set in calib/ or a file path
+    num_samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+    sampling: Literal["random", "first"] = "random"
+    text_field: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.num_samples <= 0 or self.seq_len <= 1:
+            raise ValueError("num_samples must be positive and seq_len at least 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size: int = 8  # calibration sequences per block forward
+    propagate: Literal["quantized", "float"] = "quantized"  # what the next block sees (GPTQ's sequential mode)
+    simulate_activations: bool = True  # apply activation/KV simulation when propagating quantized outputs
+    cache_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    format: str = "compressed-tensors"
+
+
+@dataclass(frozen=True)
+class PassEntry:
+    name: str
+    config: Any
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str = ""
+    targets: list[str] = field(default_factory=lambda: list(ROLES))
+    weights: WeightConfig = field(default_factory=WeightConfig)
+    activations: ActivationConfig | None = None
+    kv_cache: KVCacheConfig | None = None
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    passes: list[PassEntry] = field(default_factory=list)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(get_pass(p.name).needs_hessian for p in self.passes)
+
+
+_SECTIONS = {
+    "weights": WeightConfig,
+    "activations": ActivationConfig,
+    "kv_cache": KVCacheConfig,
+    "calibration": CalibrationConfig,
+    "engine": EngineConfig,
+    "export": ExportConfig,
+}
+_TOP = ("name", "description", "targets", *_SECTIONS, "passes")
+
+
+def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
+    """Validate plain YAML data into a Recipe."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: expected a mapping at the top level")
+    unknown = sorted(set(raw) - set(_TOP))
+    if unknown:
+        raise RecipeError(f"{where}: unknown field {', '.join(map(repr, unknown))}; allowed: {', '.join(_TOP)}")
+    try:
+        values: dict[str, Any] = {}
+        for key, cls in _SECTIONS.items():
+            if key in raw:
+                values[key] = None if raw[key] is None and key in ("activations", "kv_cache") else build(
+                    cls, raw[key], f"{where}.{key}"
+                )
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise RecipeError(f"{where}.name: a recipe needs a non-empty string name")
+        description = raw.get("description", "")
+        if not isinstance(description, str):
+            raise RecipeError(f"{where}.description: expected a string")
+        targets = raw.get("targets", list(ROLES))
+        if not isinstance(targets, list) or any(t not in ROLES for t in targets) or not targets:
+            raise RecipeError(f"{where}.targets: expected a non-empty list of roles from {', '.join(ROLES)}")
+        passes = [_parse_pass(p, f"{where}.passes[{i}]") for i, p in enumerate(raw.get("passes") or [])]
+    except ConfigError as exc:
+        raise RecipeError(str(exc)) from None
+    quantizers = [p.name for p in passes if get_pass(p.name).quantizes]
+    if len(quantizers) != 1 or not get_pass(passes[-1].name).quantizes:
+        raise RecipeError(
+            f"{where}.passes: the last pass must be the one weight quantizer "
+            f"({', '.join(n for n, c in sorted(PASSES.items()) if c.quantizes)}); got {[p.name for p in passes]}"
+        )
+    return Recipe(name=name, description=description, targets=targets, passes=passes, **values)
+
+
+def _parse_pass(entry: Any, where: str) -> PassEntry:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise RecipeError(f"{where}: each pass is a mapping with a 'name' (one of {', '.join(sorted(PASSES))})")
+    name = entry["name"]
+    if name not in PASSES:
+        raise RecipeError(f"{where}: unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}")
+    params = {k: v for k, v in entry.items() if k != "name"}
+    return PassEntry(name, build(PASSES[name].Config, params, f"{where} ({name})"))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    data = to_dict(recipe)
+    data["passes"] = [{"name": p.name, **to_dict(p.config)} for p in recipe.passes]
+    return data
+
+
+def to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Name -> path of every recipe shipped in recipes/."""
+    return {p.stem: p for p in sorted(data_path("recipes").glob("*.yaml"))}
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `key.path=value` (value parsed as YAML) to raw recipe data; passes are addressed by name or index."""
+    if "=" not in assignment:
+        raise RecipeError(f"--set {assignment!r}: expected key.path=value")
+    key, _, text = assignment.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise RecipeError(f"--set {assignment!r}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {assignment!r}: value is not valid YAML ({exc})") from None
+    node: Any = raw
+    for i, part in enumerate(path[:-1]):
+        here = ".".join(path[: i + 1])
+        if isinstance(node, list):
+            node = _list_item(node, part, here)
+        elif isinstance(node, dict):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        else:
+            raise RecipeError(f"--set {key}: {here} is not a section")
+    last = path[-1]
+    if isinstance(node, list):
+        raise RecipeError(f"--set {key}: set a field of a pass, e.g. passes.gptq.damp=0.05")
+    if not isinstance(node, dict):
+        raise RecipeError(f"--set {key}: {'.'.join(path[:-1])} is not a section")
+    node[last] = value
+
+
+def _list_item(items: list, part: str, here: str) -> Any:
+    if part.isdigit() and int(part) < len(items):
+        return items[int(part)]
+    for item in items:
+        if isinstance(item, dict) and item.get("name") == part:
+            return item
+    names = [item.get("name") for item in items if isinstance(item, dict)]
+    raise RecipeError(f"--set: no pass {part!r} at {here}; the recipe's passes are {names}")
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a bundled recipe by name, or a YAML file by path, then apply `--set` overrides and validate."""
+    path = Path(name_or_path)
+    bundled = bundled_recipes()
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"recipe file {path} not found")
+    elif str(name_or_path) in bundled:
+        path = bundled[str(name_or_path)]
+    else:
+        raise RecipeError(f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(bundled)}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return parse_recipe(raw, where=path.name)

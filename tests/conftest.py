@@ -1,0 +1,34 @@
+"""Shared fixtures: paths to ../shared material (skipped with a reason when absent) and tiny synthetic models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("QUANTKIT_SHARED", REPO.parent / "shared"))
+
+
+def shared_path(relative: str) -> Path:
+    """Path inside ../shared, or skip the test with a message naming what is missing."""
+    path = SHARED / relative
+    if not path.exists():
+        pytest.skip(f"needs {path} (the project's shared/ folder); set QUANTKIT_SHARED to its location")
+    return path
+
+
+@pytest.fixture
+def stories260k() -> Path:
+    return shared_path("models/stories260K")
+
+
+@pytest.fixture
+def tinystories_txt() -> Path:
+    return shared_path("data/tinystories/TinyStories-valid-subset.txt")
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    return shared_path("data")

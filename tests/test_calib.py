@@ -1,0 +1,276 @@
+"""Calibration data: file formats, named sets, deterministic sampling, errors, and self-generated text."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import shared_path
+
+from quantkit.calib import (
+    CalibrationError,
+    CalibrationSet,
+    find_named_set,
+    generate_calibration,
+    iter_documents,
+    load_calibration,
+    load_named_set,
+    named_sets,
+    resolve_named_set,
+    token_sha256,
+)
+from quantkit.errors import QuantkitError
+
+DOCS = [
+    "Once upon a time there was a little cat named Tom.",
+    "Tom liked to play in the garden with his ball.",
+    "",  # an empty row: kept verbatim by .jsonl/.parquet, like the HF wikitext rows
+    "One day the sun was hot and Tom went to sleep under a big tree.",
+    "When he woke up, his friend the dog was there, and they played all day.",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_path("models/stories260K"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(shared_path("models/stories260K"), dtype=torch.float32)
+
+
+def encode(tokenizer, docs: list[str]) -> list[int]:
+    return tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"]
+
+
+def first_windows(ids: list[int], n: int, seq_len: int) -> torch.Tensor:
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    lines = [json.dumps({field: doc, "id": i}) + "\n" for i, doc in enumerate(docs)]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def test_txt_is_one_document_per_line_and_first_matches_manual(tmp_path, tokenizer):
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(DOCS) + "\n\n   \n", encoding="utf-8")  # blank / whitespace-only lines skipped
+    docs = [d for d in DOCS if d]
+    assert list(iter_documents(path)) == docs
+    cal = load_calibration(path, tokenizer, num_samples=3, seq_len=16, sampling="first")
+    assert isinstance(cal, CalibrationSet)
+    assert cal.tokens.dtype == torch.long and cal.tokens.shape == (3, 16)
+    assert torch.equal(cal.tokens, first_windows(encode(tokenizer, docs), 3, 16))
+    assert cal.source == str(path.resolve()) and cal.sampling == "first" and cal.seed == 0
+    assert cal.tokens[0, 0] != tokenizer.bos_token_id  # no BOS prepended to the stream
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "parquet"])
+def test_jsonl_and_parquet_with_configurable_field(tmp_path, tokenizer, fmt):
+    path = tmp_path / f"docs.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.table({"id": list(range(len(DOCS))), "story": DOCS}), path)
+    elif fmt == "jsonl.gz":
+        write_jsonl(tmp_path / "plain.jsonl", DOCS, field="story")
+        path.write_bytes(gzip.compress((tmp_path / "plain.jsonl").read_bytes()))
+    else:
+        write_jsonl(path, DOCS, field="story")
+    assert list(iter_documents(path, "story")) == DOCS  # empty rows kept verbatim
+    cal = load_calibration(path, tokenizer, num_samples=4, seq_len=20, sampling="first", text_field="story")
+    assert torch.equal(cal.tokens, first_windows(encode(tokenizer, DOCS), 4, 20))
+
+
+def test_missing_field_names_the_fields_found(tmp_path, tokenizer):
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    with pytest.raises(CalibrationError, match=r"line 1: no field 'story' \(found 'text', 'id'\)"):
+        load_calibration(jsonl, tokenizer, num_samples=1, seq_len=8, text_field="story")
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": DOCS}), parquet)
+    with pytest.raises(CalibrationError, match=r"no column 'story' \(columns: text\)"):
+        load_calibration(parquet, tokenizer, num_samples=1, seq_len=8, text_field="story")
+
+
+def test_unsupported_and_missing_files(tmp_path, tokenizer):
+    csv = tmp_path / "docs.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(CalibrationError, match="unsupported calibration file type"):
+        load_calibration(csv, tokenizer, num_samples=1, seq_len=8)
+    with pytest.raises(CalibrationError, match="does not exist"):
+        load_calibration(tmp_path / "nope.jsonl", tokenizer, num_samples=1, seq_len=8)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def test_random_sampling_is_deterministic_in_the_seed(tinystories_txt, tokenizer):
+    kwargs = dict(num_samples=4, seq_len=64, sampling="random")
+    a = load_calibration(tinystories_txt, tokenizer, seed=0, **kwargs)
+    b = load_calibration(tinystories_txt, tokenizer, seed=0, **kwargs)
+    c = load_calibration(tinystories_txt, tokenizer, seed=1, **kwargs)
+    assert torch.equal(a.tokens, b.tokens) and a.sha256 == b.sha256
+    assert not torch.equal(a.tokens, c.tokens) and a.sha256 != c.sha256
+    assert a.sha256 == token_sha256(a.tokens) and (a.sampling, a.seed, c.seed) == ("random", 0, 1)
+    # every window is a contiguous slice of the "\n\n"-joined stream
+    docs = [line for line in tinystories_txt.read_text(encoding="utf-8").splitlines() if line.strip()]
+    stream = encode(tokenizer, docs)
+    starts = {tuple(stream[i: i + 64]) for i in range(len(stream) - 63)}
+    assert all(tuple(row.tolist()) in starts for row in a.tokens)
+
+
+def test_first_mode_on_shared_tinystories_matches_manual(tinystories_txt, tokenizer):
+    docs = tinystories_txt.read_text(encoding="utf-8").splitlines()
+    cal = load_calibration(tinystories_txt, tokenizer, num_samples=7, seq_len=128, sampling="first", seed=5)
+    assert torch.equal(cal.tokens, first_windows(encode(tokenizer, docs), 7, 128))
+    again = load_calibration(tinystories_txt, tokenizer, num_samples=7, seq_len=128, sampling="first", seed=6)
+    assert again.sha256 == cal.sha256  # "first" ignores the seed
+
+
+def test_sha256_is_shape_plus_int64_le_bytes():
+    tokens = torch.arange(6, dtype=torch.int32).view(2, 3)
+    expected = hashlib.sha256(struct.pack("<qq", 2, 3) + struct.pack("<6q", *range(6))).hexdigest()
+    assert token_sha256(tokens) == expected
+    assert token_sha256(tokens.view(3, 2)) != expected
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_empty_files_raise(tmp_path, tokenizer):
+    txt = tmp_path / "empty.txt"
+    txt.write_text("\n  \n\n", encoding="utf-8")
+    with pytest.raises(CalibrationError, match=r"empty\.txt is empty"):
+        load_calibration(txt, tokenizer, num_samples=1, seq_len=8)
+    jsonl = write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    with pytest.raises(CalibrationError, match=r"blank\.jsonl is empty: it holds no text in field 'text'"):
+        load_calibration(jsonl, tokenizer, num_samples=1, seq_len=8)
+    assert issubclass(CalibrationError, QuantkitError)
+
+
+def test_too_short_names_file_found_and_needed(tmp_path, tokenizer):
+    path = tmp_path / "short.txt"
+    path.write_text("A tiny story.\n", encoding="utf-8")
+    found = len(encode(tokenizer, ["A tiny story."]))
+    for sampling in ("first", "random"):
+        with pytest.raises(CalibrationError) as info:
+            load_calibration(path, tokenizer, num_samples=2, seq_len=512, sampling=sampling)
+        message = str(info.value)
+        assert "short.txt" in message and f"{found} tokens found" in message and "needs 512 tokens" in message
+
+
+def test_first_with_too_few_windows_says_how_many(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    total = len(encode(tokenizer, DOCS))
+    expected = rf"{total} tokens: {total // 100} non-overlapping windows of 100, fewer than the 50 requested"
+    with pytest.raises(CalibrationError, match=expected):
+        load_calibration(path, tokenizer, num_samples=50, seq_len=100, sampling="first")
+
+
+def test_random_with_fewer_tokens_than_requested_warns(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    with pytest.warns(UserWarning, match="necessarily overlap"):
+        cal = load_calibration(path, tokenizer, num_samples=50, seq_len=100)
+    assert cal.tokens.shape == (50, 100)
+
+
+def test_bad_request_and_no_source(tokenizer):
+    with pytest.raises(CalibrationError, match="unknown sampling 'shuffle'"):
+        load_calibration("c4", tokenizer, num_samples=1, seq_len=8, sampling="shuffle")
+    with pytest.raises(CalibrationError, match="no calibration data: pass --calib"):
+        load_calibration(None, tokenizer, num_samples=1, seq_len=8)
+
+
+# ------------------------------------------------------------------------------------------------ named sets
+
+
+def test_named_sets_are_valid():
+    assert named_sets() == ["c4", "pileval", "tinystories", "wikitext2"]
+    for name in named_sets():
+        spec = load_named_set(name)
+        assert spec.name == name and spec.description and spec.local
+        assert spec.hub_repo_id and spec.hub_filename and spec.text_field == "text"
+    assert "test" in load_named_set("wikitext2").description.lower()  # only the test split is shipped locally
+
+
+def test_unknown_named_set_lists_known_sets(tokenizer):
+    with pytest.raises(CalibrationError, match="unknown calibration set 'pile'; known sets: c4, pileval, "
+                                               "tinystories, wikitext2"):
+        load_calibration("pile", tokenizer, num_samples=1, seq_len=8)
+
+
+def test_c4_found_in_data_dir_matches_whole_file_protocol(shared_data, tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    c4_file = shared_data / "c4" / "c4-train.00000-of-01024.first800.jsonl"
+    cal = load_calibration(None, tokenizer, num_samples=4, seq_len=256, sampling="first", default_set="c4",
+                           data_dir=shared_data)
+    assert cal.source == f"c4:{c4_file.resolve()}"
+    # only a prefix of the file is read and tokenized, yet the windows equal the whole-file protocol's
+    docs = [json.loads(line)["text"] for line in c4_file.read_text(encoding="utf-8").splitlines()[:200]]
+    assert torch.equal(cal.tokens, first_windows(encode(tokenizer, docs), 4, 256))
+    monkeypatch.setenv("QUANTKIT_DATA_DIR", str(shared_data))  # the env var stands in for data_dir
+    from_env = load_calibration("c4", tokenizer, num_samples=4, seq_len=256, sampling="first")
+    assert from_env.sha256 == cal.sha256
+    assert find_named_set("c4") == c4_file
+
+
+def test_offline_missing_named_set_says_what_to_pass(tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    empty = tmp_path / "data"
+    empty.mkdir()
+    assert find_named_set("c4", empty) is None
+    with pytest.raises(CalibrationError) as info:
+        load_calibration("c4", tokenizer, num_samples=1, seq_len=8, data_dir=empty)
+    message = str(info.value)
+    assert "--calib" in message and "--data-dir" in message and "QUANTKIT_DATA_DIR" in message
+    assert f"under data dir {empty}" in message and "HF_HUB_OFFLINE" in message
+    assert "<data dir>/c4/c4-train.00000-of-01024.first800.jsonl" in message
+    monkeypatch.delenv("QUANTKIT_DATA_DIR", raising=False)
+    with pytest.raises(CalibrationError, match="no data dir given"):
+        resolve_named_set("pileval")
+
+
+def test_unreachable_hub_fails_fast_without_retries(tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub.constants
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("all_proxy", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: refused
+    with pytest.raises(CalibrationError, match=r"(?s)127\.0\.0\.1 is unreachable .*--calib PATH"):
+        load_calibration("wikitext2", tokenizer, num_samples=1, seq_len=8, data_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------------------------- self-generated
+
+
+def test_self_generated_calibration_is_seeded(model, tokenizer):
+    state = torch.random.get_rng_state()
+    a = generate_calibration(model, tokenizer, num_samples=2, seq_len=32, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
+    b = generate_calibration(model, tokenizer, num_samples=2, seq_len=32, seed=0)
+    c = generate_calibration(model, tokenizer, num_samples=2, seq_len=32, seed=1)
+    assert a.tokens.shape == (2, 32) and a.tokens.dtype == torch.long
+    assert (a.tokens[:, 0] == tokenizer.bos_token_id).all()
+    assert not torch.isin(a.tokens[:, 1:], torch.tensor([1, 2])).any()  # EOS ids [2, 1] suppressed
+    assert torch.equal(a.tokens, b.tokens) and a.sha256 == b.sha256 == token_sha256(a.tokens)
+    assert not torch.equal(a.tokens, c.tokens)
+    assert a.source == "self-generated" and a.seed == 0

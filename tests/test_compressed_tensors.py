@@ -1,0 +1,64 @@
+"""The compressed-tensors packer: bit-exact against the library's own packing and a hand-worked word."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantkit.formats.compressed_tensors import CompressedTensorsPacker, pack_int32, unpack_int32
+from quantkit.passes.base import QuantizedLinear
+from quantkit.quantizers import QuantSpec, compute_qparams, quantize
+from quantkit.recipe import load_recipe
+
+
+def test_pack_hand_worked_word():
+    # codes 0..7 -> stored +8 -> nibbles 8..15, low nibble first: 0xFEDCBA98
+    codes = torch.arange(8, dtype=torch.int8).reshape(1, 8)
+    packed = pack_int32(codes, 4)
+    assert packed.shape == (1, 1)
+    assert packed.item() == torch.tensor(0xFEDCBA98, dtype=torch.int64).to(torch.int32).item()
+    assert torch.equal(unpack_int32(packed, 4, 8), codes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.integers(2, 7), rows=st.integers(1, 9), cols=st.integers(1, 70), dim=st.sampled_from([0, 1]),
+       seed=st.integers(0, 1000))
+def test_pack_matches_compressed_tensors(bits, rows, cols, dim, seed):
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, cols), generator=g, dtype=torch.int8)
+    ours = pack_int32(codes, bits, dim)
+    assert torch.equal(ours, helpers.pack_to_int32(codes, bits, dim))
+    assert torch.equal(unpack_int32(ours, bits, codes.shape[dim], dim), codes)
+
+
+def test_pack_rejects_out_of_range_codes():
+    with pytest.raises(ValueError, match="out of range"):
+        pack_int32(torch.tensor([[8]], dtype=torch.int8), 4)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("granularity", ["group", "channel"])
+@pytest.mark.parametrize("bits", [4, 8, 3])
+def test_linear_round_trip_and_library_dequant(symmetric, granularity, bits):
+    torch.manual_seed(0)
+    w = torch.randn(24, 128)
+    spec = QuantSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=32)
+    qp = compute_qparams(w, spec)
+    q = QuantizedLinear(quantize(w, qp, spec), qp, spec)
+    packer = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16)
+    tensors = packer.pack(q)
+    back = packer.unpack(tensors, spec)
+    assert torch.equal(back.codes, q.codes)
+    assert torch.equal(back.dequantize(), q.dequantize())
+    assert tensors["weight_scale"].dtype == torch.float16
+    if bits < 8:
+        assert tensors["weight_packed"].dtype == torch.int32
+        assert tensors["weight_packed"].shape == (24, 128 * bits // 32)
+        if not symmetric:
+            assert tensors["weight_zero_point"].shape == (-(-24 * bits // 32), qp.scale.shape[1])
+    # the library's own unpacker must read our codes identically
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    if bits < 8:
+        lib = helpers.unpack_from_int32(tensors["weight_packed"], bits, torch.Size([24, 128]))
+        assert torch.equal(lib, q.codes)

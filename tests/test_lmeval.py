@@ -1,0 +1,362 @@
+"""lm-eval integration: task validation, data checks, template rendering, and offline runs on stories260K."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import shared_path
+
+import quantkit.data
+from quantkit.eval import lmeval
+from quantkit.eval.lmeval import (
+    LM_EVAL_TASKS,
+    EvalDataError,
+    UnknownEvalTaskError,
+    check_task_data,
+    render_task_configs,
+    run_lm_eval,
+)
+from quantkit.resources import data_path
+
+ALL_TASKS = ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "wikitext_lm"]
+
+
+def _needs_hf_backend() -> None:
+    """Skip unless lm-eval's Hugging Face backend (lm-eval[hf]: accelerate, ...) imports."""
+    try:
+        import lm_eval.models.huggingface  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"lm-eval's HF backend does not import ({exc}); install quantkit[eval] / lm-eval[hf]")
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Any attempt to open a network connection fails the test, even one the code under test swallows."""
+    attempts: list[tuple[object, ...]] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        attempts.append(args)
+        raise OSError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    yield
+    assert not attempts, f"network access attempted: {attempts}"
+
+
+@pytest.fixture
+def stories(stories260k: Path) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(stories260k)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+
+def _synthetic_data(root: Path) -> Path:
+    """Tiny files in each task's layout; ARC-Challenge in the original AI2 layout, to test its conversion."""
+    _write_jsonl(
+        root / "piqa/validation.jsonl",
+        [
+            {"goal": "Open a jar.", "sol1": "Twist the lid.", "sol2": "Eat the lid.", "label": 0},
+            {"goal": "Dry wet hands.", "sol1": "Use a rock.", "sol2": "Use a towel.", "label": 1},
+        ],
+    )
+    _write_jsonl(
+        root / "arc/ARC-Easy-Test.jsonl",
+        [
+            {
+                "id": "e1",
+                "question": "What is wet?",
+                "answerKey": "B",
+                "choices": {"text": ["sand", "water", "fire"], "label": ["A", "B", "C"]},
+            },
+            {
+                "id": "e2",
+                "question": "What is hot?",
+                "answerKey": "1",
+                "choices": {"text": ["the sun", "ice"], "label": ["1", "2"]},
+            },
+        ],
+    )
+    _write_jsonl(
+        root / "arc/ARC-Challenge-Test.jsonl",
+        [
+            {
+                "id": "c1",
+                "answerKey": "A",
+                "question": {
+                    "stem": "What flies?",
+                    "choices": [{"text": "a bird", "label": "A"}, {"text": "a stone", "label": "B"}],
+                },
+            },
+            {
+                "id": "c2",
+                "answerKey": "D",
+                "question": {
+                    "stem": "Which is a color?",
+                    "choices": [
+                        {"text": "dog", "label": "A"},
+                        {"text": "run", "label": "B"},
+                        {"text": "up", "label": "C"},
+                        {"text": "red", "label": "D"},
+                    ],
+                },
+            },
+        ],
+    )
+    endings = ["goes home.", "eats the [title] moon.", "sleeps.", "sings a song."]
+    _write_jsonl(
+        root / "hellaswag/validation.jsonl",
+        [
+            {
+                "ind": i,
+                "activity_label": "Playing",
+                "ctx_a": "A girl plays with a ball.",
+                "ctx_b": "she",
+                "ctx": "A girl plays with a ball. she",
+                "endings": endings,
+                "source_id": "x",
+                "split": "val",
+                "split_type": "indomain",
+                "label": str(i),
+            }
+            for i in range(2)
+        ],
+    )
+    _write_jsonl(
+        root / "winogrande/validation.jsonl",
+        [
+            {
+                "sentence": "Tom gave Ben a ball because _ was kind.",
+                "option1": "Tom",
+                "option2": "Ben",
+                "answer": "1",
+            },
+            {
+                "sentence": "The cup fell on the rug because _ was slippery.",
+                "option1": "cup",
+                "option2": "rug",
+                "answer": "2",
+            },
+        ],
+    )
+    _write_jsonl(
+        root / "wikitext-2-raw-v1/document_level_test.jsonl",
+        [
+            {"page": " = Lily = \n \n Lily was a little girl . She liked to play outside in the park . \n"},
+            {"page": " = Tom = \n \n Tom had a big red ball @-@ it was fun , and he was happy . \n"},
+        ],
+    )
+    return root
+
+
+# ------------------------------------------------------------------------------------------ names & data
+
+
+def test_task_table() -> None:
+    assert list(LM_EVAL_TASKS) == ALL_TASKS
+    lm_names = [info.lm_eval_name for info in LM_EVAL_TASKS.values()]
+    assert len(set(lm_names)) == len(lm_names)
+    assert all(name.startswith("quantkit_") for name in lm_names)
+    for info in LM_EVAL_TASKS.values():
+        template = (data_path("eval") / info.config).read_text(encoding="utf-8")
+        assert f"task: {info.lm_eval_name}\n" in template
+        for rel in info.data_files:
+            assert f'"{{data_dir}}/{rel}"' in template  # the YAML and the table name the same file
+
+
+def test_unknown_task_lists_supported(tmp_path: Path) -> None:
+    with pytest.raises(UnknownEvalTaskError) as err:
+        run_lm_eval(torch.nn.Linear(1, 1), None, ["piqa", "mmlu"], data_dir=tmp_path)
+    message = str(err.value)
+    assert "'mmlu'" in message
+    for name in ALL_TASKS:
+        assert name in message
+    with pytest.raises(UnknownEvalTaskError, match="wikitext_lm"):
+        check_task_data(["wikitext"], tmp_path)
+    with pytest.raises(UnknownEvalTaskError, match="no lm-eval tasks"):
+        check_task_data([], tmp_path)
+
+
+def test_missing_data_file_names_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(lmeval.DATA_DIR_ENV, raising=False)
+    _write_jsonl(tmp_path / "piqa/validation.jsonl", [])
+    with pytest.raises(EvalDataError) as err:
+        run_lm_eval(torch.nn.Linear(1, 1), None, ["piqa", "hellaswag", "arc_easy"], data_dir=tmp_path)
+    message = str(err.value)
+    assert str(tmp_path.resolve() / "hellaswag/validation.jsonl") in message
+    assert str(tmp_path.resolve() / "arc/ARC-Easy-Test.jsonl") in message
+    assert "task hellaswag" in message and "task arc_easy" in message
+    assert "piqa" not in message  # present, so not reported
+    assert "--data-dir DIR" in message and "QUANTKIT_DATA_DIR" in message
+
+
+def test_no_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(lmeval.DATA_DIR_ENV, raising=False)
+    with pytest.raises(EvalDataError) as err:
+        check_task_data(["piqa", "wikitext_lm"])
+    message = str(err.value)
+    assert "DIR/piqa/validation.jsonl" in message
+    assert "DIR/wikitext-2-raw-v1/document_level_test.jsonl" in message
+    assert "--data-dir DIR" in message and "QUANTKIT_DATA_DIR" in message
+
+
+def test_data_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _synthetic_data(tmp_path)
+    monkeypatch.setenv(lmeval.DATA_DIR_ENV, str(tmp_path))
+    assert check_task_data(ALL_TASKS) == tmp_path.resolve()
+    other = tmp_path / "elsewhere"
+    with pytest.raises(EvalDataError, match="does not exist"):
+        check_task_data(["piqa"], other)  # the argument wins over the environment
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def test_render_from_installed_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templates are found as package data `quantkit.data.eval` (wheel layout), and the rendered configs load
+    in lm-eval with their `!function` helpers resolved from the rendered directory; paths with quotes,
+    spaces and backslashes survive the YAML round trip."""
+    load_yaml = pytest.importorskip("lm_eval.tasks._yaml_loader").load_yaml
+
+    site = tmp_path / "site" / "quantkit" / "data"
+    shutil.copytree(data_path("eval"), site / "eval")
+    for yaml_file in (site / "eval").glob("*.yaml"):
+        yaml_file.write_text("# installed copy\n" + yaml_file.read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.setattr(quantkit.data, "__path__", [str(site), *quantkit.data.__path__])
+    assert data_path("eval") == site / "eval"
+
+    data_dir = tmp_path / 'odd "dir" \\ with spaces'
+    out = tmp_path / "rendered"
+    written = render_task_configs(ALL_TASKS, data_dir, out, cache_dir=tmp_path / "cache")
+    assert [p.name for p in written] == [LM_EVAL_TASKS[t].config for t in ALL_TASKS]
+    assert (out / "quantkit_task_utils.py").is_file()
+    for task, path in zip(ALL_TASKS, written, strict=True):
+        text = path.read_text(encoding="utf-8")
+        assert text.startswith("# installed copy")
+        assert "{data_dir}" not in text and "{cache_dir}" not in text
+        cfg = load_yaml(path, resolve_func=True)
+        info = LM_EVAL_TASKS[task]
+        assert cfg["task"] == info.lm_eval_name
+        assert cfg["dataset_path"] == "json"
+        (split_path,) = cfg["dataset_kwargs"]["data_files"].values()
+        assert split_path == str(data_dir.resolve() / info.data_files[0])
+        assert cfg["dataset_kwargs"]["cache_dir"] == str((tmp_path / "cache").resolve())
+        functions = [v for v in cfg.values() if callable(v)]
+        if task in ("arc_easy", "arc_challenge", "hellaswag", "winogrande", "wikitext_lm"):
+            assert functions and all(f.__module__ == "quantkit.eval.lmeval" for f in functions)
+
+
+def _lm_eval_task_module(relative: str):
+    """Load one of lm-eval's own task helper files by path (they are not importable as a package)."""
+    import lm_eval
+
+    path = Path(lm_eval.__file__).parent / "tasks" / relative
+    if not path.is_file():
+        pytest.skip(f"this lm-eval has no {relative}")
+    spec = importlib.util.spec_from_file_location(f"_lm_eval_ref_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helpers_match_lm_eval(shared_data: Path) -> None:
+    """The ported `!function` helpers give exactly what lm-eval's built-in tasks compute."""
+    wiki = _lm_eval_task_module("wikitext/preprocess_wikitext.py")
+    pages = [
+        json.loads(line) for line in (shared_data / "wikitext-2-raw-v1/document_level_test.jsonl").open()
+    ]
+    for doc in pages:
+        assert lmeval.wikitext_detokenizer(doc) == wiki.wikitext_detokenizer(doc)
+        assert lmeval.wikitext_process_results(doc, [-123.0]) == wiki.process_results(doc, [-123.0])
+
+    hella = _lm_eval_task_module("hellaswag/utils.py")
+    for text in ("A man [title] is on a roof. [step] He  hammers.", "  plain text  "):
+        assert lmeval.hellaswag_preprocess(text) == hella.preprocess(text)
+
+    wino = _lm_eval_task_module("winogrande/preprocess_winogrande.py")
+    doc = {
+        "sentence": "Tom gave Ben a ball because _ was kind.",
+        "option1": "Tom",
+        "option2": "Ben",
+        "answer": "2",
+    }
+    assert lmeval.winogrande_doc_to_text(doc) == wino.doc_to_text(doc) == 1
+    assert lmeval.winogrande_doc_to_target(doc) == wino.doc_to_target(doc)
+    assert lmeval.winogrande_doc_to_choice(doc) == wino.doc_to_choice(doc)
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+
+def test_piqa_stories260k(stories, no_network: None) -> None:
+    _needs_hf_backend()
+    model, tokenizer = stories
+    model.train()
+    result = run_lm_eval(model, tokenizer, ["piqa"], data_dir=shared_path("data"), limit=20, max_length=1024)
+    assert set(result) == {"piqa"}
+    piqa = result["piqa"]
+    assert 0.0 <= piqa["acc"] <= 1.0 and 0.0 <= piqa["acc_norm"] <= 1.0
+    assert piqa["acc_stderr"] > 0
+    assert piqa["sample_len"] == 20
+    assert model.training  # train/eval state restored
+
+
+def test_wikitext_lm_stories260k(stories, no_network: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_hf_backend()
+    model, tokenizer = stories
+    monkeypatch.setenv(lmeval.DATA_DIR_ENV, str(shared_path("data")))
+    result = run_lm_eval(model, tokenizer, ["wikitext_lm"], limit=2)
+    metrics = result["wikitext_lm"]
+    assert metrics["word_perplexity"] > 1
+    assert metrics["byte_perplexity"] > 1
+    assert metrics["bits_per_byte"] > 0
+
+
+def test_model_used_as_is(stories, shared_data: Path) -> None:
+    """Hooks run, and an untied (e.g. separately quantized) lm_head is not re-tied to the embedding."""
+    _needs_hf_backend()
+    model, tokenizer = stories
+    head = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
+    model.lm_head.weight = head
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        run_lm_eval(model, tokenizer, ["piqa"], data_dir=shared_data, limit=2, max_length=1024)
+    finally:
+        handle.remove()
+    assert calls
+    assert model.lm_head.weight is head
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert "tie_weights" not in vars(model)  # the temporary no-op is gone
+
+
+def test_all_tasks_synthetic(stories, tmp_path: Path, no_network: None) -> None:
+    """Every config loads its local layout (ARC-Challenge in the original AI2 layout) and scores."""
+    _needs_hf_backend()
+    model, tokenizer = stories
+    result = run_lm_eval(
+        model, tokenizer, ALL_TASKS, data_dir=_synthetic_data(tmp_path), limit=2, batch_size=2
+    )
+    assert list(result) == ALL_TASKS
+    for name in ALL_TASKS:
+        for metric in LM_EVAL_TASKS[name].metrics:
+            assert metric in result[name], (name, metric)
+        if name != "wikitext_lm":
+            assert result[name]["acc"] in (0.0, 0.5, 1.0)
+        assert result[name]["sample_len"] == 2
+    assert result["wikitext_lm"]["word_perplexity"] > 1

@@ -1,0 +1,118 @@
+"""Exact checks of the integer quantizer conventions, on hand-worked examples and random tensors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantkit.quantizers import (
+    QuantSpec,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    fake_quantize_per_token,
+    quantize,
+    search_qparams,
+)
+
+
+def test_symmetric_4bit_hand_worked():
+    # amax = 7.5 -> scale = 7.5 / 7.5 = 1.0; codes are round-half-even of w, clamped to [-8, 7]
+    w = torch.tensor([[7.5, -7.5, 0.5, 1.5, -2.4, 3.0, 0.0, -0.6]])
+    spec = QuantSpec(bits=4, symmetric=True, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 1.0 and qp.zero is None
+    q = quantize(w, qp, spec)
+    assert q.tolist() == [[7, -8, 0, 2, -2, 3, 0, -1]]
+    assert dequantize(q, qp).tolist() == [[7.0, -8.0, 0.0, 2.0, -2.0, 3.0, 0.0, -1.0]]
+
+
+def test_asymmetric_4bit_hand_worked():
+    # range [0, 15] -> scale 1, zero = round(-8 - 0 / 1) = -8; q = w - 8
+    w = torch.tensor([[0.0, 15.0, 3.2, 7.5]])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 1.0 and qp.zero.item() == -8
+    q = quantize(w, qp, spec)
+    assert q.tolist() == [[-8, 7, -5, 0]]
+    assert dequantize(q, qp).tolist() == [[0.0, 15.0, 3.0, 8.0]]
+
+
+def test_asymmetric_range_includes_zero():
+    w = torch.tensor([[2.0, 4.0, 6.0, 8.0]])  # all positive: the range is widened to [0, 8]
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.zero.item() == -8
+    assert torch.equal(dequantize(quantize(torch.zeros(1, 4), qp, spec), qp), torch.zeros(1, 4))
+
+
+def test_group_scales_are_per_group_and_fp16_representable():
+    torch.manual_seed(0)
+    w = torch.randn(4, 256)
+    spec = QuantSpec(bits=4, granularity="group", group_size=64)
+    qp = compute_qparams(w, spec)
+    assert qp.scale.shape == (4, 4)
+    assert torch.equal(qp.scale, qp.scale.half().float())
+    expected = w.reshape(4, 4, 64).abs().amax(-1) / 7.5
+    assert torch.equal(qp.scale, expected.half().float())
+
+
+def test_all_zero_group_round_trips():
+    w = torch.zeros(2, 128)
+    w[1, 64:] = 1.0
+    spec = QuantSpec(bits=4, granularity="group", group_size=64)
+    out = fake_quantize(w, spec)
+    assert torch.equal(out[0], torch.zeros(128)) and torch.equal(out[1, :64], torch.zeros(64))
+
+
+def test_clip_ratio_shrinks_scale():
+    w = torch.linspace(-1, 1, 128).reshape(1, 128)
+    full = compute_qparams(w, QuantSpec(granularity="channel"))
+    clipped = compute_qparams(w, QuantSpec(granularity="channel", clip_ratio=0.5))
+    assert torch.allclose(clipped.scale, full.scale * 0.5, rtol=1e-3)
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match="does not divide"):
+        compute_qparams(torch.zeros(2, 100), QuantSpec(group_size=64))
+
+
+@pytest.mark.parametrize("bad", [dict(bits=1), dict(bits=9), dict(clip_ratio=0.0), dict(group_size=0)])
+def test_spec_validation(bad):
+    with pytest.raises(ValueError):
+        QuantSpec(**bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.integers(2, 8), symmetric=st.booleans(), seed=st.integers(0, 10_000),
+       granularity=st.sampled_from(["tensor", "channel", "group"]))
+def test_codes_in_range_and_error_bounded(bits, symmetric, seed, granularity):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 64, generator=g) * 3
+    spec = QuantSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=32)
+    qp = compute_qparams(w, spec)
+    q = quantize(w, qp, spec)
+    assert int(q.min()) >= spec.qmin and int(q.max()) <= spec.qmax
+    deq = dequantize(q, qp)
+    # values well inside the representable range are within half a step of their dequantized value
+    step = qp.scale.repeat_interleave(qp.group_size, dim=1) if granularity != "tensor" else qp.scale
+    inside = w.abs() <= step * spec.qmax
+    assert torch.all(((w - deq).abs() <= step * 0.5001)[inside])
+
+
+def test_search_qparams_never_worse_than_minmax():
+    torch.manual_seed(1)
+    w = torch.randn(16, 128) ** 3
+    spec = QuantSpec(bits=4, granularity="group", group_size=32)
+    base = compute_qparams(w, spec)
+    best = search_qparams(w, spec)
+    err = lambda qp: (w - dequantize(quantize(w, qp, spec), qp)).abs().pow(2.4).reshape(16, 4, 32).sum(-1)  # noqa: E731
+    assert torch.all(err(best) <= err(base) + 1e-6)
+    assert torch.any(err(best) < err(base))
+
+
+def test_per_token_int8_matches_hand_computation():
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0], [0.0, 0.0, 0.0, 0.0]])
+    out = fake_quantize_per_token(x, 8)
+    assert torch.equal(out[0], torch.tensor([1.0, -2.0, 0.0, 127.0]))  # scale 1: round-half-even(0.5) = 0
+    assert torch.equal(out[1], torch.zeros(4))

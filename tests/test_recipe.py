@@ -1,0 +1,81 @@
+"""Recipe loading, validation errors that name the field, and --set overrides."""
+
+import pytest
+import yaml
+
+from quantkit.recipe import RecipeError, bundled_recipes, load_recipe, parse_recipe, to_yaml
+
+
+def test_bundled_recipes_all_validate():
+    names = set(bundled_recipes())
+    assert {"rtn-w4a16-g128", "gptq-w4a16-g128", "gptq-w4a16", "rtn-w8a8"} <= names
+    for name in names:
+        recipe = load_recipe(name)
+        assert recipe.name == name and recipe.description
+
+
+def test_round_trip_through_yaml():
+    recipe = load_recipe("gptq-w4a16-g128")
+    assert parse_recipe(yaml.safe_load(to_yaml(recipe))) == recipe
+
+
+def test_unknown_recipe_lists_known():
+    with pytest.raises(RecipeError, match="unknown recipe 'nope'.*gptq-w4a16-g128"):
+        load_recipe("nope")
+
+
+def test_typo_names_field_and_allowed(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nweights: {bits: 4, grup_size: 64}\npasses: [{name: rtn}]\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml\.weights: unknown field 'grup_size'; allowed: .*group_size"):
+        load_recipe(path)
+
+
+def test_ill_typed_field(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nweights: {bits: four}\npasses: [{name: rtn}]\n")
+    with pytest.raises(RecipeError, match=r"weights\.bits: expected an integer, got 'four'"):
+        load_recipe(path)
+
+
+def test_out_of_range_bits(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nweights: {bits: 12}\npasses: [{name: rtn}]\n")
+    with pytest.raises(RecipeError, match="bits must be in 2..8"):
+        load_recipe(path)
+
+
+def test_unknown_pass_and_pass_field(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\npasses: [{name: gptqq}]\n")
+    with pytest.raises(RecipeError, match="unknown pass 'gptqq'; known passes: gptq, rtn"):
+        load_recipe(path)
+    path.write_text("name: x\npasses: [{name: gptq, dampp: 0.1}]\n")
+    with pytest.raises(RecipeError, match=r"passes\[0\] \(gptq\): unknown field 'dampp'; allowed: .*damp"):
+        load_recipe(path)
+
+
+def test_needs_exactly_one_final_quantizer(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\npasses: [{name: rtn}, {name: gptq}]\n")
+    with pytest.raises(RecipeError, match="last pass must be the one weight quantizer"):
+        load_recipe(path)
+
+
+def test_set_overrides_are_resolved_and_saved():
+    recipe = load_recipe("gptq-w4a16-g128", ["weights.group_size=64", "passes.gptq.damp=0.05",
+                                             "passes.0.act_order=false", "activations.bits=8"])
+    assert recipe.weights.group_size == 64
+    assert recipe.passes[0].config.damp == 0.05 and recipe.passes[0].config.act_order is False
+    assert recipe.activations.bits == 8
+    saved = yaml.safe_load(to_yaml(recipe))
+    assert saved["weights"]["group_size"] == 64 and saved["passes"][0]["damp"] == 0.05
+
+
+def test_set_errors():
+    with pytest.raises(RecipeError, match="expected key.path=value"):
+        load_recipe("rtn-w8a8", ["weights.bits"])
+    with pytest.raises(RecipeError, match="unknown field 'nope'"):
+        load_recipe("rtn-w8a8", ["weights.nope=1"])
+    with pytest.raises(RecipeError, match="no pass 'gptq'"):
+        load_recipe("rtn-w8a8", ["passes.gptq.damp=1"])

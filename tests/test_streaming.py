@@ -1,0 +1,89 @@
+"""The block-streaming forward equals the full transformers model, and sources validate their inputs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantkit.models.adapters import UnsupportedArchitectureError
+from quantkit.models.block import BlockRunner, build_block
+from quantkit.models.source import ModelError, open_model
+
+
+def test_streamed_blocks_match_full_model(stories260k):
+    from transformers import AutoModelForCausalLM
+
+    source = open_model(stories260k)
+    ids = torch.randint(0, source.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
+    expected = model.model(ids).last_hidden_state
+    runner = BlockRunner(source, 64, batch_size=2)
+    embed = source.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float()
+    x = embed[ids]
+    for i in range(source.num_layers):
+        runner.run(build_block(source, i), x, out=x)
+    x = model.model.norm(x)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def _copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors_is_rejected(stories260k, tmp_path):
+    d = _copy_model(stories260k, tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ModelError, match="truncated safetensors"):
+        open_model(d)
+
+
+def test_corrupt_header_is_rejected(stories260k, tmp_path):
+    d = _copy_model(stories260k, tmp_path / "m")
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[10:20] = b"\xff" * 10
+    f.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="corrupt"):
+        open_model(d)
+
+
+def test_nan_weight_is_named(stories260k, tmp_path):
+    from safetensors.torch import load_file
+
+    d = _copy_model(stories260k, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.2.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    source = open_model(d)
+    with pytest.raises(ModelError, match=r"'model\.layers\.2\.mlp\.up_proj\.weight' has 1 NaN/Inf"):
+        source.layer_tensors(2)
+
+
+def test_unsupported_architecture_names_supported(stories260k, tmp_path):
+    d = _copy_model(stories260k, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*supports llama, mistral, qwen2"):
+        open_model(d)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ModelError, match="no such model directory"):
+        open_model(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="not a model directory"):
+        open_model(tmp_path / "empty")
+
+
+def test_pickles_are_refused(stories260k, tmp_path):
+    d = _copy_model(stories260k, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ModelError, match="never unpickles"):
+        open_model(d)
