@@ -18,7 +18,7 @@ console = Console(stderr=True)
 
 
 def _fail(exc: QuantkitError) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
     sys.exit(2)
 
 
@@ -69,7 +69,7 @@ class _RichReporter:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
 
     def warn(self, message: str) -> None:
-        console.print(f"[bold yellow]warning:[/] {message}", highlight=False)
+        console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self.task is not None:
@@ -223,11 +223,11 @@ def inspect(output: Path) -> None:
     table.add_row("activations", f"{m['activations']['bits']}-bit per token" if m["activations"] else "fp")
     table.add_row("kv cache", f"{m['kv_cache']['bits']}-bit per head" if m["kv_cache"] else "fp")
     cal = m["calibration"]
-    table.add_row("calibration", f"{cal['num_samples']} x {cal['seq_len']} from {cal['source']}, "
-                  f"sha256 {cal['sha256']}")
+    table.add_row("calibration", f"{cal['num_samples']} x {cal['seq_len']} tokens from {cal['source']}")
     table.add_row("bytes", f"{sum(f['bytes'] for f in m['files'].values()):,}")
     table.add_row("quantization time", f"{m['timings']['total_seconds']:.1f} s")
     Console().print(table)
+    click.echo(f"calibration sha256: {cal['sha256']}")
     layers = Table(title="per-layer relative output error")
     layers.add_column("layer", justify="right")
     layers.add_column("rel. error", justify="right")

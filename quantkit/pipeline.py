@@ -226,13 +226,14 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
 
     reporter = reporter or Reporter()
     t0 = time.time()
+    out = OutputDir(Path(job.output))
+    out.check(resume=job.resume, overwrite=job.overwrite)
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
     recipe = job.recipe
     packer = get_packer(recipe.export.format)(recipe, source.dtype)
+    packer.check_recipe()
     specs = plan_specs(source, recipe, packer)
-    out = OutputDir(Path(job.output))
-    out.check(resume=job.resume, overwrite=job.overwrite)
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
     calib = resolve_calibration(job, source, tokenizer, reporter)
     journal = out.prepare(resume=job.resume, overwrite=job.overwrite)

@@ -62,3 +62,29 @@ def test_linear_round_trip_and_library_dequant(symmetric, granularity, bits):
     if bits < 8:
         lib = helpers.unpack_from_int32(tensors["weight_packed"], bits, torch.Size([24, 128]))
         assert torch.equal(lib, q.codes)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("granularity", ["group", "channel"])
+def test_library_decompressor_reads_our_tensors_exactly(symmetric, granularity):
+    """compressed-tensors' own PackedQuantizationCompressor dequantizes our tensors to our weights, bit for bit.
+
+    (transformers 5.23 cannot load asymmetric pack-quantized checkpoints at all, llm-compressor#1618, so the
+    library's decompressor is the conformance check for the asymmetric case.)
+    """
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    torch.manual_seed(1)
+    w = torch.randn(40, 256)
+    spec = QuantSpec(bits=4, symmetric=symmetric, granularity=granularity, group_size=64)
+    qp = compute_qparams(w, spec)
+    q = QuantizedLinear(quantize(w, qp, spec), qp, spec)
+    recipe = load_recipe("rtn-w4a16-g128", [f"weights.symmetric={str(symmetric).lower()}",
+                                            f"weights.granularity={granularity}", "weights.group_size=64"])
+    packer = CompressedTensorsPacker(recipe, torch.float16)
+    group = packer.quantization_config({role: spec for role in ("qkv", "o", "gate_up", "down")})
+    scheme = QuantizationScheme.model_validate(group["config_groups"]["group_0"])
+    out = PackedQuantizationCompressor.decompress(packer.pack(q), scheme)
+    assert ct is not None and torch.equal(out["weight"], q.dequantize().half())

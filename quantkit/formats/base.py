@@ -24,6 +24,9 @@ class Packer:
         self.recipe = recipe
         self.dtype = dtype
 
+    def check_recipe(self) -> None:
+        """Raise ExportError if the recipe asks for something this format cannot express."""
+
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """Raise ExportError if `module` of `shape` cannot be stored with `spec`."""
 

@@ -3,8 +3,10 @@
 Layout (see shared/formats.md): `weight_packed` int32 [N, ceil(K*b/32)] holds codes + 2^(b-1) as a dense
 little-endian bit stream along K (for 4 bits: eight per word, low nibble first); `weight_scale` in the model
 dtype [N, K/g] ([N, 1] per channel); `weight_zero_point` (asymmetric only) is packed the same way along N,
-[ceil(N*b/32), K/g]; `weight_shape` int64 [2]; `weight_g_idx` int32 [K] for act-order groups. 8-bit weights
+[ceil(N*b/32), K/g]; `weight_shape` int64 [2]. 8-bit weights
 use `int-quantized`: `weight` int8 [N, K] plus scale (and an unpacked int8 zero point if asymmetric).
+Act-order GPTQ is expressible only with static groups (`actorder: weight`): compressed-tensors 0.20 removed
+the dynamic `group` ordering and its `weight_g_idx`, so no current engine would load it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = 1) -> 
 class CompressedTensorsPacker(Packer):
     name = "compressed-tensors"
 
+    def check_recipe(self) -> None:
+        for p in self.recipe.passes:
+            if (p.name == "gptq" and p.config.act_order and not p.config.static_groups
+                    and self.recipe.weights.granularity == "group"):
+                raise ExportError(
+                    "compressed-tensors cannot store act-order GPTQ with dynamic groups (g_idx; removed in "
+                    "compressed-tensors 0.20 and unread by current engines): set passes.gptq.static_groups=true"
+                )
+
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         if spec.granularity == "group" and shape[1] % spec.group_size:
             raise ExportError(f"{module}: group size {spec.group_size} does not divide input width {shape[1]}")
@@ -101,7 +112,7 @@ class CompressedTensorsPacker(Packer):
                 zero = qp.zero.to(torch.int8).reshape(-1, qp.zero.shape[-1])
                 out["weight_zero_point"] = pack_int32(zero, spec.bits, dim=0)
         if q.g_idx is not None:
-            out["weight_g_idx"] = q.g_idx.to(torch.int32).contiguous()
+            raise ExportError("compressed-tensors export cannot store permuted groups (g_idx)")
         return out
 
     def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
@@ -118,10 +129,7 @@ class CompressedTensorsPacker(Packer):
             zero = tensors.get("weight_zero_point")
             if zero is not None:
                 zero = unpack_int32(zero, spec.bits, scale.shape[0], dim=0).to(torch.int32)
-        g_idx = tensors.get("weight_g_idx")
-        g_idx = g_idx.long() if g_idx is not None else None
-        group_size = spec.columns_per_group(k)
-        return QuantizedLinear(codes, QParams(scale, zero, group_size), spec, g_idx)
+        return QuantizedLinear(codes, QParams(scale, zero, spec.columns_per_group(k)), spec)
 
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
         recipe = self.recipe
@@ -141,7 +149,7 @@ class CompressedTensorsPacker(Packer):
         actorder = None
         for p in recipe.passes:
             if p.name == "gptq" and p.config.act_order:
-                actorder = "static" if p.config.static_groups else "group"
+                actorder = "weight"
         groups = {}
         single = len(by_spec) == 1 and set(specs) == set(ROLE_PATTERNS)
         for i, (spec, roles) in enumerate(by_spec.items()):

@@ -212,7 +212,7 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the GGUF block quantization is undone; the copy is plain float16
-    config.torch_dtype = torch.float16
+    config.dtype = torch.float16
     state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

@@ -1,0 +1,268 @@
+"""End-to-end quantization runs through the CLI: artifacts, eval, transformers loading, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.artifact import read_safetensors
+from quantkit.eval.loading import load_for_eval
+from quantkit.eval.perplexity import perplexity
+from quantkit.pipeline import QuantizeJob, Reporter, run_quantize
+from quantkit.recipe import load_recipe
+from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+from helpers import artifact_digest, cli, cli_ok
+
+FAST = ["--num-samples", "4", "--seq-len", "64"]
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory) -> Path:
+    """Calibration text that needs nothing from shared/: varied English-like lines."""
+    import random
+
+    rng = random.Random(0)
+    words = "the a small model reads every layer of weights and tokens while it quantizes them to four bits".split()
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    """A Qwen2-style (q/k/v bias) model with 128-multiple widths, so group size 128 divides every layer."""
+    spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=3, model_type="qwen2")
+    return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "qwen2-tiny", spec)
+
+
+def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data, tmp_path):
+    out = tmp_path / "out"
+    cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST)
+    assert not (tmp_path / "out.partial").exists()
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    assert manifest["format"] == "compressed-tensors" and manifest["num_layers"] == 5
+    assert manifest["calibration"]["num_samples"] == 4 and len(manifest["calibration"]["sha256"]) == 64
+    assert all(0 < r["rel_error"] < 0.5 for r in manifest["layers"])
+    for name, entry in manifest["files"].items():
+        from quantkit.artifact import sha256_file
+
+        assert sha256_file(out / name) == entry["sha256"], name
+    saved = (out / "quantkit_recipe.yaml").read_text()
+    assert "num_samples: 4" in saved and "seq_len: 64" in saved
+    config = json.loads((out / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 4
+    shard = read_safetensors(out / "model-00001-of-00006.safetensors")
+    assert shard["model.layers.0.self_attn.q_proj.weight_packed"].dtype == torch.int32
+    assert shard["model.layers.0.self_attn.q_proj.weight_packed"].shape == (64, 8)
+
+    inspected = cli_ok("inspect", out).output
+    assert "gptq-w4a16" in inspected and manifest["calibration"]["sha256"] in inspected
+
+    result_json = tmp_path / "eval.json"
+    cli_ok("eval", out, "--tasks", "wikitext", "--limit", "4", "--seq-len", "256", "--data-dir", shared_data,
+           "--output-json", result_json)
+    ppl = json.loads(result_json.read_text())["results"]["wikitext"]["perplexity"]
+    assert 1 < ppl < 1000
+
+
+def _ppl(model, ids, seq_len=128):
+    return perplexity(model, ids, seq_len, limit=4).perplexity
+
+
+@pytest.mark.parametrize("recipe,extra", [
+    ("gptq-w4a16-g128", []),
+    ("rtn-w4a16-g128", ["--set", "weights.granularity=channel"]),
+    ("gptq-w4a16-g128", ["--set", "passes.gptq.act_order=false"]),
+])
+def test_transformers_loads_artifact_with_same_perplexity(synthetic, calib_txt, tmp_path, recipe, extra):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", recipe, "-o", out, "--calib", calib_txt, *FAST, *extra)
+    ids = torch.randint(0, 256, (4 * 128,), generator=torch.Generator().manual_seed(0))
+    ours = load_for_eval(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    a, b = _ppl(ours.model, ids), _ppl(hf, ids)
+    assert abs(a - b) / b < 1e-3, (a, b)
+    fp = AutoModelForCausalLM.from_pretrained(synthetic, dtype=torch.float32)
+    assert _ppl(fp, ids) != a  # the quantized model is really quantized
+
+
+def test_eval_weights_equal_reference_dequant(synthetic, calib_txt, tmp_path):
+    from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "gptq-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    model = load_for_eval(out, dtype=torch.float16).model
+    shard = read_safetensors(out / "model-00002-of-00004.safetensors")
+    prefix = "model.layers.1.mlp.down_proj."
+    parts = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)}
+    recipe = load_recipe("gptq-w4a16-g128")
+    q = CompressedTensorsPacker(recipe, torch.float16).unpack(parts, recipe.weights.spec())
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, q.dequantize().half())
+
+
+def test_w8a8_simulates_activations(synthetic, calib_txt, tmp_path):
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w8a8", "-o", out, "--calib", calib_txt, *FAST)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized"
+    assert config["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    shard = read_safetensors(out / "model-00001-of-00004.safetensors")
+    assert shard["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    loaded = load_for_eval(out)
+    assert len(loaded.model.model.layers[0].mlp.down_proj._forward_pre_hooks) == 1
+    assert "A8 per-token" in loaded.description
+
+
+class _InterruptAfter(Reporter):
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def layer_done(self, report) -> None:
+        if report.index + 1 == self.layers:
+            raise KeyboardInterrupt
+
+
+def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path):
+    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "a", calib=str(calib_txt))
+    run_quantize(job)
+    interrupted = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(interrupted, _InterruptAfter(2))
+    assert not (tmp_path / "b").exists() and (tmp_path / "b.partial").is_dir()
+    journal = json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())
+    assert sorted(journal["layers"]) == ["0", "1"]
+    summary = run_quantize(QuantizeJob(**{**interrupted.__dict__, "resume": True}))
+    assert [r.replayed for r in summary.layers] == [True, True, False]
+    assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path, calib_txt):
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=512, intermediate_size=1024,
+                                                                   num_hidden_layers=8, num_attention_heads=8))
+    args = [sys.executable, "-m", "quantkit.cli", "quantize", str(model), "--recipe", "gptq-w4a16-g128",
+            "--calib", str(calib_txt), "--num-samples", "8", "--seq-len", "128"]
+    subprocess.run([*args, "-o", str(tmp_path / "a")], check=True, capture_output=True)
+    proc = subprocess.Popen([*args, "-o", str(tmp_path / "b")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    journal = tmp_path / "b.partial" / "quantkit_journal.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if journal.exists() and len(json.loads(journal.read_text())["layers"]) >= 3:
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(json.loads(journal.read_text())["layers"])
+    assert 3 <= done < 8, "the run finished before it could be killed"
+    subprocess.run([*args, "-o", str(tmp_path / "b"), "--resume"], check=True, capture_output=True)
+    assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
+
+
+def test_self_generated_calibration_when_offline(stories260k, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("QUANTKIT_DATA_DIR", raising=False)
+    out = tmp_path / "out"
+    result = cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--num-samples", "2",
+                    "--seq-len", "32")
+    assert "generated by the model itself" in result.output
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    assert manifest["calibration"]["source"] == "self-generated"
+
+
+# --- bad input: a clear message, exit code 2, and nothing written ------------------------------------------
+
+
+def _fails(tmp_path, *args, match: str) -> None:
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert match in " ".join(result.output.split()), result.output
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("out")]
+    assert leftovers == [], leftovers
+
+
+def test_output_exists_is_refused(stories260k, tinystories_txt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = cli("quantize", stories260k, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", tinystories_txt)
+    assert result.exit_code == 2 and "already exists; pass --overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_overwrite_replaces_only_when_complete(stories260k, tinystories_txt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST,
+           "--overwrite")
+    assert not (out / "keep.txt").exists() and (out / "quantkit_manifest.json").is_file()
+
+
+def test_group_size_not_dividing_names_layer(stories260k, tinystories_txt, tmp_path):
+    _fails(tmp_path, "quantize", stories260k, "--recipe", "gptq-w4a16-g128", "-o", tmp_path / "out",
+           "--calib", tinystories_txt, match="model.layers.0.self_attn.q_proj: group size 128 does not divide its "
+           "input width 64")
+
+
+def test_per_channel_fallback_when_opted_in(synthetic, calib_txt, tmp_path):
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "gptq-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST,
+           "--set", "weights.group_size=512", "--set", "weights.indivisible=per_channel")
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    strategies = {g["weights"]["strategy"]: g["targets"] for g in groups.values()}
+    assert strategies["group"] == [r"re:.*mlp\.down_proj$"]  # 512 divides only down_proj's input
+    assert len(strategies["channel"]) == 3
+
+
+def test_dynamic_act_order_groups_are_refused_for_compressed_tensors(synthetic, tmp_path):
+    _fails(tmp_path, "quantize", synthetic, "--recipe", "gptq-w4a16-g128", "-o", tmp_path / "out",
+           "--set", "passes.gptq.static_groups=false", match="set passes.gptq.static_groups=true")
+
+
+def test_unknown_recipe(stories260k, tmp_path):
+    _fails(tmp_path, "quantize", stories260k, "--recipe", "gptq-w9", "-o", tmp_path / "out",
+           match="unknown recipe 'gptq-w9'; bundled recipes:")
+
+
+def test_recipe_typo(stories260k, tmp_path):
+    _fails(tmp_path, "quantize", stories260k, "--recipe", "gptq-w4a16", "-o", tmp_path / "out",
+           "--set", "weights.grup_size=64", match="unknown field 'grup_size'; allowed: bits")
+
+
+def test_empty_calibration_file(stories260k, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _fails(tmp_path, "quantize", stories260k, "--recipe", "gptq-w4a16", "-o", tmp_path / "out",
+           "--calib", empty, match="empty")
+
+
+def test_calibration_shorter_than_one_window(stories260k, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time.\n")
+    _fails(tmp_path, "quantize", stories260k, "--recipe", "gptq-w4a16", "-o", tmp_path / "out",
+           "--calib", short, "--seq-len", "256", match="too short")
+
+
+def test_missing_model(tmp_path):
+    _fails(tmp_path, "quantize", tmp_path / "nope", "--recipe", "gptq-w4a16", "-o", tmp_path / "out",
+           match="no such model directory")
+
+
+def test_eval_missing_data_names_file(stories260k, tmp_path):
+    result = cli("eval", stories260k, "--tasks", "wikitext", "--data-dir", tmp_path)
+    assert result.exit_code == 2
+    assert str(tmp_path / "wikitext-2-raw-v1" / "test.jsonl") in " ".join(result.output.split()).replace(" ", "") or \
+        "test.jsonl" in result.output
