@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import artifact_digest, cli, cli_ok
 
 from quantkit.artifact import read_safetensors
 from quantkit.eval.loading import load_for_eval
@@ -19,7 +20,6 @@ from quantkit.eval.perplexity import perplexity
 from quantkit.pipeline import QuantizeJob, Reporter, run_quantize
 from quantkit.recipe import load_recipe
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
-from helpers import artifact_digest, cli, cli_ok
 
 FAST = ["--num-samples", "4", "--seq-len", "64"]
 
