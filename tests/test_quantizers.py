@@ -95,8 +95,11 @@ def test_codes_in_range_and_error_bounded(bits, symmetric, seed, granularity):
     assert int(q.min()) >= spec.qmin and int(q.max()) <= spec.qmax
     deq = dequantize(q, qp)
     # values well inside the representable range are within half a step of their dequantized value
-    step = qp.scale.repeat_interleave(qp.group_size, dim=1) if granularity != "tensor" else qp.scale
-    inside = w.abs() <= step * spec.qmax
+    expand = (lambda t: t.repeat_interleave(qp.group_size, dim=1)) if granularity != "tensor" else (lambda t: t)
+    step = expand(qp.scale)
+    zero = expand(qp.zero).float() if qp.zero is not None else torch.zeros_like(step)
+    inside = (w >= (spec.qmin - zero) * step) & (w <= (spec.qmax - zero) * step)
+    assert inside.float().mean() > 0.5  # the check below must cover most of the tensor
     assert torch.all(((w - deq).abs() <= step * 0.5001)[inside])
 
 
