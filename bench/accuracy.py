@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from _common import SHARED, eval_ppl, manifest, need, quantkit, table
+from _common import SHARED, eval_ppl, manifest, need, quantize_cached, table
 
 VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
@@ -23,7 +23,8 @@ VARIANTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, help="keep artifacts here (default: a temp dir)")
+    parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them "
+                        "(default: a fresh temp dir)")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--only", nargs="*", help="run only these variants")
     args = parser.parse_args()
@@ -41,7 +42,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         out = work / name.split()[0].lower().replace("(", "") / name.replace(" ", "_").replace("(", "").replace(")", "")
-        wall = quantkit("quantize", str(model), "-o", str(out), *extra, *common)
+        wall = quantize_cached(model, out, *extra, *common)
         m = manifest(out)
         ppl = eval_ppl(out, data, args.windows, 2048, out.with_suffix(".json"))
         gap = (ppl - fp)

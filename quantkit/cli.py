@@ -93,7 +93,8 @@ class _RichReporter:
 @click.option("--data-dir", type=click.Path(path_type=Path),
               help="Where named calibration sets are looked up locally (default: $QUANTKIT_DATA_DIR).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where calibration forwards and GPTQ run.")
+              help="Where calibration forwards and GPTQ run; the activation cache stays in CPU memory. "
+                   "A --resume must use the device of the interrupted run.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its first unwritten layer.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT (only once the new one is complete).")
 @click.option("--trust-remote-code", is_flag=True,
@@ -112,7 +113,11 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
         extra.append(f"calibration.seq_len={seq_len}")
     resolved = load_recipe(recipe, extra)
     if device == "cuda":
-        raise QuantkitError("--device cuda is not implemented yet: calibration runs on the CPU")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise QuantkitError("--device cuda: no CUDA device is visible to torch (install a CUDA build of "
+                                "torch, or run with --device cpu)")
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                       device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code)
     reporter = _RichReporter()

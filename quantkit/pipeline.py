@@ -136,7 +136,7 @@ def _collect_hessians(block: nn.Module, work: LayerWork, adapter: ArchAdapter) -
     for role in {r for r in work.linears.values()}:
         first = next(n for n, r in work.linears.items() if r == role)
         k = block.get_submodule(first).in_features
-        work.hessians[role] = torch.zeros(k, k)
+        work.hessians[role] = torch.zeros(k, k, device=block.get_submodule(first).weight.device)
         counts[role] = 0
 
         def hook(module, args, role=role):
@@ -246,7 +246,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         }
         identity = {
             "model": source.origin, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
-            "calibration_sha256": calib.sha256,
+            "calibration_sha256": calib.sha256, "device": job.device,
         }
         if journal is not None:
             for key, value in identity.items():
@@ -278,7 +278,7 @@ def _run_layers(
     recipe, adapter = job.recipe, source.adapter
     total = source.num_layers + 1
     cache_dtype = CACHE_DTYPES[recipe.engine.cache_dtype]
-    runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size)
+    runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size, job.device)
     act_sim, kv_sim = _sim_config(recipe)
     if not recipe.engine.simulate_activations:
         act_sim = kv_sim = None
@@ -298,6 +298,7 @@ def _run_layers(
         done = journal["layers"].get(str(i))
         if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
             block = _deployed_block(source, i, read_safetensors(shard_path), packer, specs, recipe.targets)
+            block.to(job.device)
             simulate.attach([block], linear_names, source.config, act_sim, kv_sim)
             runner.run(block, x, out=x)
             report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True)
@@ -305,7 +306,7 @@ def _run_layers(
             reporter.layer_done(report)
             continue
 
-        block = build_block(source, i)
+        block = build_block(source, i).to(job.device)
         work = LayerWork(
             index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
             specs={}, scale_dtype=source.dtype,
@@ -326,15 +327,15 @@ def _run_layers(
         prefix = adapter.layer_prefix(i)
         shard: dict[str, torch.Tensor] = {}
         for name, q in work.results.items():
-            for key, t in packer.pack(q).items():
+            for key, t in packer.pack(q.to("cpu")).items():
                 shard[f"{prefix}{name}.{key}"] = t
         for key, t in block.state_dict().items():
             if not any(key == f"{name}.weight" for name in work.results):
-                shard[prefix + key] = t.to(source.dtype)
+                shard[prefix + key] = t.to("cpu", source.dtype)
         atomic_save_safetensors(shard, shard_path)
         work.hessians.clear()
 
-        block = _deployed_block(source, i, shard, packer, specs, recipe.targets)
+        block = _deployed_block(source, i, shard, packer, specs, recipe.targets).to(job.device)
         simulate.attach([block], linear_names, source.config, act_sim, kv_sim)
         if recipe.engine.propagate == "quantized":
             runner.run(block, x, out=x)

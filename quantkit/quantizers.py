@@ -60,9 +60,9 @@ class QParams:
     group_size: int
 
 
-def group_index(in_features: int, group_size: int) -> torch.Tensor:
+def group_index(in_features: int, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Group of each input column in natural order: k // group_size."""
-    return torch.arange(in_features) // group_size
+    return torch.arange(in_features, device=device) // group_size
 
 
 def compute_qparams(
@@ -132,8 +132,8 @@ def _round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _expand(t: torch.Tensor, k: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
     """Broadcast per-group values [N, G] to per-column [N, K] (via g_idx when columns are permuted)."""
-    idx = g_idx if g_idx is not None else group_index(k, group_size)
-    return t[:, idx]
+    idx = g_idx if g_idx is not None else group_index(k, group_size, t.device)
+    return t[:, idx.to(t.device)]
 
 
 def quantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:

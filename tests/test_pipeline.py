@@ -15,6 +15,7 @@ import torch
 from helpers import artifact_digest, cli, cli_ok
 
 from quantkit.artifact import read_safetensors
+from quantkit.errors import QuantkitError
 from quantkit.eval.loading import load_for_eval
 from quantkit.eval.perplexity import perplexity
 from quantkit.pipeline import QuantizeJob, Reporter, run_quantize
@@ -147,6 +148,36 @@ def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path)
     summary = run_quantize(QuantizeJob(**{**interrupted.__dict__, "resume": True}))
     assert [r.replayed for r in summary.layers] == [True, True, False]
     assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (--device cuda)")
+def test_cuda_calibration_matches_cpu(synthetic, calib_txt, tmp_path):
+    """The same run on the GPU gives codes that differ from the CPU run only where fp32 rounding flips a tie."""
+    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    cpu = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "cpu", calib=str(calib_txt)))
+    gpu = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "gpu",
+                                   calib=str(calib_txt), device="cuda"))
+    for a, b in zip(cpu.layers, gpu.layers, strict=True):
+        assert abs(a.rel_error - b.rel_error) < 0.1 * a.rel_error
+    ta, tb = read_safetensors(tmp_path / "cpu" / "model-00001-of-00004.safetensors"), \
+        read_safetensors(tmp_path / "gpu" / "model-00001-of-00004.safetensors")
+    packed = [k for k in ta if k.endswith("weight_packed")]
+    assert packed
+    for k in packed:  # packed int32 words: 8 codes each; nearly all words agree
+        assert (ta[k] == tb[k]).float().mean() > 0.95, k
+
+
+def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
+    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    journal_path = tmp_path / "b.partial" / "quantkit_journal.json"
+    journal = json.loads(journal_path.read_text())
+    journal["device"] = "cuda"
+    journal_path.write_text(json.dumps(journal))
+    with pytest.raises(QuantkitError, match="different device"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path, calib_txt):

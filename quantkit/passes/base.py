@@ -23,6 +23,12 @@ class QuantizedLinear:
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.codes, self.qparams, self.g_idx)
 
+    def to(self, device: torch.device | str) -> QuantizedLinear:
+        """The same result with every tensor on `device` (packers work on the CPU)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        qp = QParams(move(self.qparams.scale), move(self.qparams.zero), self.qparams.group_size)
+        return QuantizedLinear(move(self.codes), qp, self.spec, move(self.g_idx))
+
 
 @dataclass
 class LayerWork:

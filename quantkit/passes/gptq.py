@@ -62,7 +62,7 @@ def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor
     """Upper Cholesky factor of (H + damp I)^-1, escalating the damping until it factorizes."""
     mean_diag = torch.mean(torch.diag(h)).item()
     damp = config.damp
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     while True:
         chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
         if info == 0:
@@ -99,12 +99,13 @@ def gptq_quantize(
         h = h[perm][:, perm]
     hinv, damp = _inverse_cholesky(h, config)
 
-    codes = torch.zeros(n, k, dtype=torch.int8)
+    dev = w.device
+    codes = torch.zeros(n, k, dtype=torch.int8, device=dev)
     n_groups = k // gs
-    scales = torch.zeros(n, n_groups)
-    zeros = torch.zeros(n, n_groups, dtype=torch.int32) if not spec.symmetric else None
-    g_idx = torch.arange(k) // gs  # group of each column, in original column order
-    loss = torch.zeros(n)
+    scales = torch.zeros(n, n_groups, device=dev)
+    zeros = torch.zeros(n, n_groups, dtype=torch.int32, device=dev) if not spec.symmetric else None
+    g_idx = torch.arange(k, device=dev) // gs  # group of each column, in original column order
+    loss = torch.zeros(n, device=dev)
     col_groups = g_idx[perm] if perm is not None else g_idx  # group of each permuted column (static case)
 
     for i1 in range(0, k, config.block_size):
@@ -150,5 +151,5 @@ def gptq_quantize(
         g_idx_out = None
     else:
         qparams = QParams(scale=scales, zero=zeros, group_size=gs)
-        g_idx_out = None if torch.equal(g_idx, torch.arange(k) // gs) else g_idx
+        g_idx_out = None if torch.equal(g_idx, torch.arange(k, device=dev) // gs) else g_idx
     return QuantizedLinear(codes, qparams, spec, g_idx_out), damp, float(loss.sum())
