@@ -8,6 +8,15 @@ Conventions (shared by every pass and packer, and matching compressed-tensors):
 - q = clamp(round(w / scale) + zero, qmin, qmax), w_hat = (q - zero) * scale;
 - scales are rounded to the storage dtype (fp16 by default) *before* codes are computed, so the stored
   artifact dequantizes to exactly the weights the calibration and eval used.
+
+Two variants serve kernels whose dequantization differs from (q - zero) * scale:
+- `zero_form="scaled"` stores the zero as one fp16 number szero = fp16((zero - qmin) * scale) and dequantizes
+  in the unsigned domain, w_hat = (q - qmin) * scale - szero (QServe's per-channel W4A8 epilogue);
+- `progressive=True` is QoQ's two-level scheme: s1 = fp16(max|row| / P) with the protective range P = 119,
+  x = clamp(w / s1, -P, P), then per group asymmetric codes with an *integer* scale s2 = max(1, round(range/15))
+  and an integer zero; w_hat = ((q - zero) * s2) * s1, where (q - zero) * s2 must be an INT8 value. `scale`
+  holds s1 * s2 (exact in fp32), and per-group code bounds keep (q - zero) * s2 inside [-128, 127] even for
+  the error-updated weights GPTQ feeds in.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ class QuantSpec:
     granularity: Granularity = "group"
     group_size: int = 128
     clip_ratio: float = 1.0
+    zero_form: Literal["integer", "scaled"] = "integer"
+    progressive: bool = False  # QoQ two-level: INT8 per channel (protective range), integer group params
+    protective_range: int = 119
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -37,6 +49,17 @@ class QuantSpec:
             raise ValueError(f"group_size must be positive for group quantization, got {self.group_size}")
         if not 0.0 < self.clip_ratio <= 1.0:
             raise ValueError(f"clip_ratio must be in (0, 1], got {self.clip_ratio}")
+        if self.zero_form not in ("integer", "scaled"):
+            raise ValueError(f"zero_form must be 'integer' or 'scaled', got {self.zero_form!r}")
+        if self.zero_form == "scaled" and (self.symmetric or self.progressive):
+            raise ValueError("zero_form 'scaled' needs asymmetric, non-progressive weights")
+        if self.progressive:
+            if self.symmetric:
+                raise ValueError("progressive quantization is asymmetric at level 2: set symmetric=false")
+            if self.granularity == "tensor":
+                raise ValueError("progressive quantization needs per-channel level-1 scales, not per tensor")
+            if not 1 <= self.protective_range <= 127:
+                raise ValueError(f"protective_range must be in 1..127, got {self.protective_range}")
 
     @property
     def qmin(self) -> int:
@@ -53,11 +76,30 @@ class QuantSpec:
 
 @dataclass
 class QParams:
-    """Scales [N or 1, G] (float32 holding storage-dtype values) and optional integer zeros of the same shape."""
+    """Scales [N or 1, G] (float32 holding storage-dtype values) and optional integer zeros of the same shape.
+
+    Variant fields (see the module docstring): `szero` [N, G] for the scaled zero form; `s1` [N, 1] and `s2`
+    [N, G] (integers held in float32) for progressive quantization, with `code_lo` / `code_hi` [N, G] the
+    per-group code bounds and `protect` the level-1 clamp.
+    """
 
     scale: torch.Tensor
     zero: torch.Tensor | None
     group_size: int
+    szero: torch.Tensor | None = None
+    s1: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+    code_lo: torch.Tensor | None = None
+    code_hi: torch.Tensor | None = None
+    protect: int | None = None
+    code_offset: int = 0  # scaled zero form: signed code + offset = the unsigned code the kernel multiplies
+
+    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi")
+
+    def map(self, fn) -> QParams:
+        """A copy with `fn` applied to every tensor field (e.g. a device move or a where-select)."""
+        values = {f: None if getattr(self, f) is None else fn(f, getattr(self, f)) for f in self.TENSORS}
+        return QParams(group_size=self.group_size, protect=self.protect, code_offset=self.code_offset, **values)
 
 
 def group_index(in_features: int, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -66,14 +108,20 @@ def group_index(in_features: int, group_size: int, device: torch.device | str | 
 
 
 def compute_qparams(
-    w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16, clip_ratio: float | None = None
+    w: torch.Tensor,
+    spec: QuantSpec,
+    scale_dtype: torch.dtype = torch.float16,
+    clip_ratio: float | torch.Tensor | None = None,
 ) -> QParams:
-    """Scales and zeros of `w` [N, K] for `spec`; `clip_ratio` overrides the spec's (used by clip searches)."""
+    """Scales and zeros of `w` [N, K] for `spec`; `clip_ratio` (a float, or a tensor shaped like the scales)
+    overrides the spec's, as clip searches do."""
     n, k = w.shape
     gs = spec.columns_per_group(k)
     if k % gs:
         raise ValueError(f"group size {gs} does not divide the input width {k}")
     clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+    if spec.progressive:
+        return _progressive_qparams(w, spec, scale_dtype, clip, gs)
     x = w.detach().float()
     x = x.reshape(1, 1, -1) if spec.granularity == "tensor" else x.reshape(n, k // gs, gs)
     if spec.symmetric:
@@ -85,7 +133,34 @@ def compute_qparams(
     hi = x.amax(dim=-1).clamp(min=0) * clip
     scale = _round_scale((hi - lo) / (spec.qmax - spec.qmin), scale_dtype)
     zero = torch.round(spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).to(torch.int32)
+    if spec.zero_form == "scaled":
+        szero = ((zero - spec.qmin).float() * scale).to(scale_dtype).float()
+        return QParams(scale=scale, zero=zero, group_size=gs, szero=szero, code_offset=-spec.qmin)
     return QParams(scale=scale, zero=zero, group_size=gs)
+
+
+def _progressive_qparams(
+    w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, clip: float | torch.Tensor, gs: int
+) -> QParams:
+    """QoQ level 1 (s1, protective clamp) and level 2 (integer s2, zero, code bounds) for `w` [N, K]."""
+    n, k = w.shape
+    p = spec.protective_range
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1, keepdim=True)
+    s1 = (amax / p).to(scale_dtype).float()
+    s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
+    x = (w32 / s1).clamp(-p, p).reshape(n, k // gs, gs)
+    lo = x.amin(dim=-1).clamp(max=0) * clip
+    hi = x.amax(dim=-1).clamp(min=0) * clip
+    levels = spec.qmax - spec.qmin
+    s2 = torch.round((hi - lo) / levels).clamp(min=1)
+    z_u = torch.round(-lo / s2).clamp(0, levels)
+    code_lo = torch.maximum(z_u - torch.floor(128 / s2), torch.zeros_like(z_u)) + spec.qmin
+    code_hi = torch.minimum(z_u + torch.floor(127 / s2), torch.full_like(z_u, levels)) + spec.qmin
+    return QParams(
+        scale=s1 * s2, zero=(z_u + spec.qmin).to(torch.int32), group_size=gs, s1=s1, s2=s2,
+        code_lo=code_lo.to(torch.int32), code_hi=code_hi.to(torch.int32), protect=p,
+    )
 
 
 def search_qparams(
@@ -98,7 +173,6 @@ def search_qparams(
 ) -> QParams:
     """Per-group clipping search (GPTQ's `mse` observer): the ratio in [min_ratio, 1] minimizing sum|w - w_hat|^p."""
     best = compute_qparams(w, spec, scale_dtype, clip_ratio=1.0)
-    gs = best.group_size
     x = w.detach().float()
     best_err = _group_error(x, best, spec, norm)
     for step in range(1, grid + 1):
@@ -108,11 +182,14 @@ def search_qparams(
         better = err < best_err
         if better.any():
             best_err = torch.where(better, err, best_err)
-            best.scale = torch.where(better, cand.scale, best.scale)
-            if best.zero is not None:
-                best.zero = torch.where(better, cand.zero, best.zero)
-    best.group_size = gs
+            best = select_qparams(better, cand, best)
     return best
+
+
+def select_qparams(mask: torch.Tensor, a: QParams, b: QParams) -> QParams:
+    """Per (row, group): `a`'s parameters where `mask`, else `b`'s (row-wide s1 must agree, as it does for
+    candidates that differ only in their clip ratio)."""
+    return b.map(lambda f, t: t if f == "s1" else torch.where(mask, getattr(a, f), t))
 
 
 def _group_error(x: torch.Tensor, qp: QParams, spec: QuantSpec, norm: float) -> torch.Tensor:
@@ -139,21 +216,39 @@ def _expand(t: torch.Tensor, k: int, group_size: int, g_idx: torch.Tensor | None
 def quantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes (int8, signed domain) of `w` under fixed qparams."""
     k = w.shape[1]
-    scale = _expand(qp.scale, k, qp.group_size, g_idx)
-    q = torch.round(w.float() / scale)
-    if qp.zero is not None:
-        q = q + _expand(qp.zero, k, qp.group_size, g_idx)
-    return q.clamp(spec.qmin, spec.qmax).to(torch.int8)
+    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
+    return _codes(w.float(), qp, spec, ex).to(torch.int8)
 
 
 def dequantize(q: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 weights (q - zero) * scale; exact products, so a cast to the scale dtype rounds once."""
+    """Float32 weights: (q - zero) * scale, or the variant's formula; exact products, so a cast to the scale
+    dtype rounds once."""
     k = q.shape[1]
-    scale = _expand(qp.scale, k, qp.group_size, g_idx)
-    x = q.float()
+    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
+    return _dequant(q.float(), qp, ex)
+
+
+def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
+    """Float codes of `w`; `ex` broadcasts a per-group field to `w`'s shape."""
+    if qp.s1 is not None:
+        x = (w / qp.s1.to(w.device).reshape(-1, *([1] * (w.ndim - 1)))).clamp(-qp.protect, qp.protect)
+        q = torch.round(x / ex(qp.s2)) + ex(qp.zero)
+        return torch.maximum(torch.minimum(q, ex(qp.code_hi).float()), ex(qp.code_lo).float())
+    if qp.szero is not None:
+        q = torch.round((w + ex(qp.szero)) / ex(qp.scale)) - qp.code_offset
+    else:
+        q = torch.round(w / ex(qp.scale))
+        if qp.zero is not None:
+            q = q + ex(qp.zero)
+    return q.clamp(spec.qmin, spec.qmax)
+
+
+def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
+    if qp.szero is not None:  # unsigned-domain codes times scale, minus the fp16 scaled zero
+        return (q + qp.code_offset) * ex(qp.scale) - ex(qp.szero)
     if qp.zero is not None:
-        x = x - _expand(qp.zero, k, qp.group_size, g_idx).float()
-    return x * scale
+        q = q - ex(qp.zero).float()
+    return q * ex(qp.scale)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -162,16 +257,22 @@ def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = t
     return dequantize(quantize(w, qp, spec), qp)
 
 
-def quantize_column(
-    col: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and dequantized values of one column [N] under per-row scale/zero [N] (GPTQ's inner step)."""
-    q = torch.round(col / scale)
-    if zero is not None:
-        q = q + zero
-    q = q.clamp(spec.qmin, spec.qmax)
-    deq = (q - zero) * scale if zero is not None else q * scale
-    return q.to(torch.int8), deq
+def quantize_column(col: torch.Tensor, qp: QParams, group: torch.Tensor | int, spec: QuantSpec
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and dequantized values of one column [N] under the parameters of `group` (an int, or a per-row
+    index [N]) of `qp` (GPTQ's inner step)."""
+    n = col.shape[0]
+    if isinstance(group, int):
+        group = torch.full((n,), group, dtype=torch.long, device=col.device)
+    rows = torch.arange(n, device=col.device)
+
+    def ex(t: torch.Tensor) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t[rows if t.shape[0] > 1 else 0, group if t.shape[1] > 1 else 0]
+
+    q = _codes(col.float(), qp, spec, ex)
+    return q.to(torch.int8), _dequant(q, qp, ex)
 
 
 def fake_quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = True) -> torch.Tensor:

@@ -8,7 +8,7 @@ contiguous and no g_idx is needed by the loader.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -76,9 +76,13 @@ def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor
 
 
 def gptq_quantize(
-    w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype
+    w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype,
+    clip: torch.Tensor | float | None = None,
 ) -> tuple[QuantizedLinear, float, float]:
-    """Quantize `w` [N, K] with Hessian [K, K]; returns the result, the damping used, and GPTQ's loss."""
+    """Quantize `w` [N, K] with Hessian [K, K]; returns the result, the damping used, and GPTQ's loss.
+
+    `clip` (per group, from a clipping search) fixes the static parameters' clip ratios instead of the observer.
+    """
     w = w.clone()
     n, k = w.shape
     h = hessian.clone()
@@ -90,7 +94,10 @@ def gptq_quantize(
 
     static: QParams | None = None
     if not grouped or config.static_groups:
-        static = _qparams(w, spec, config, scale_dtype)
+        static = _qparams(w, spec, config, scale_dtype) if clip is None else compute_qparams(
+            w, spec, scale_dtype, clip_ratio=clip)
+    elif spec.progressive or spec.zero_form != "integer":
+        raise ValueError("GPTQ with dynamic groups supports plain integer zeros only; set static_groups=true")
 
     perm = None
     if config.act_order:
@@ -101,9 +108,7 @@ def gptq_quantize(
 
     dev = w.device
     codes = torch.zeros(n, k, dtype=torch.int8, device=dev)
-    n_groups = k // gs
-    scales = torch.zeros(n, n_groups, device=dev)
-    zeros = torch.zeros(n, n_groups, dtype=torch.int32, device=dev) if not spec.symmetric else None
+    dynamic: list[QParams] = []  # per-group params found during the sweep (dynamic groups)
     g_idx = torch.arange(k, device=dev) // gs  # group of each column, in original column order
     loss = torch.zeros(n, device=dev)
     col_groups = g_idx[perm] if perm is not None else g_idx  # group of each permuted column (static case)
@@ -116,26 +121,16 @@ def gptq_quantize(
         for i in range(i2 - i1):
             col = i1 + i
             if static is not None:
-                g = int(col_groups[col]) if grouped else 0
-                scale = static.scale[:, g] if static.scale.shape[0] > 1 else static.scale[:, 0].expand(n)
-                zero = None if static.zero is None else (
-                    static.zero[:, g] if static.zero.shape[0] > 1 else static.zero[:, 0].expand(n)
-                )
+                params, g = static, int(col_groups[col]) if grouped else 0
             else:
-                g = col // gs
                 if col % gs == 0:  # dynamic groups: params from the error-updated weights of this group
                     span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :gs]
-                    qp = _qparams(span, QuantSpec(spec.bits, spec.symmetric, "channel", 0, spec.clip_ratio),
-                                  config, scale_dtype)
-                    scales[:, g] = qp.scale[:, 0]
-                    if zeros is not None:
-                        zeros[:, g] = qp.zero[:, 0]
+                    dynamic.append(_qparams(span, replace(spec, granularity="channel"), config, scale_dtype))
                     if perm is not None:
-                        g_idx[perm[col:col + gs]] = g
-                scale = scales[:, g]
-                zero = zeros[:, g] if zeros is not None else None
+                        g_idx[perm[col:col + gs]] = len(dynamic) - 1
+                params, g = dynamic[-1], 0
             col_w = w1[:, i]
-            q, deq = quantize_column(col_w, scale, zero, spec)
+            q, deq = quantize_column(col_w, params, g, spec)
             codes[:, col] = q
             d = h1[i, i]
             loss += (col_w - deq) ** 2 / d**2 / 2
@@ -150,6 +145,7 @@ def gptq_quantize(
         qparams = static
         g_idx_out = None
     else:
-        qparams = QParams(scale=scales, zero=zeros, group_size=gs)
+        qparams = dynamic[0].map(lambda f, t: torch.cat([getattr(d, f) for d in dynamic], dim=1))
+        qparams.group_size = gs
         g_idx_out = None if torch.equal(g_idx, torch.arange(k, device=dev) // gs) else g_idx
     return QuantizedLinear(codes, qparams, spec, g_idx_out), damp, float(loss.sum())
