@@ -16,7 +16,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,10 @@ from quantkit.calib import (
 )
 from quantkit.errors import QuantkitError
 from quantkit.formats import Packer, get_packer
-from quantkit.models.adapters import ArchAdapter
 from quantkit.models.block import BlockRunner, build_block
 from quantkit.models.source import ModelSource, open_model
 from quantkit.passes import LayerWork, get_pass
+from quantkit.passes.base import ModelEdges
 from quantkit.quantizers import QuantSpec
 from quantkit.recipe import Recipe, to_yaml
 
@@ -129,25 +129,6 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
     return specs
 
 
-def _collect_hessians(block: nn.Module, work: LayerWork, adapter: ArchAdapter) -> tuple[list, dict[str, int]]:
-    """Forward pre-hooks accumulating X^T X on the first linear of each role (the role's linears share X)."""
-    counts: dict[str, int] = {}
-    handles = []
-    for role in {r for r in work.linears.values()}:
-        first = next(n for n, r in work.linears.items() if r == role)
-        k = block.get_submodule(first).in_features
-        work.hessians[role] = torch.zeros(k, k, device=block.get_submodule(first).weight.device)
-        counts[role] = 0
-
-        def hook(module, args, role=role):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            work.hessians[role].addmm_(x.T, x)
-            counts[role] += x.shape[0]
-
-        handles.append(block.get_submodule(first).register_forward_pre_hook(hook))
-    return handles, counts
-
-
 def _deployed_block(
     source: ModelSource, index: int, shard: dict[str, torch.Tensor], packer: Packer, specs: dict[str, QuantSpec],
     targets: list[str],
@@ -159,11 +140,31 @@ def _deployed_block(
     state: dict[str, torch.Tensor] = {}
     quantized = {name: role for role, name in adapter.linear_names(targets)}
     for name, role in quantized.items():
-        parts = {k[len(name) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(name + ".weight")}
+        parts = linear_parts(tensors, name, packer)
         q = packer.unpack(parts, specs[role])
         state[f"{name}.weight"] = q.dequantize().to(source.dtype)
     state.update(tensors)
     return build_block(source, index, state)
+
+
+def linear_parts(tensors: dict[str, torch.Tensor], module: str, packer: Packer) -> dict[str, torch.Tensor]:
+    """Pop the packed tensors of `module` from `tensors` (keys relative to the block or model), keyed
+    relative to the module as the packer wrote them."""
+    prefix = module + "."
+    keys = [k for k in tensors if k.startswith(prefix) and packer.owns(k[len(prefix):])]
+    return {k[len(prefix):]: tensors.pop(k) for k in keys}
+
+
+def load_edges(source: ModelSource) -> ModelEdges:
+    """Embeddings, final norm and lm_head in the checkpoint dtype (lm_head copied from the embeddings if tied)."""
+    a = source.adapter
+    names = [a.embed + ".weight", a.final_norm + ".weight"]
+    if not source.tied_embeddings:
+        names.append(a.lm_head + ".weight")
+    t = source.read(names)
+    embed = t[a.embed + ".weight"]
+    return ModelEdges(embed=embed, final_norm=t[a.final_norm + ".weight"],
+                      lm_head=t.get(a.lm_head + ".weight", embed))
 
 
 def _sim_config(recipe: Recipe) -> tuple[simulate.ActivationSim | None, simulate.KVSim | None]:
@@ -258,8 +259,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         else:
             journal = {**identity, "quantkit_version": __version__, "layers": {}}
             out.save_journal(journal)
-        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter)
-        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer)
+        edges = load_edges(source)
+        for p in recipe.passes:
+            if p.enabled:
+                get_pass(p.name)(p.config).prepare(edges, source.config)
+        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, edges)
+        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
     except KeyboardInterrupt:
         reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
         raise
@@ -273,7 +278,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
 
 def _run_layers(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
-    calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter,
+    calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter, edges: ModelEdges,
 ) -> list[LayerReport]:
     recipe, adapter = job.recipe, source.adapter
     total = source.num_layers + 1
@@ -282,13 +287,11 @@ def _run_layers(
     act_sim, kv_sim = _sim_config(recipe)
     if not recipe.engine.simulate_activations:
         act_sim = kv_sim = None
-    passes = [get_pass(p.name)(p.config) for p in recipe.passes]
-    need_h = any(p.needs_hessian for p in passes)
+    passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
+    *prep, quantizer = passes
     linear_names = [name for _, name in adapter.linear_names(recipe.targets)]
 
-    embed = source.read([adapter.embed + ".weight"])[adapter.embed + ".weight"]
-    x = embed[calib.tokens].to(cache_dtype)
-    del embed
+    x = edges.embed[calib.tokens].to(cache_dtype)
     y_fp = torch.empty_like(x)
     reports: list[LayerReport] = []
     reporter.start(source.num_layers, "quantizing layers")
@@ -309,17 +312,19 @@ def _run_layers(
         block = build_block(source, i).to(job.device)
         work = LayerWork(
             index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
-            specs={}, scale_dtype=source.dtype,
+            specs={}, scale_dtype=source.dtype, inputs=x, runner=runner, adapter=adapter, config=source.config,
+            act_bits=act_sim.bits if act_sim else None, kv=kv_sim,
         )
         work.specs = {name: specs[role] for name, role in work.linears.items()}
-        handles, counts = _collect_hessians(block, work, adapter) if need_h else ([], {})
-        runner.run(block, x, out=y_fp)
-        for h in handles:
-            h.remove()
-        for role, count in counts.items():
-            work.hessians[role].mul_(2.0 / count)
-        for p in passes:
+        for p in prep:
             p.run(work)
+            if p.transforms:
+                work.hessians.clear()
+        if quantizer.needs_hessian and not work.hessians:
+            y_fp.copy_(work.collect_hessians())
+        else:
+            runner.run(block, x, out=y_fp)
+        quantizer.run(work)
         missing = set(work.linears) - set(work.results)
         if missing:
             raise QuantkitError(f"layer {i}: no pass quantized {sorted(missing)}")
@@ -330,7 +335,7 @@ def _run_layers(
             for key, t in packer.pack(q.to("cpu")).items():
                 shard[f"{prefix}{name}.{key}"] = t
         for key, t in block.state_dict().items():
-            if not any(key == f"{name}.weight" for name in work.results):
+            if not any(key == f"{name}.weight" for name in work.results):  # biases, norms: kept as they are
                 shard[prefix + key] = t.to("cpu", source.dtype)
         atomic_save_safetensors(shard, shard_path)
         work.hessians.clear()
@@ -358,11 +363,19 @@ def _run_layers(
 def _finalize(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
     calib_info: dict[str, Any], layers: list[LayerReport], recipe_yaml: str, t0: float, tokenizer: Any,
+    edges: ModelEdges,
 ) -> None:
-    """Write the non-layer shard, index, config, tokenizer, recipe and manifest into the work dir."""
+    """Write the non-layer shard (with the passes' rewritten edges), index, config, tokenizer, recipe and
+    manifest into the work dir."""
     total = source.num_layers + 1
+    a = source.adapter
     rest = {name: t.to(source.dtype) if t.is_floating_point() else t
             for name, t in source.read(source.non_layer_names()).items()}
+    rest[a.embed + ".weight"] = edges.embed.to(source.dtype).contiguous()
+    rest[a.final_norm + ".weight"] = edges.final_norm.to(source.dtype).contiguous()
+    untied = source.tied_embeddings and not torch.equal(edges.lm_head, edges.embed)
+    if not source.tied_embeddings or untied:
+        rest[a.lm_head + ".weight"] = edges.lm_head.to(source.dtype).contiguous()
     atomic_save_safetensors(rest, out.work / shard_name(total, total))
     weight_map: dict[str, str] = {}
     for i in range(total):
@@ -376,6 +389,8 @@ def _finalize(
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = packer.quantization_config(specs)
     config["torch_dtype"] = str(source.dtype).removeprefix("torch.")
+    if untied:
+        config["tie_word_embeddings"] = False
     config.pop("dtype", None)
     atomic_write(out.work / "config.json", json.dumps(config, indent=2))
     for extra in ("generation_config.json",):
@@ -387,7 +402,7 @@ def _finalize(
     import safetensors
     import transformers
 
-    notes = [f"layer {r.index}: {n}" for r in layers for n in r.notes]
+    notes = packer.notes(specs) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
     files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST))
     manifest = {
         "quantkit_version": __version__,
@@ -398,9 +413,7 @@ def _finalize(
         "num_layers": source.num_layers,
         "recipe": job.recipe.name,
         "format": packer.name,
-        "weights": {role: {"bits": s.bits, "symmetric": s.symmetric, "granularity": s.granularity,
-                           "group_size": s.group_size if s.granularity == "group" else None}
-                    for role, s in specs.items()},
+        "weights": {role: asdict(s) for role, s in specs.items()},
         "activations": None if job.recipe.activations is None else {"bits": job.recipe.activations.bits},
         "kv_cache": None if job.recipe.kv_cache is None else {"bits": job.recipe.kv_cache.bits},
         "calibration": calib_info,

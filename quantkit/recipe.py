@@ -34,9 +34,15 @@ class WeightConfig:
     clip_ratio: float = 1.0
     # layers whose input width the group size does not divide: "error", or quantize them per channel
     indivisible: Literal["error", "per_channel"] = "error"
+    zero_form: Literal["integer", "scaled"] = "integer"  # "scaled": fp16 scale*zero (QServe per-channel)
+    progressive: bool = False  # QoQ two-level: INT8 per channel, then integer group scales (QServe g128)
+    protective_range: int = 119  # level-1 INT8 clamp of progressive quantization
 
     def spec(self, granularity: str | None = None) -> QuantSpec:
-        return QuantSpec(self.bits, self.symmetric, granularity or self.granularity, self.group_size, self.clip_ratio)
+        granularity = granularity or self.granularity
+        return QuantSpec(self.bits, self.symmetric, granularity, self.group_size, self.clip_ratio,
+                         zero_form=self.zero_form, progressive=self.progressive and granularity == "group",
+                         protective_range=self.protective_range)
 
     def __post_init__(self) -> None:
         self.spec()  # range checks live in QuantSpec
@@ -99,6 +105,7 @@ class ExportConfig:
 class PassEntry:
     name: str
     config: Any
+    enabled: bool = True  # `--set passes.NAME.enabled=false` switches a step off (ablations)
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,7 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
         passes = [_parse_pass(p, f"{where}.passes[{i}]") for i, p in enumerate(raw.get("passes") or [])]
     except ConfigError as exc:
         raise RecipeError(str(exc)) from None
+    _check_order(passes, where)
     quantizers = [p.name for p in passes if get_pass(p.name).quantizes]
     if len(quantizers) != 1 or not get_pass(passes[-1].name).quantizes:
         raise RecipeError(
@@ -165,19 +173,43 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
     return Recipe(name=name, description=description, targets=targets, passes=passes, **values)
 
 
+def _check_order(passes: list[PassEntry], where: str) -> None:
+    """Each enabled pass's prerequisites come before it, and every transform precedes every other step."""
+    seen: list[str] = []
+    for p in passes:
+        cls = get_pass(p.name)
+        if p.enabled:
+            for required in cls.requires:
+                if required not in seen:
+                    raise RecipeError(f"{where}.passes: {p.name} needs {required} before it (enabled); "
+                                      f"the order is {[q.name for q in passes]}")
+            if cls.transforms and any(not get_pass(q).transforms for q in seen):
+                raise RecipeError(f"{where}.passes: transform {p.name} must come before "
+                                  f"{[q for q in seen if not get_pass(q).transforms]}, which read the weights")
+            seen.append(p.name)
+    if len(set(seen)) != len(seen):
+        raise RecipeError(f"{where}.passes: a pass appears twice: {seen}")
+
+
 def _parse_pass(entry: Any, where: str) -> PassEntry:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise RecipeError(f"{where}: each pass is a mapping with a 'name' (one of {', '.join(sorted(PASSES))})")
     name = entry["name"]
     if name not in PASSES:
         raise RecipeError(f"{where}: unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}")
-    params = {k: v for k, v in entry.items() if k != "name"}
-    return PassEntry(name, build(PASSES[name].Config, params, f"{where} ({name})"))
+    params = {k: v for k, v in entry.items() if k not in ("name", "enabled")}
+    enabled = entry.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise RecipeError(f"{where} ({name}).enabled: expected true or false, got {enabled!r}")
+    if not enabled and PASSES[name].quantizes:
+        raise RecipeError(f"{where} ({name}): the weight quantizer cannot be disabled")
+    return PassEntry(name, build(PASSES[name].Config, params, f"{where} ({name})"), enabled)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
     data = to_dict(recipe)
-    data["passes"] = [{"name": p.name, **to_dict(p.config)} for p in recipe.passes]
+    data["passes"] = [{"name": p.name, **({} if p.enabled else {"enabled": False}), **to_dict(p.config)}
+                      for p in recipe.passes]
     return data
 
 

@@ -2,7 +2,8 @@
 
 Activations: a forward pre-hook fake-quantizes each quantized linear's input per token (vLLM's dynamic
 scaled_int8_quant). KV cache: a registered transformers attention function fake-quantizes post-RoPE keys and
-values per (token, KV head) before SDPA, which is where a quantized cache would store them. Both are attached
+values per (token, KV head) before SDPA, which is where a quantized cache would store them; the same function
+lets calibration passes observe post-RoPE keys (SmoothAttention). Both are attached
 to a whole model (eval) or a single block (calibration), so recipes like W4A8KV4 share one engine.
 """
 
@@ -50,6 +51,9 @@ def fake_quantize_kv(x: torch.Tensor, sim: KVSim) -> torch.Tensor:
 
 
 def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    observer = getattr(module, "_quantkit_observer", None)
+    if observer is not None:  # calibration statistics on the unquantized post-RoPE keys and values
+        observer(key, value)
     sim: KVSim | None = getattr(module, "_quantkit_kv_sim", None)
     if sim is not None:
         key = fake_quantize_kv(key, sim)

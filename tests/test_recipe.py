@@ -48,7 +48,7 @@ def test_out_of_range_bits(tmp_path):
 def test_unknown_pass_and_pass_field(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("name: x\npasses: [{name: gptqq}]\n")
-    with pytest.raises(RecipeError, match="unknown pass 'gptqq'; known passes: gptq, rtn"):
+    with pytest.raises(RecipeError, match="unknown pass 'gptqq'; known passes: .*gptq, .*rtn"):
         load_recipe(path)
     path.write_text("name: x\npasses: [{name: gptq, dampp: 0.1}]\n")
     with pytest.raises(RecipeError, match=r"passes\[0\] \(gptq\): unknown field 'dampp'; allowed: .*damp"):

@@ -17,6 +17,7 @@ from quantkit.artifact import MANIFEST, RECIPE, load_manifest, read_safetensors
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import open_model
+from quantkit.pipeline import linear_parts
 from quantkit.quantizers import QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
 
@@ -52,10 +53,8 @@ def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
     model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
     adapter = adapter_for(config.model_type)
     packer = get_packer(manifest["format"])(recipe, model_dtype)
-    specs = {
-        role: QuantSpec(w["bits"], w["symmetric"], w["granularity"], w["group_size"] or 128, 1.0)
-        for role, w in manifest["weights"].items()
-    }
+    specs = {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
+             for role, w in manifest["weights"].items()}
     quantized = {}
     for i in range(config.num_hidden_layers):
         for role, name in adapter.linear_names(list(specs)):
@@ -65,7 +64,7 @@ def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
     for shard in sorted(set(index["weight_map"].values())):
         tensors = read_safetensors(path / shard)
         for module, role in quantized.items():
-            parts = {k[len(module) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(module + ".weight")}
+            parts = linear_parts(tensors, module, packer)
             if parts:
                 weight = packer.unpack(parts, specs[role]).dequantize().to(model_dtype)
                 state[f"{module}.weight"] = weight

@@ -16,13 +16,29 @@ class ExportError(QuantkitError):
 
 
 class Packer:
-    """Pack quantized linears into a format's tensors (and back), and write its config entry."""
+    """Pack quantized linears into a format's tensors (and back), and write its config entry.
+
+    `pack` returns tensors named relative to the linear's module (`weight_packed` is stored as
+    `<module>.weight_packed`). Code that collects one linear's tensors from a shard must select them with
+    `owns(key)` on the module-relative key, not by a `weight` prefix: formats such as QServe store module-level
+    names (`<module>.qweight`, `<module>.s1_scales`, ...). Everything a packer does not own (a `bias`, norms)
+    passes through unchanged. `notes(specs)` lists caveats about the artifact for the manifest (e.g. "no engine
+    loads it").
+    """
 
     name: ClassVar[str]
 
     def __init__(self, recipe: Any, dtype: torch.dtype):
         self.recipe = recipe
         self.dtype = dtype
+
+    def owns(self, key: str) -> bool:
+        """Whether the module-relative tensor name `key` (e.g. `weight_packed`) is one this packer's `pack` writes."""
+        return key.startswith("weight")
+
+    def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
+        """Caveats about the exported artifact for the manifest; `specs` maps linear role names to their spec."""
+        return []
 
     def check_recipe(self) -> None:
         """Raise ExportError if the recipe asks for something this format cannot express."""

@@ -91,6 +91,13 @@ class CompressedTensorsPacker(Packer):
                 )
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
+        if spec.progressive or spec.zero_form == "scaled":
+            variant = "progressive (two-level) quantization" if spec.progressive else "the scaled zero form"
+            raise ExportError(
+                f"{module}: compressed-tensors cannot express {variant} (its weights dequantize as "
+                "(q - zero) * scale); use --set export.format=qserve, or export.format=quantkit for a "
+                "simulation-only artifact"
+            )
         if spec.granularity == "group" and shape[1] % spec.group_size:
             raise ExportError(f"{module}: group size {spec.group_size} does not divide input width {shape[1]}")
 

@@ -52,6 +52,34 @@ class ArchAdapter:
         """(role, module name relative to the block) for the given roles, in execution order."""
         return [(role, name) for role in ROLES if role in roles for name in self.linears[role]]
 
+    @property
+    def q_proj(self) -> str:
+        return self.linears["qkv"][0]
+
+    @property
+    def k_proj(self) -> str:
+        return self.linears["qkv"][1]
+
+    @property
+    def v_proj(self) -> str:
+        return self.linears["qkv"][2]
+
+    @property
+    def gate_proj(self) -> str:
+        return self.linears["gate_up"][0]
+
+    @property
+    def up_proj(self) -> str:
+        return self.linears["gate_up"][1]
+
+    @property
+    def o_proj(self) -> str:
+        return self.linears["o"][0]
+
+    @property
+    def down_proj(self) -> str:
+        return self.linears["down"][0]
+
     def role_of(self, linear_name: str) -> str:
         for role, names in self.linears.items():
             if linear_name in names:

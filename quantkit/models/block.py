@@ -23,7 +23,9 @@ class BlockRunner:
 
     def __init__(self, source: ModelSource, seq_len: int, batch_size: int = 8, device: str = "cpu"):
         config = source.config
-        config._attn_implementation = "sdpa"
+        from quantkit.simulate import ATTENTION_NAME
+
+        config._attn_implementation = ATTENTION_NAME  # SDPA, plus KV simulation and observers when attached
         self.batch_size = batch_size
         self.device = torch.device(device)
         rotary = source.adapter.rotary_embedding_class()(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,14 +26,30 @@ class QuantizedLinear:
 
     def to(self, device: torch.device | str) -> QuantizedLinear:
         """The same result with every tensor on `device` (packers work on the CPU)."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        qp = QParams(move(self.qparams.scale), move(self.qparams.zero), self.qparams.group_size)
-        return QuantizedLinear(move(self.codes), qp, self.spec, move(self.g_idx))
+        qp = self.qparams.map(lambda f, t: t.to(device))
+        g_idx = None if self.g_idx is None else self.g_idx.to(device)
+        return QuantizedLinear(self.codes.to(device), qp, self.spec, g_idx)
+
+
+@dataclass
+class ModelEdges:
+    """The model-level tensors around the decoder blocks (float32), which transform passes may rewrite.
+
+    `lm_head` is a separate tensor even for tied checkpoints; the export unties them only when they differ.
+    """
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
 
 
 @dataclass
 class LayerWork:
-    """One decoder block under calibration: the modules, per-linear specs, statistics, results and notes."""
+    """One decoder block under calibration: the modules, per-linear specs, statistics, results and notes.
+
+    Passes that need activations run the block on its calibration inputs through `forward`; Hessians are
+    collected lazily on first use (after every transform pass has run), so they always match the weights.
+    """
 
     index: int
     block: nn.Module
@@ -43,24 +60,118 @@ class LayerWork:
     results: dict[str, QuantizedLinear] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    clip: dict[str, torch.Tensor | float] = field(default_factory=dict)  # linear -> clip ratio(s) [N, G]
+    inputs: torch.Tensor | None = None  # calibration inputs of the block [n, L, H] (the CPU cache)
+    runner: Any = None  # models.block.BlockRunner
+    adapter: Any = None  # models.adapters.ArchAdapter
+    config: Any = None  # the model's transformers config
+    act_bits: int | None = None  # runtime activation quantization the recipe simulates (per token)
+    kv: Any = None  # simulate.KVSim or None
 
     def weight(self, name: str) -> torch.Tensor:
         return self.block.get_submodule(name).weight
 
+    def module(self, name: str) -> nn.Linear:
+        return self.block.get_submodule(name)
+
+    def names(self, role: str) -> list[str]:
+        """The block's linears of `role` (all of them, quantized or not)."""
+        return list(self.adapter.linears[role])
+
+    def head_dims(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of the block's attention."""
+        c = self.config
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        return heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads
+
     def hessian(self, name: str) -> torch.Tensor:
-        return self.hessians[self.linears[name]]
+        role = self.linears[name]
+        if role not in self.hessians:
+            self.collect_hessians()
+        return self.hessians[role]
+
+    def forward(
+        self,
+        pre_hooks: dict[str, Callable[[torch.Tensor], None]] | None = None,
+        samples: int | None = None,
+        attention_observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Run the block on its first `samples` calibration sequences (all by default), calling each
+        `pre_hooks[name](x)` with the input of that submodule and `attention_observer(key, value)` with the
+        post-RoPE key/value states [B, H_kv, T, D]; returns the block outputs."""
+        x = self.inputs if samples is None else self.inputs[:samples]
+        handles = []
+        for name, fn in (pre_hooks or {}).items():
+            handles.append(self.block.get_submodule(name).register_forward_pre_hook(
+                lambda module, args, fn=fn: fn(args[0])))
+        attn = self.block.self_attn
+        previous = getattr(attn, "_quantkit_observer", None)
+        attn._quantkit_observer = attention_observer
+        try:
+            return self.runner.run(self.block, x)
+        finally:
+            attn._quantkit_observer = previous
+            for h in handles:
+                h.remove()
+
+    def input_absmax(self, names: list[str], samples: int | None = None) -> dict[str, torch.Tensor]:
+        """max |x| per input channel of each named submodule over the calibration tokens."""
+        stats: dict[str, torch.Tensor] = {}
+
+        def hook(name: str) -> Callable[[torch.Tensor], None]:
+            def fn(x: torch.Tensor) -> None:
+                m = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+                stats[name] = m if name not in stats else torch.maximum(stats[name], m)
+            return fn
+
+        self.forward({n: hook(n) for n in names}, samples)
+        return stats
+
+    def collect_hessians(self) -> torch.Tensor:
+        """H = 2/n X^T X of the first linear of each quantized role, in one pass over the calibration inputs;
+        returns the block outputs of that pass."""
+        firsts = {}
+        for name, role in self.linears.items():
+            firsts.setdefault(role, name)
+        sums: dict[str, torch.Tensor] = {}
+        counts = dict.fromkeys(firsts, 0)
+
+        def hook(role: str) -> Callable[[torch.Tensor], None]:
+            def fn(x: torch.Tensor) -> None:
+                x = x.reshape(-1, x.shape[-1]).float()
+                if role not in sums:
+                    sums[role] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                sums[role].addmm_(x.T, x)
+                counts[role] += x.shape[0]
+            return fn
+
+        out = self.forward({name: hook(role) for role, name in firsts.items()})
+        for role, h in sums.items():
+            self.hessians[role] = h.mul_(2.0 / counts[role])
+        return out
 
 
 class Pass:
-    """A calibration step registered by name; `run` transforms or quantizes one block in place."""
+    """A calibration step registered by name; `run` transforms or quantizes one block in place.
+
+    Transform passes (`transforms = True`) must leave the FP model's function unchanged; they may also rewrite
+    the model-level tensors in `prepare`, which runs once before the first block. `requires` names passes
+    that must come earlier in the recipe.
+    """
 
     name: ClassVar[str]
     Config: ClassVar[type]
     quantizes: ClassVar[bool] = False  # produces the block's quantized weights
+    transforms: ClassVar[bool] = False  # rewrites weights, function-preserving in FP
     needs_hessian: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):
         self.config = config
+
+    def prepare(self, edges: ModelEdges, config: Any) -> None:
+        """Rewrite the model-level tensors (embeddings, final norm, lm_head) before any block runs."""
 
     def run(self, work: LayerWork) -> None:  # pragma: no cover - interface
         raise NotImplementedError

@@ -45,7 +45,8 @@ class GPTQ(Pass):
     def run(self, work: LayerWork) -> None:
         for name, spec in work.specs.items():
             w = work.weight(name).detach().float()
-            result, damp, loss = gptq_quantize(w, work.hessian(name), spec, self.config, work.scale_dtype)
+            result, damp, loss = gptq_quantize(w, work.hessian(name), spec, self.config, work.scale_dtype,
+                                               clip=work.clip.get(name))
             work.results[name] = result
             work.metrics[f"{name}.gptq_loss"] = loss
             if damp != self.config.damp:

@@ -23,5 +23,5 @@ class RTN(Pass):
     def run(self, work: LayerWork) -> None:
         for name, spec in work.specs.items():
             w = work.weight(name).detach().float()
-            qp = compute_qparams(w, spec, work.scale_dtype)
+            qp = compute_qparams(w, spec, work.scale_dtype, clip_ratio=work.clip.get(name))
             work.results[name] = QuantizedLinear(quantize(w, qp, spec), qp, spec)

@@ -1,0 +1,62 @@
+"""Activation-aware channel reordering (QServe B.2.3): channels of similar salience share a quantization group.
+
+The salience of an input channel is max|X| over the calibration tokens. The o_proj and down_proj inputs are
+sorted by it (ascending), and the permutation is absorbed offline into the producers' rows, so nothing changes
+at run time: o_proj columns with v_proj rows (and bias), one permutation per KV head applied within every head
+of its group so GQA stays consistent (salience max-pooled over the group's query heads); down_proj columns with
+gate_proj and up_proj rows. The residual stream is never reordered. Only useful with group quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.passes import register
+from quantkit.passes.base import LayerWork, Pass
+
+
+def _permute_rows(module: torch.nn.Linear, perm: torch.Tensor) -> None:
+    module.weight.data = module.weight.data[perm].contiguous()
+    if module.bias is not None:
+        module.bias.data = module.bias.data[perm].contiguous()
+
+
+def _permute_columns(module: torch.nn.Linear, perm: torch.Tensor) -> None:
+    module.weight.data = module.weight.data[:, perm].contiguous()
+
+
+@dataclass(frozen=True)
+class ReorderConfig:
+    targets: list[str] = field(default_factory=lambda: ["o", "down"])
+
+    def __post_init__(self) -> None:
+        if any(t not in ("o", "down") for t in self.targets):
+            raise ValueError(f"targets must be among 'o' and 'down', got {self.targets}")
+
+
+@register
+class Reorder(Pass):
+    name = "reorder"
+    Config = ReorderConfig
+    transforms = True
+
+    def run(self, work: LayerWork) -> None:
+        a = work.adapter
+        names = [{"o": a.o_proj, "down": a.down_proj}[t] for t in self.config.targets]
+        salience = work.input_absmax(names)
+        if a.o_proj in names:
+            heads, kv_heads, d = work.head_dims()
+            per_kv = salience[a.o_proj].reshape(kv_heads, heads // kv_heads, d).amax(dim=1)  # [H_kv, D]
+            within = torch.argsort(per_kv, dim=1, stable=True)  # [H_kv, D]
+            v_perm = (within + torch.arange(kv_heads, device=within.device)[:, None] * d).reshape(-1)
+            o_perm = (within.repeat_interleave(heads // kv_heads, dim=0)
+                      + torch.arange(heads, device=within.device)[:, None] * d).reshape(-1)
+            _permute_columns(work.module(a.o_proj), o_perm)
+            _permute_rows(work.module(a.v_proj), v_perm)
+        if a.down_proj in names:
+            perm = torch.argsort(salience[a.down_proj], stable=True)
+            _permute_columns(work.module(a.down_proj), perm)
+            _permute_rows(work.module(a.gate_proj), perm)
+            _permute_rows(work.module(a.up_proj), perm)

@@ -1,0 +1,312 @@
+"""The QServe packer: exact round trips, the formats.md tensor layout, the kernel's W4 -> INT8 arithmetic, errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from quantkit.formats import get_packer
+from quantkit.formats.base import ExportError
+from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+from quantkit.formats.qserve import QServePacker
+from quantkit.formats.qserve_layout import emulate_group_dequant, pack_qweight, s2_order, unpack_qweight
+from quantkit.passes.base import QuantizedLinear
+from quantkit.quantizers import QParams, QuantSpec, compute_qparams, dequantize, quantize, search_qparams
+from quantkit.recipe import load_recipe
+
+CHANNEL = QuantSpec(bits=4, symmetric=False, granularity="channel", zero_form="scaled")
+MODULE = "model.layers.3.mlp.down_proj"
+
+
+def group_spec(g: int = 128, protect: int = 119) -> QuantSpec:
+    return QuantSpec(bits=4, symmetric=False, granularity="group", group_size=g, progressive=True,
+                     protective_range=protect)
+
+
+def make_packer(dtype: torch.dtype = torch.float16) -> QServePacker:
+    return QServePacker(load_recipe("rtn-w4a16-g128"), dtype)
+
+
+def quantized(w: torch.Tensor, spec: QuantSpec) -> QuantizedLinear:
+    qp = compute_qparams(w, spec)
+    return QuantizedLinear(quantize(w, qp, spec), qp, spec)
+
+
+def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian rows of varied magnitude with a few outliers, rounded to fp16 like a real checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    idx = torch.randint(0, k, (n,), generator=g)
+    w[torch.arange(n), idx] *= 8
+    return w.half().float()
+
+
+def assert_same_linear(back: QuantizedLinear, q: QuantizedLinear) -> None:
+    """Codes, every QParams field, and the dequantized weights are bit-identical."""
+    assert back.codes.dtype == torch.int8 and torch.equal(back.codes, q.codes)
+    for field in QParams.TENSORS:
+        a, b = getattr(back.qparams, field), getattr(q.qparams, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), field
+    assert back.qparams.group_size == q.qparams.group_size
+    assert back.qparams.protect == q.qparams.protect
+    assert back.qparams.code_offset == q.qparams.code_offset
+    assert back.g_idx is None
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+SPECS = [CHANNEL, group_spec(128), group_spec(64)]
+SPEC_IDS = ["channel", "g128", "g64"]
+
+
+# ---------------------------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("shape", [(32, 128), (96, 512), (128, 256)])
+def test_round_trip_is_exact(spec, shape):
+    q = quantized(random_weight(*shape, seed=shape[0] + shape[1]), spec)
+    packer = make_packer()
+    assert_same_linear(packer.unpack(packer.pack(q), spec), q)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_round_trip_after_clip_search(spec):
+    w = random_weight(64, 256, seed=9)
+    qp = search_qparams(w, spec)
+    q = QuantizedLinear(quantize(w, qp, spec), qp, spec)
+    packer = make_packer()
+    assert_same_linear(packer.unpack(packer.pack(q), spec), q)
+
+
+@settings(max_examples=20, deadline=None)
+@given(spec_i=st.integers(0, len(SPECS) - 1), nt=st.integers(1, 4), groups=st.integers(1, 4),
+       seed=st.integers(0, 2**31 - 1))
+def test_round_trip_random(spec_i, nt, groups, seed):
+    spec = SPECS[spec_i]
+    q = quantized(random_weight(32 * nt, 128 * groups, seed), spec)
+    packer = make_packer()
+    assert_same_linear(packer.unpack(packer.pack(q), spec), q)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_round_trip_through_safetensors(spec, tmp_path):
+    q = quantized(random_weight(64, 256, seed=7), spec)
+    packer = make_packer()
+    save_file(packer.pack(q), tmp_path / "t.safetensors")
+    assert_same_linear(packer.unpack(load_file(tmp_path / "t.safetensors"), spec), q)
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+
+
+def test_per_channel_tensors_match_formats_md():
+    n, k = 96, 256
+    q = quantized(random_weight(n, k, seed=1), CHANNEL)
+    t = make_packer().pack(q)
+    assert set(t) == {"qweight", "s1_scales", "s1_szeros"}
+    assert t["qweight"].dtype == torch.int8 and t["qweight"].shape == (n, k // 2)
+    assert t["s1_scales"].dtype == torch.float16 and t["s1_scales"].shape == (n,)
+    assert t["s1_szeros"].dtype == torch.float16 and t["s1_szeros"].shape == (n,)
+    assert torch.equal(t["qweight"], pack_qweight(q.codes.to(torch.int32) + 8))
+    assert torch.equal(t["s1_scales"].float(), q.qparams.scale.reshape(n))
+    # s1_szeros is the scaled zero z_u * s (z_u the UINT4 zero), rounded once to fp16
+    z_u = q.qparams.zero.reshape(n) + 8
+    assert torch.equal(t["s1_szeros"], (z_u.float() * q.qparams.scale.reshape(n)).half())
+
+
+@pytest.mark.parametrize("g", [128, 64])
+def test_group_tensors_match_formats_md(g):
+    n, k = 64, 512
+    q = quantized(random_weight(n, k, seed=2), group_spec(g))
+    t = make_packer().pack(q)
+    assert set(t) == {"qweight", "s1_scales", "s2_scales", "s2_zeros"}
+    assert t["qweight"].dtype == torch.int8 and t["qweight"].shape == (n, k // 2)
+    assert t["s1_scales"].dtype == torch.float16 and t["s1_scales"].shape == (n,)
+    assert torch.equal(t["s1_scales"].float(), q.qparams.s1.reshape(n))
+    s2 = q.qparams.s2.to(torch.int64)
+    z_u = q.qparams.zero.to(torch.int64) + 8
+    for name in ("s2_scales", "s2_zeros"):
+        assert t[name].dtype == torch.int8 and t[name].shape == (k // g, n)
+    # position p of every 32-channel tile holds channel 8*(p % 4) + p // 4; s2_zeros holds -(z_u * s2)
+    for grp in range(k // g):
+        for pos in range(n):
+            ch = pos - pos % 32 + 8 * (pos % 4) + (pos % 32) // 4
+            assert int(t["s2_scales"][grp, pos]) == int(s2[ch, grp])
+            assert int(t["s2_zeros"][grp, pos]) == -int(z_u[ch, grp] * s2[ch, grp])
+    assert torch.equal(s2_order(n)[:8], torch.tensor([0, 8, 16, 24, 1, 9, 17, 25]))
+
+
+def test_per_channel_dequant_from_stored_fp16_tensors():
+    n, k = 64, 256
+    q = quantized(random_weight(n, k, seed=3), CHANNEL)
+    t = make_packer().pack(q)
+    q_u = unpack_qweight(t["qweight"]).float()
+    w = q_u * t["s1_scales"].float()[:, None] - t["s1_szeros"].float()[:, None]
+    assert torch.equal(w, q.dequantize())
+    assert torch.equal(w, dequantize(q.codes, q.qparams))
+
+
+def worst_case_weight(n: int = 64, k: int = 256) -> torch.Tensor:
+    """Rows that stress the level-2 INT8 range (two groups of 128 columns per row)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=g)
+    # row 0: digest-qserve P6b's group [-113, 120] (with row max 127, so s1 = 1 when P = 127)
+    w[0, :128] = torch.linspace(-113, 120, 128).round()
+    w[0, 128:] = torch.linspace(-127, 127, 128).round()
+    w[1] = 0  # all-zero row
+    w[2] = 0.5  # all-equal groups
+    w[3, :128], w[3, 128:] = -0.25, 3.0
+    w[4] = torch.where(torch.arange(k) % 2 == 0, 65504.0, -65504.0)  # fp16 max magnitude
+    w[5] = torch.linspace(-65504, 65504, k)
+    w[6, :128] = 0  # one all-zero group next to a normal one
+    w[7, :128], w[7, 128:] = 120.0, -113.0  # equal groups at the extremes of the row
+    return w.half().float()
+
+
+@pytest.mark.parametrize(("g", "protect"), [(128, 119), (64, 119), (32, 119), (128, 127)])
+def test_kernel_emulation_equals_reference(g, protect):
+    spec = group_spec(g, protect)
+    w = worst_case_weight()
+    q = quantized(w, spec)
+    t = make_packer().pack(q)
+    w8 = emulate_group_dequant(t["qweight"], t["s2_scales"], t["s2_zeros"], g)
+    codes_u = q.codes.to(torch.int32) + 8
+    z_u = q.qparams.zero.repeat_interleave(g, dim=1) + 8
+    s2 = q.qparams.s2.to(torch.int32).repeat_interleave(g, dim=1)
+    exact = (codes_u - z_u) * s2
+    assert int(exact.min()) >= -128 and int(exact.max()) <= 127  # nothing reaches 128
+    assert torch.equal(w8, exact.to(torch.int8))  # the per-byte add never wrapped
+    s1 = t["s1_scales"].float()[:, None]
+    assert torch.equal(w8.float() * s1, dequantize(q.codes, q.qparams))
+    assert torch.equal(w8.float() * s1, q.dequantize())
+
+
+def test_digest_overflow_group_is_bounded():
+    """Group [-113, 120] with s1 = 1: s2 = 16, z = 7, and the naive code 15 for 120 would give 128."""
+    spec = group_spec(128, protect=127)
+    q = quantized(worst_case_weight(), spec)
+    qp = q.qparams
+    assert float(qp.s1[0, 0]) == 1.0
+    assert float(qp.s2[0, 0]) == 16 and int(qp.zero[0, 0]) + 8 == 7
+    assert int(qp.code_hi[0, 0]) + 8 == 14
+    assert int(q.codes[0, :128].max()) + 8 == 14  # 120 -> 14, i.e. (14 - 7) * 16 = 112, not 128
+    # forcing the naive code makes the export refuse rather than write a checkpoint the kernel would wrap
+    codes = q.codes.clone()
+    codes[0, 127] = 15 - 8
+    with pytest.raises(ExportError, match="outside INT8"):
+        make_packer().pack(QuantizedLinear(codes, qp, spec))
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("shape", [(48, 256), (64, 80), (100, 100)])
+def test_check_rejects_shapes_off_the_tiles(spec, shape):
+    with pytest.raises(ExportError) as exc:
+        make_packer().check(MODULE, spec, shape)
+    msg = str(exc.value)
+    assert MODULE in msg and f"N={shape[0]}" in msg and f"K={shape[1]}" in msg
+    assert "--set export.format=quantkit" in msg
+
+
+def test_check_group_must_divide_k():
+    packer = make_packer()
+    with pytest.raises(ExportError, match=f"{MODULE}: group size 128 does not divide input width 96"):
+        packer.check(MODULE, group_spec(128), (64, 96))
+    packer.check(MODULE, group_spec(32), (64, 96))
+    packer.check(MODULE, CHANNEL, (64, 96))
+
+
+@pytest.mark.parametrize("spec", [
+    QuantSpec(bits=4, symmetric=True, granularity="channel"),
+    QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128),
+    QuantSpec(bits=4, symmetric=False, granularity="channel"),  # integer zero: QServe stores the scaled zero
+    QuantSpec(bits=4, symmetric=False, granularity="group", group_size=128),  # not progressive
+    QuantSpec(bits=4, symmetric=False, granularity="channel", progressive=True),
+    QuantSpec(bits=8, symmetric=False, granularity="channel", zero_form="scaled"),
+    QuantSpec(bits=3, symmetric=False, granularity="group", group_size=128, progressive=True),
+], ids=["sym-channel", "sym-group", "int-zero-channel", "plain-group", "progressive-channel", "8bit", "3bit"])
+def test_check_rejects_specs_qserve_cannot_store(spec):
+    with pytest.raises(ExportError, match=f"{MODULE}: qserve stores 4-bit asymmetric weights"):
+        make_packer().check(MODULE, spec, (64, 256))
+
+
+def test_protective_range_above_119_is_refused():
+    """P = 127 can give scaled zeros z*s2 > 128, which int8 s2_zeros cannot hold: check refuses it up front, and
+    pack refuses a concrete case rather than writing a wrapped zero."""
+    spec = group_spec(64, protect=127)
+    with pytest.raises(ExportError, match=f"{MODULE}: qserve needs protective_range <= 119"):
+        make_packer().check(MODULE, spec, (64, 256))
+    w = torch.zeros(32, 128)
+    w[0, :64] = torch.linspace(-126, 24, 64)  # s1 = 1 (row max 127), s2 = round(150/15) = 10, z = round(12.6) = 13
+    w[0, 64] = 127
+    q = quantized(w, spec)
+    assert float(q.qparams.s1[0, 0]) == 1 and float(q.qparams.s2[0, 0]) == 10 and int(q.qparams.zero[0, 0]) + 8 == 13
+    with pytest.raises(ExportError, match="must fit int8"):
+        make_packer().pack(q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_recipe_needs_fp16(dtype):
+    with pytest.raises(ExportError, match="must be float16"):
+        make_packer(dtype).check_recipe()
+    make_packer(torch.float16).check_recipe()
+
+
+def test_pack_rejects_g_idx():
+    q = quantized(random_weight(32, 256, seed=4), group_spec(128))
+    q.g_idx = torch.arange(256) // 128
+    with pytest.raises(ExportError, match="g_idx"):
+        make_packer().pack(q)
+
+
+def test_pack_refuses_missing_variant_fields():
+    """A linear that lost its variant fields (e.g. a device move that copies only scale and zero) must not export."""
+    for spec, missing in ((CHANNEL, "szero"), (group_spec(128), "s1")):
+        q = quantized(random_weight(32, 256, seed=5), spec)
+        qp = q.qparams.map(lambda f, t, missing=missing: None if f == missing else t)
+        with pytest.raises(ExportError, match="lacks"):
+            make_packer().pack(QuantizedLinear(q.codes, qp, spec))
+
+
+@pytest.mark.parametrize("spec", [CHANNEL, group_spec(128)], ids=["scaled", "progressive"])
+def test_compressed_tensors_refuses_variant_specs(spec):
+    packer = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16)
+    with pytest.raises(ExportError, match=f"{MODULE}: compressed-tensors cannot express.*export.format=qserve"):
+        packer.check(MODULE, spec, (64, 256))
+
+
+# ---------------------------------------------------------------------------------------------------- config, notes
+
+
+@pytest.mark.parametrize(("spec", "size"), [(CHANNEL, -1), (group_spec(128), 128), (group_spec(64), 64)])
+def test_quantization_config(spec, size):
+    packer = make_packer()
+    specs = dict.fromkeys(("qkv", "o", "gate_up", "down"), spec)
+    assert packer.quantization_config(specs) == {"quant_method": "qoq", "wbits": 4, "group_size": size}
+    simulation = [n for n in packer.notes(specs) if "simulation only" in n]
+    if size == 64:
+        assert simulation == ["group size 64: no engine loads it (QServe kernels take -1 or 128); simulation only"]
+    else:
+        assert simulation == []
+
+
+def test_quantization_config_rejects_mixed_variants():
+    with pytest.raises(ExportError, match="one weight variant"):
+        make_packer().quantization_config({"qkv": CHANNEL, "down": group_spec(128)})
+
+
+def test_owns_and_registration():
+    packer = make_packer()
+    for key in ("qweight", "s1_scales", "s1_szeros", "s2_scales", "s2_zeros"):
+        assert packer.owns(key)
+    for key in ("bias", "weight", "weight_packed", "qweight.x"):
+        assert not packer.owns(key)
+    ct = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16)
+    assert ct.owns("weight_packed") and ct.owns("weight_scale") and not ct.owns("bias")
+    assert ct.notes({"down": QuantSpec()}) == []
+    assert get_packer("qserve") is QServePacker
