@@ -1,0 +1,111 @@
+"""QoQ end to end: the qoq / qoq-g128 recipes, QServe export, and eval of what was exported, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cli, cli_ok
+
+from quantkit.artifact import read_safetensors
+from quantkit.eval.loading import load_for_eval
+from quantkit.eval.perplexity import perplexity
+from quantkit.formats.qserve import QServePacker
+from quantkit.formats.qserve_layout import emulate_group_dequant, unpack_qweight
+from quantkit.recipe import load_recipe
+from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+FAST = ["--num-samples", "4", "--seq-len", "64"]
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory) -> Path:
+    import random
+
+    rng = random.Random(1)
+    words = "rotate smooth clip reorder the keys values and weights of every block to four bits".split()
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    """128-multiple widths (QServe g128 shapes), GQA, q/k/v biases, tied embeddings (rotation must untie)."""
+    spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, model_type="qwen2",
+                          attention_bias=True, tie_word_embeddings=True)
+    return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "qwen2-qoq", spec)
+
+
+def _layer_parts(out: Path, layer: int, linear: str) -> dict[str, torch.Tensor]:
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    prefix = f"model.layers.{layer}.{linear}."
+    shard = read_safetensors(out / index[prefix + "qweight"])
+    return {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix) and not k.endswith("bias")}
+
+
+@pytest.mark.parametrize("recipe", ["qoq-g128", "qoq"])
+def test_qoq_exports_qserve_and_eval_uses_exactly_its_weights(synthetic, calib_txt, tmp_path, recipe):
+    out = tmp_path / recipe
+    cli_ok("quantize", synthetic, "--recipe", recipe, "-o", out, "--calib", calib_txt, *FAST)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "qoq", "wbits": 4,
+                                             "group_size": 128 if recipe == "qoq-g128" else -1}
+    assert config["torch_dtype"] == "float16" and config["tie_word_embeddings"] is False
+    loaded = load_for_eval(out, dtype=torch.float16)
+    assert "A8 per-token" in loaded.description and "KV4 per-head" in loaded.description
+    model = loaded.model
+    assert torch.all(model.model.layers[0].input_layernorm.weight == 1)  # folded (OmniServe ignores norms)
+    r = load_recipe(recipe)
+    packer = QServePacker(r, torch.float16)
+    for layer in range(2):
+        for linear in LINEARS:
+            parts = _layer_parts(out, layer, linear)
+            n = parts["qweight"].shape[0]
+            assert parts["qweight"].dtype == torch.int8 and parts["s1_scales"].shape == (n,)
+            weight = model.get_submodule(f"model.layers.{layer}.{linear}").weight
+            assert torch.equal(weight, packer.unpack(parts, r.weights.spec()).dequantize().half())
+            codes = unpack_qweight(parts["qweight"]).float()
+            s1 = parts["s1_scales"].float()[:, None]
+            if recipe == "qoq-g128":  # the kernel's integer main loop, then the FP16 epilogue scale
+                w8 = emulate_group_dequant(parts["qweight"], parts["s2_scales"], parts["s2_zeros"], 128)
+                assert torch.equal(weight, (w8.float() * s1).half())
+            else:  # per channel: q * s1 - s1_szeros (zero point in the epilogue)
+                assert torch.equal(weight, (codes * s1 - parts["s1_szeros"].float()[:, None]).half())
+    ids = torch.randint(0, 256, (1, 4 * 64), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoModelForCausalLM
+
+    fp = AutoModelForCausalLM.from_pretrained(synthetic, dtype=torch.float32)
+    nll_fp = math.log(perplexity(fp, ids[0], seq_len=64).perplexity)  # random weights: a huge but finite ppl
+    nll_q = math.log(perplexity(model.float(), ids[0], seq_len=64).perplexity)
+    assert abs(nll_q - nll_fp) < 0.05 * nll_fp
+
+
+def test_qoq_on_stories260k_needs_simulation_export(stories260k, tinystories_txt, tmp_path):
+    result = cli("quantize", stories260k, "--recipe", "qoq", "-o", tmp_path / "x", "--calib", tinystories_txt,
+                 *FAST)
+    assert result.exit_code != 0 and "export.format=quantkit" in result.output and "172" in result.output
+    out = tmp_path / "sim"
+    cli_ok("quantize", stories260k, "--recipe", "qoq", "-o", out, "--calib", tinystories_txt, *FAST,
+           "--set", "export.format=quantkit")
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    assert manifest["format"] == "quantkit" and any("no inference engine" in n for n in manifest["notes"])
+    assert all(r["rel_error"] < 0.5 for r in manifest["layers"])
+    assert "simulating A8 per-token, KV4 per-head" in load_for_eval(out).description
+
+
+def test_every_qoq_step_can_be_switched_off(synthetic, calib_txt, tmp_path):
+    off = [f"passes.{p}.enabled=false" for p in ("fold_norms", "rotate", "reorder", "smooth_attention",
+                                                 "smooth_output", "clip")]
+    out = tmp_path / "bare"
+    cli_ok("quantize", synthetic, "--recipe", "qoq-g128", "-o", out, "--calib", calib_txt, *FAST,
+           *[a for o in off for a in ("--set", o)])
+    saved = (out / "quantkit_recipe.yaml").read_text()
+    assert saved.count("enabled: false") == 6
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True  # nothing rotated: the embeddings stay tied
