@@ -189,15 +189,16 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, calib_txt):
     proc = subprocess.Popen([*args, "-o", str(tmp_path / "b")], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     journal = tmp_path / "b.partial" / "quantkit_journal.json"
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    deadline = time.time() + 900  # generous: a loaded CI machine can be slow; the kill is what matters
+    while time.time() < deadline and proc.poll() is None:
         if journal.exists() and len(json.loads(journal.read_text())["layers"]) >= 3:
             break
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = len(json.loads(journal.read_text())["layers"])
-    assert 3 <= done < 8, "the run finished before it could be killed"
+    done = len(json.loads(journal.read_text())["layers"]) if journal.exists() else 0
+    assert done >= 3, f"only {done} layers were written before the deadline"
+    assert done < 8, "the run finished before it could be killed"
     subprocess.run([*args, "-o", str(tmp_path / "b"), "--resume"], check=True, capture_output=True)
     assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
 
