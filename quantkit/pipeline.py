@@ -48,7 +48,7 @@ from quantkit.formats import Packer, get_packer
 from quantkit.models.block import BlockRunner, build_block
 from quantkit.models.source import ModelSource, open_model
 from quantkit.passes import LayerWork, get_pass
-from quantkit.passes.base import ModelEdges
+from quantkit.passes.base import ModelEdges, Pass
 from quantkit.quantizers import QuantSpec
 from quantkit.recipe import Recipe, to_yaml
 
@@ -260,10 +260,10 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             journal = {**identity, "quantkit_version": __version__, "layers": {}}
             out.save_journal(journal)
         edges = load_edges(source)
-        for p in recipe.passes:
-            if p.enabled:
-                get_pass(p.name)(p.config).prepare(edges, source.config)
-        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, edges)
+        passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
+        for p in passes:
+            p.prepare(edges, source.config)
+        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, edges, passes)
         _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
     except KeyboardInterrupt:
         reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
@@ -279,6 +279,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
 def _run_layers(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
     calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter, edges: ModelEdges,
+    passes: list[Pass],
 ) -> list[LayerReport]:
     recipe, adapter = job.recipe, source.adapter
     total = source.num_layers + 1
@@ -287,7 +288,6 @@ def _run_layers(
     act_sim, kv_sim = _sim_config(recipe)
     if not recipe.engine.simulate_activations:
         act_sim = kv_sim = None
-    passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
     *prep, quantizer = passes
     linear_names = [name for _, name in adapter.linear_names(recipe.targets)]
 

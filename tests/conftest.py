@@ -32,3 +32,15 @@ def tinystories_txt() -> Path:
 @pytest.fixture
 def shared_data() -> Path:
     return shared_path("data")
+
+
+@pytest.fixture(scope="session")
+def calib_txt(tmp_path_factory) -> Path:
+    """Calibration text that needs nothing from shared/: varied English-like lines."""
+    import random
+
+    rng = random.Random(0)
+    words = "the a small model reads every layer of weights and tokens while it quantizes them to four bits".split()
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
+    return path

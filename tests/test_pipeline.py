@@ -26,18 +26,6 @@ FAST = ["--num-samples", "4", "--seq-len", "64"]
 
 
 @pytest.fixture(scope="module")
-def calib_txt(tmp_path_factory) -> Path:
-    """Calibration text that needs nothing from shared/: varied English-like lines."""
-    import random
-
-    rng = random.Random(0)
-    words = "the a small model reads every layer of weights and tokens while it quantizes them to four bits".split()
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     """A Qwen2-style (q/k/v bias) model with 128-multiple widths, so group size 128 divides every layer."""
     spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=3, model_type="qwen2")

@@ -24,17 +24,6 @@ LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 
 @pytest.fixture(scope="module")
-def calib_txt(tmp_path_factory) -> Path:
-    import random
-
-    rng = random.Random(1)
-    words = "rotate smooth clip reorder the keys values and weights of every block to four bits".split()
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     """128-multiple widths (QServe g128 shapes), GQA, q/k/v biases, tied embeddings (rotation must untie)."""
     spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, model_type="qwen2",

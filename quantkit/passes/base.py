@@ -152,6 +152,15 @@ class LayerWork:
         return out
 
 
+OUTPUT_ROLES = ("o", "down")  # block output modules: their inputs are what smoothing and reordering act on
+
+
+def check_output_targets(targets: list[str]) -> None:
+    """Raise ValueError unless every target is a block output role."""
+    if any(t not in OUTPUT_ROLES for t in targets):
+        raise ValueError(f"targets must be among {', '.join(map(repr, OUTPUT_ROLES))}, got {targets}")
+
+
 class Pass:
     """A calibration step registered by name; `run` transforms or quantizes one block in place.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.passes import register
-from quantkit.passes.base import LayerWork, Pass
+from quantkit.passes.base import LayerWork, Pass, check_output_targets
 
 
 def _permute_rows(module: torch.nn.Linear, perm: torch.Tensor) -> None:
@@ -32,8 +32,7 @@ class ReorderConfig:
     targets: list[str] = field(default_factory=lambda: ["o", "down"])
 
     def __post_init__(self) -> None:
-        if any(t not in ("o", "down") for t in self.targets):
-            raise ValueError(f"targets must be among 'o' and 'down', got {self.targets}")
+        check_output_targets(self.targets)
 
 
 @register
@@ -44,7 +43,7 @@ class Reorder(Pass):
 
     def run(self, work: LayerWork) -> None:
         a = work.adapter
-        names = [{"o": a.o_proj, "down": a.down_proj}[t] for t in self.config.targets]
+        names = [a.linears[t][0] for t in self.config.targets]
         salience = work.input_absmax(names)
         if a.o_proj in names:
             heads, kv_heads, d = work.head_dims()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.passes import register
-from quantkit.passes.base import LayerWork, Pass
+from quantkit.passes.base import LayerWork, Pass, check_output_targets
 from quantkit.quantizers import compute_qparams, dequantize, fake_quantize_per_token, quantize
 
 
@@ -73,8 +73,7 @@ class SmoothOutputConfig:
     def __post_init__(self) -> None:
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError(f"alphas must be a non-empty list in [0, 1], got {self.alphas}")
-        if any(t not in ("o", "down") for t in self.targets):
-            raise ValueError(f"targets must be among 'o' and 'down', got {self.targets}")
+        check_output_targets(self.targets)
 
 
 @register
@@ -85,8 +84,7 @@ class SmoothOutput(Pass):
 
     def run(self, work: LayerWork) -> None:
         a = work.adapter
-        consumers = {"o": a.o_proj, "down": a.down_proj}
-        names = [consumers[t] for t in self.config.targets if consumers[t] in work.specs]
+        names = [a.linears[t][0] for t in self.config.targets if a.linears[t][0] in work.specs]
         if not names:
             return
         inputs = self._sample_inputs(work, names)
