@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -30,23 +31,37 @@ def manifest(out: Path) -> dict:
     return json.loads((out / "quantkit_manifest.json").read_text())
 
 
+def _recipe_digest(args: tuple[str, ...]) -> str | None:
+    """sha256 of the bundled recipe file that `--recipe NAME` names, so an edited recipe is not served stale."""
+    if "--recipe" not in args:
+        return None
+    name = args[args.index("--recipe") + 1]
+    path = REPO / "recipes" / f"{name}.yaml"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
 def quantize_cached(model: Path, out: Path, *args: str) -> float:
     """`quantkit quantize MODEL -o OUT ARGS`, skipped when OUT holds a finished artifact from an earlier run
-    of the same command (its measured wall time is kept beside it); returns wall seconds."""
+    of the same command and recipe file (its measured wall time is kept beside it); returns wall seconds."""
     stamp = out.with_name(out.name + ".wall.json")
     cmd = ["quantize", str(model), "-o", str(out), *args]
+    key = {"cmd": cmd, "recipe_sha256": _recipe_digest(args)}
     if stamp.exists() and (out / "quantkit_manifest.json").exists():
         cached = json.loads(stamp.read_text())
-        if cached["cmd"] == cmd:
+        if {k: cached.get(k) for k in key} == key:
             return cached["wall"]
     wall = quantkit(*cmd)
-    stamp.write_text(json.dumps({"cmd": cmd, "wall": wall}))
+    stamp.write_text(json.dumps({**key, "wall": wall}))
     return wall
 
 
 def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path: Path) -> float:
-    """WikiText-2 perplexity through `quantkit eval`; reuses `json_path` when an earlier run wrote it."""
-    if json_path.exists():
+    """WikiText-2 perplexity through `quantkit eval`; reuses `json_path` when an earlier run wrote it after
+    the model was last written."""
+    manifest_path = model / "quantkit_manifest.json"
+    fresh = json_path.exists() and (not manifest_path.exists()
+                                    or json_path.stat().st_mtime > manifest_path.stat().st_mtime)
+    if fresh:
         cached = json.loads(json_path.read_text())["results"]["wikitext"]
         if cached.get("windows") == windows and cached.get("seq_len") == seq_len:
             return cached["perplexity"]

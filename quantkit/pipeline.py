@@ -313,7 +313,8 @@ def _run_layers(
         work = LayerWork(
             index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
             specs={}, scale_dtype=source.dtype, inputs=x, runner=runner, adapter=adapter, config=source.config,
-            act_bits=act_sim.bits if act_sim else None, kv=kv_sim,
+            act_bits=act_sim.bits if act_sim else None, kv=kv_sim, sink_weight=recipe.calibration.sink_weight,
+            token_cap=recipe.calibration.token_cap,
         )
         work.specs = {name: specs[role] for name, role in work.linears.items()}
         for p in prep:

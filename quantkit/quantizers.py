@@ -261,15 +261,14 @@ def quantize_column(col: torch.Tensor, qp: QParams, group: torch.Tensor | int, s
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and dequantized values of one column [N] under the parameters of `group` (an int, or a per-row
     index [N]) of `qp` (GPTQ's inner step)."""
-    n = col.shape[0]
     if isinstance(group, int):
-        group = torch.full((n,), group, dtype=torch.long, device=col.device)
-    rows = torch.arange(n, device=col.device)
+        def ex(t: torch.Tensor) -> torch.Tensor:
+            return t[:, group if t.shape[1] > 1 else 0]
+    else:
+        rows = torch.arange(col.shape[0], device=col.device)
 
-    def ex(t: torch.Tensor) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return t[rows if t.shape[0] > 1 else 0, group if t.shape[1] > 1 else 0]
+        def ex(t: torch.Tensor) -> torch.Tensor:
+            return t[rows if t.shape[0] > 1 else 0, group if t.shape[1] > 1 else 0]
 
     q = _codes(col.float(), qp, spec, ex)
     return q.to(torch.int8), _dequant(q, qp, ex)

@@ -82,10 +82,18 @@ class CalibrationConfig:
     seed: int = 0
     sampling: Literal["random", "first"] = "random"
     text_field: str = "text"
+    # Hessian token weights (passes/base.py token_weights): the first token of each sequence counts as
+    # `sink_weight` median-size tokens, any other token at most `token_cap` of them; null = plain GPTQ
+    sink_weight: float | None = None
+    token_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_samples <= 0 or self.seq_len <= 1:
             raise ValueError("num_samples must be positive and seq_len at least 2")
+        for name in ("sink_weight", "token_cap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive (in median tokens) or null, got {value}")
 
 
 @dataclass(frozen=True)

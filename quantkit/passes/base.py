@@ -67,6 +67,8 @@ class LayerWork:
     config: Any = None  # the model's transformers config
     act_bits: int | None = None  # runtime activation quantization the recipe simulates (per token)
     kv: Any = None  # simulate.KVSim or None
+    sink_weight: float | None = None  # recipe calibration.sink_weight / token_cap: see token_weights
+    token_cap: float | None = None
 
     def weight(self, name: str) -> torch.Tensor:
         return self.block.get_submodule(name).weight
@@ -129,8 +131,8 @@ class LayerWork:
         return stats
 
     def collect_hessians(self) -> torch.Tensor:
-        """H = 2/n X^T X of the first linear of each quantized role, in one pass over the calibration inputs;
-        returns the block outputs of that pass."""
+        """H = 2/n X^T X of the first linear of each quantized role, in one pass over the calibration inputs,
+        tokens weighted as `token_weights` says; returns the block outputs of that pass."""
         firsts = {}
         for name, role in self.linears.items():
             firsts.setdefault(role, name)
@@ -139,17 +141,59 @@ class LayerWork:
 
         def hook(role: str) -> Callable[[torch.Tensor], None]:
             def fn(x: torch.Tensor) -> None:
-                x = x.reshape(-1, x.shape[-1]).float()
+                x = x.float()
+                flat = x.reshape(-1, x.shape[-1])
                 if role not in sums:
-                    sums[role] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                sums[role].addmm_(x.T, x)
-                counts[role] += x.shape[0]
+                    sums[role] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+                add_gram_(sums[role], flat)
+                if self.sink_weight is not None or self.token_cap is not None:
+                    # reweighting touches few tokens: add (w - 1) x x^T for those instead of scaling a copy of X
+                    extra = token_weights(x, self.sink_weight, self.token_cap).reshape(-1) - 1.0
+                    few = extra.nonzero().squeeze(1)
+                    sums[role].addmm_(flat[few].T * extra[few], flat[few])
+                counts[role] += flat.shape[0]
             return fn
 
         out = self.forward({name: hook(role) for role, name in firsts.items()})
         for role, h in sums.items():
             self.hessians[role] = h.mul_(2.0 / counts[role])
         return out
+
+
+def add_gram_(h: torch.Tensor, x: torch.Tensor, blocks: int = 3) -> None:
+    """h += x^T x for x [n, K], computing each off-diagonal block once (symmetry): 3/4 of the GEMM work at 2
+    blocks, 2/3 at 3. Small widths take one GEMM."""
+    k = x.shape[1]
+    if k < 384:
+        h.addmm_(x.T, x)
+        return
+    edges = [k * i // blocks for i in range(blocks + 1)]
+    for i in range(blocks):
+        a = x[:, edges[i]:edges[i + 1]]
+        for j in range(i, blocks):
+            block = a.T @ x[:, edges[j]:edges[j + 1]]
+            h[edges[i]:edges[i + 1], edges[j]:edges[j + 1]] += block
+            if j != i:
+                h[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] += block.T
+
+
+def token_weights(x: torch.Tensor, sink_weight: float | None, token_cap: float | None) -> torch.Tensor:
+    """Per-token weights [B, L] for Hessians of inputs x [B, L, K], in units of the median token's energy |x|^2.
+
+    Each sequence's first token (the attention sink every later token reads) is given the weight of
+    `sink_weight` median tokens, whatever its own size; any other token weighs at most `token_cap` of them.
+    Plain GPTQ (both None) lets a sink with massive activations own the Hessian of the layer that produces
+    it, and elsewhere leaves the sink's rare input directions to absorb the error of everyone else.
+    """
+    energy = (x * x).sum(-1)
+    median = energy.median()
+    safe = torch.where(energy > 0, energy, torch.ones_like(energy))  # a zero token keeps weight 1 (it adds nothing)
+    weights = torch.ones_like(energy)
+    if token_cap is not None:
+        weights = torch.where(energy > token_cap * median, token_cap * median / safe, weights)
+    if sink_weight is not None:
+        weights[:, 0] = torch.where(energy[:, 0] > 0, sink_weight * median / safe[:, 0], 1.0)
+    return weights
 
 
 OUTPUT_ROLES = ("o", "down")  # block output modules: their inputs are what smoothing and reordering act on

@@ -1,0 +1,88 @@
+"""Hessians a block collects for GPTQ and clipping: H = 2/n X^T diag(weights) X per role."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.models.block import BlockRunner, build_block
+from quantkit.models.source import open_model
+from quantkit.passes import LayerWork
+from quantkit.passes.base import token_weights
+from quantkit.recipe import RecipeError, load_recipe
+from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+
+@pytest.fixture(scope="module")
+def block_work(tmp_path_factory):
+    path = write_synthetic_llama(tmp_path_factory.mktemp("hess") / "llama",
+                                 SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1))
+    source = open_model(path)
+    runner = BlockRunner(source, 16, batch_size=2)  # 3 sequences: chunks of 2 and 1
+    inputs = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(0))
+
+    def make(sink_weight: float | None, token_cap: float | None = None) -> LayerWork:
+        linears = {n: r for r, n in source.adapter.linear_names()}
+        return LayerWork(index=0, block=build_block(source, 0), linears=linears, specs={}, inputs=inputs,
+                         runner=runner, adapter=source.adapter, config=source.config, sink_weight=sink_weight,
+                         token_cap=token_cap)
+    return make
+
+
+def _linear_inputs(work: LayerWork) -> dict[str, torch.Tensor]:
+    """Inputs [n_seq, L, K] of the first linear of each role, captured by plain hooks."""
+    firsts: dict[str, str] = {}
+    for name, role in work.linears.items():
+        firsts.setdefault(role, name)
+    seen: dict[str, list[torch.Tensor]] = {r: [] for r in firsts}
+    work.forward({name: (lambda x, r=role: seen[r].append(x.detach().clone())) for role, name in firsts.items()})
+    return {r: torch.cat(xs) for r, xs in seen.items()}
+
+
+def test_token_weights_by_hand():
+    # energies |x|^2 of two sequences of four tokens: median 4
+    x = torch.tensor([[[10.0], [2.0], [1.0], [2.0]],
+                      [[0.0], [3.0], [2.0], [20.0]]])
+    assert torch.equal(token_weights(x, None, None), torch.ones(2, 4))
+    # first tokens count as 3 median tokens (12 = w * 100 and 0 stays 0); others as they are
+    torch.testing.assert_close(token_weights(x, 3.0, None), torch.tensor([[0.12, 1, 1, 1], [1, 1, 1, 1]]))
+    # any other token weighs at most 5 median tokens (20): the 400 becomes 20
+    torch.testing.assert_close(token_weights(x, 3.0, 5.0), torch.tensor([[0.12, 1, 1, 1], [1, 1, 1, 0.05]]))
+
+
+@pytest.mark.parametrize("sink_weight,token_cap", [(None, None), (7.0, None), (64.0, 2.0)])
+def test_hessian_is_weighted_gram_of_linear_inputs(block_work, sink_weight, token_cap):
+    work = block_work(sink_weight, token_cap)
+    xs = _linear_inputs(work)
+    y = work.collect_hessians()
+    assert torch.allclose(y, work.forward())  # the collecting pass returns the block outputs
+    for role, x in xs.items():
+        n = x.shape[0] * x.shape[1]
+        weights = torch.cat([token_weights(chunk, sink_weight, token_cap) for chunk in x.split(2)])  # per chunk
+        flat = (x * weights.sqrt().unsqueeze(-1)).reshape(n, -1)
+        expected = 2.0 / n * flat.T @ flat
+        torch.testing.assert_close(work.hessians[role], expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+        if sink_weight is not None:  # the sink's share of the trace is what it was given, whatever its size
+            energy = (x * x).sum(-1)
+            assert torch.allclose(weights[:, 0] * energy[:, 0],
+                                  sink_weight * torch.stack([c.median() for c in energy.split(2)]).repeat_interleave(
+                                      torch.tensor([2, 1])), rtol=1e-5)
+
+
+def test_token_weights_are_validated():
+    recipe = load_recipe("gptq-w4a16-g128")
+    assert recipe.calibration.sink_weight is not None  # the bundled GPTQ recipes weight the sink
+    for field in ("sink_weight", "token_cap"):
+        with pytest.raises(RecipeError, match=field):
+            load_recipe("gptq-w4a16-g128", overrides=[f"calibration.{field}=0"])
+
+
+@pytest.mark.parametrize("k,blocks", [(64, 3), (500, 2), (577, 3)])
+def test_blocked_gram_equals_full_product(k, blocks):
+    from quantkit.passes.base import add_gram_
+
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(k))
+    h = torch.ones(k, k)
+    add_gram_(h, x, blocks)
+    torch.testing.assert_close(h, 1.0 + x.T @ x, rtol=1e-5, atol=1e-3)
+    assert torch.equal(h, h.T)
