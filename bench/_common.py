@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("QUANTKIT_SHARED", REPO.parent / "shared"))
+
+
+@dataclass
+class SmolLM2Job:
+    """What every SmolLM2-135M benchmark starts from: its arguments, the shared files and the work dir."""
+
+    args: argparse.Namespace
+    model: Path  # the GGUF, dequantized by quantkit: the FP16 baseline
+    data: Path  # shared/data (eval data and calibration text)
+    c4: Path
+    work: Path
+
+
+def smollm2_job(doc: str, prefix: str) -> SmolLM2Job:
+    """Parse `--work`, `--windows` and `--only`, and check the shared model and data are present."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them "
+                        "(default: a fresh temp dir)")
+    parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--only", nargs="*", help="run only the rows with these labels")
+    args = parser.parse_args()
+    model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
+    data = need(SHARED / "data")
+    c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
+    work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return SmolLM2Job(args, model, data, c4, work)
 
 
 def need(path: Path) -> Path:

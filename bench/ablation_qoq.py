@@ -10,11 +10,7 @@ Protocol (issue #3): WikiText-2 perplexity over the first 40 windows of 2048 tok
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
-from _common import SHARED, eval_ppl, need, quantize_cached, table
+from _common import eval_ppl, quantize_cached, smollm2_job, table
 
 W4_CHANNEL = ["--set", "weights={bits: 4, symmetric: false, granularity: channel, zero_form: scaled}"]
 W4_G64 = ["--set", "weights={bits: 4, symmetric: false, granularity: group, group_size: 64, progressive: true}"]
@@ -55,16 +51,8 @@ GAP: list[tuple[str, str, list[str]]] = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them")
-    parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--only", nargs="*", help="run only the rows with these labels")
-    args = parser.parse_args()
-    model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
-    data = need(SHARED / "data")
-    c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
-    work = args.work or Path(tempfile.mkdtemp(prefix="quantkit-ablation-"))
-    work.mkdir(parents=True, exist_ok=True)
+    job = smollm2_job(__doc__, "quantkit-ablation-")
+    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
     common = ["--calib", str(c4), "--num-samples", "128", "--seq-len", "1024",
               "--set", "calibration.sampling=first", "--overwrite"]
 

@@ -8,11 +8,7 @@ Protocol (issue #2): WikiText-2 perplexity over the first 40 windows of 2048 tok
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
-from _common import SHARED, eval_ppl, manifest, need, quantize_cached, table
+from _common import eval_ppl, manifest, quantize_cached, smollm2_job, table
 
 VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
@@ -22,17 +18,8 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them "
-                        "(default: a fresh temp dir)")
-    parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--only", nargs="*", help="run only these variants")
-    args = parser.parse_args()
-    model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
-    data = need(SHARED / "data")
-    c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
-    work = args.work or Path(tempfile.mkdtemp(prefix="quantkit-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    job = smollm2_job(__doc__, "quantkit-bench-")
+    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
 
     fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
     rows = [["FP16 (GGUF dequantized)", f"{fp:.2f}", "-", "-", "-"]]
