@@ -70,12 +70,21 @@ def _recipe_digest(args: tuple[str, ...]) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+def _code_digest() -> str:
+    """sha256 over the quantkit package's Python sources: any code change invalidates cached artifacts."""
+    h = hashlib.sha256()
+    for path in sorted((REPO / "quantkit").rglob("*.py")):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
 def quantize_cached(model: Path, out: Path, *args: str) -> float:
     """`quantkit quantize MODEL -o OUT ARGS`, skipped when OUT holds a finished artifact from an earlier run
-    of the same command and recipe file (its measured wall time is kept beside it); returns wall seconds."""
+    of the same command, recipe file and quantkit code (its measured wall time is kept beside it); returns
+    wall seconds."""
     stamp = out.with_name(out.name + ".wall.json")
     cmd = ["quantize", str(model), "-o", str(out), *args]
-    key = {"cmd": cmd, "recipe_sha256": _recipe_digest(args)}
+    key = {"cmd": cmd, "recipe_sha256": _recipe_digest(args), "code_sha256": _code_digest()}
     if stamp.exists() and (out / "quantkit_manifest.json").exists():
         cached = json.loads(stamp.read_text())
         if {k: cached.get(k) for k in key} == key:

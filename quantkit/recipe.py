@@ -102,6 +102,16 @@ class EngineConfig:
     propagate: Literal["quantized", "float"] = "quantized"  # what the next block sees (GPTQ's sequential mode)
     simulate_activations: bool = True  # apply activation/KV simulation when propagating quantized outputs
     cache_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # quantize a block's roles in turn (q/k/v, o, gate/up, down), each calibrated with the earlier ones quantized,
+    # in one block forward; false: every Hessian from the unquantized block, then a second forward to propagate
+    true_sequential: bool = True
+    error_samples: int | None = 4  # calibration sequences the per-layer output error is measured on (null: all)
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if self.error_samples is not None and self.error_samples <= 0:
+            raise ValueError(f"error_samples must be positive or null, got {self.error_samples}")
 
 
 @dataclass(frozen=True)

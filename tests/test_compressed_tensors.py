@@ -88,3 +88,20 @@ def test_library_decompressor_reads_our_tensors_exactly(symmetric, granularity):
     scheme = QuantizationScheme.model_validate(group["config_groups"]["group_0"])
     out = PackedQuantizationCompressor.decompress(packer.pack(q), scheme)
     assert ct is not None and torch.equal(out["weight"], q.dequantize().half())
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1 << 20])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pack_in_row_slices_equals_library(chunk, dim):
+    """Packing works through slices of rows to bound memory; the words must not depend on the slicing."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    import quantkit.formats.compressed_tensors as ct
+
+    codes = torch.randint(-8, 8, (23, 97), generator=torch.Generator().manual_seed(chunk), dtype=torch.int8)
+    previous, ct._CHUNK = ct._CHUNK, chunk
+    try:
+        ours = pack_int32(codes, 4, dim)
+        assert torch.equal(ours, helpers.pack_to_int32(codes, 4, dim))
+        assert torch.equal(unpack_int32(ours, 4, codes.shape[dim], dim), codes)
+    finally:
+        ct._CHUNK = previous

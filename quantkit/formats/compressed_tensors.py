@@ -28,15 +28,33 @@ ROLE_PATTERNS = {
 }
 
 
+_CHUNK = 1 << 20  # codes per slice: the bit arithmetic works in uint64, 8 bytes per code
+
+
+def _row_slices(rows: int, cols: int) -> list[slice]:
+    step = max(1, _CHUNK // max(cols, 1))
+    return [slice(r, r + step) for r in range(0, rows, step)] or [slice(0, 0)]
+
+
 def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
-    """Pack signed codes [R, C] (int8, in [-2^(b-1), 2^(b-1)-1]) densely into int32 words along `dim`."""
+    """Pack signed codes [R, C] (int8, in [-2^(b-1), 2^(b-1)-1]) densely into int32 words along `dim`.
+
+    Works through slices of rows, so packing a 5632 x 2048 matrix never holds more than a few MB of uint64."""
     if codes.dtype != torch.int8 or codes.ndim != 2:
         raise ValueError("pack_int32 takes a 2-D int8 tensor of codes")
-    u = codes.numpy().astype(np.int64) + (1 << (bits - 1))
+    c = codes.numpy()
+    if dim == 0:
+        c = c.T
+    out = np.concatenate([_pack_rows(c[s], bits) for s in _row_slices(*c.shape)])
+    if dim == 0:
+        out = out.T
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def _pack_rows(c: np.ndarray, bits: int) -> np.ndarray:
+    u = c.astype(np.int64) + (1 << (bits - 1))
     if u.min(initial=0) < 0 or u.max(initial=0) >= (1 << bits):
         raise ValueError(f"codes out of range for {bits} bits")
-    if dim == 0:
-        u = u.T
     rows, cols = u.shape
     padded = -(-cols // 32) * 32
     u = np.pad(u, ((0, 0), (0, padded - cols))).reshape(rows, padded // 32, 32).astype(np.uint64)
@@ -46,22 +64,27 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
         words[:, :, word] |= (u[:, :, j] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
         if shift + bits > 32:
             words[:, :, word + 1] |= u[:, :, j] >> np.uint64(32 - shift)
-    out = words.reshape(rows, -1)[:, : -(-cols * bits // 32)].astype(np.uint32).view(np.int32)
-    if dim == 0:
-        out = out.T
-    return torch.from_numpy(np.ascontiguousarray(out))
+    return words.reshape(rows, -1)[:, : -(-cols * bits // 32)].astype(np.uint32).view(np.int32)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = 1) -> torch.Tensor:
     """Inverse of `pack_int32`: signed int8 codes with `length` elements along `dim`."""
     if packed.dtype != torch.int32 or packed.ndim != 2:
         raise ValueError("unpack_int32 takes a 2-D int32 tensor")
-    w = packed.numpy().view(np.uint32).astype(np.uint64)
+    w = packed.numpy().view(np.uint32)
     if dim == 0:
         w = w.T
+    if w.shape[1] != -(-length * bits // 32):
+        raise ValueError(f"{w.shape[1]} packed words cannot hold exactly {length} {bits}-bit values")
+    codes = np.concatenate([_unpack_rows(w[s], bits, length) for s in _row_slices(w.shape[0], length)])
+    if dim == 0:
+        codes = codes.T
+    return torch.from_numpy(np.ascontiguousarray(codes))
+
+
+def _unpack_rows(w: np.ndarray, bits: int, length: int) -> np.ndarray:
+    w = w.astype(np.uint64)
     rows, n_words = w.shape
-    if n_words != -(-length * bits // 32):
-        raise ValueError(f"{n_words} packed words cannot hold exactly {length} {bits}-bit values")
     blocks = -(-length // 32)
     w = np.pad(w, ((0, 0), (0, blocks * bits - n_words))).reshape(rows, blocks, bits)
     mask = np.uint64((1 << bits) - 1)
@@ -72,10 +95,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = 1) -> 
         if shift + bits > 32:
             v |= w[:, :, word + 1] << np.uint64(32 - shift)
         u[:, :, j] = v & mask
-    codes = u.reshape(rows, -1)[:, :length].astype(np.int64) - (1 << (bits - 1))
-    if dim == 0:
-        codes = codes.T
-    return torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8)))
+    return (u.reshape(rows, -1)[:, :length].astype(np.int64) - (1 << (bits - 1))).astype(np.int8)
 
 
 class CompressedTensorsPacker(Packer):

@@ -1,6 +1,7 @@
 """Architecture adapters: name every module by role so passes never match module-name strings.
 
-Roles per decoder block: `input_norm`, `qkv` (q, k, v), `o`, `post_attn_norm`, `gate_up` (gate, up), `down`.
+Roles per decoder block: `input_norm`, `qkv` (q, k, v), `o`, `post_attn_norm`, `gate_up` (gate, up), `down`, and
+the `attention` and `mlp` submodules; every supported block is pre-norm: x + attention(norm(x)), then h + mlp(norm(h)).
 Model-level roles: `embed`, `final_norm`, `lm_head`. Linears of one role share their input, so calibration
 statistics (Hessians, activation ranges) are collected once per role.
 """
@@ -35,7 +36,9 @@ class ArchAdapter:
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
     input_norm: str = "input_layernorm"
+    attention: str = "self_attn"
     post_attn_norm: str = "post_attention_layernorm"
+    mlp: str = "mlp"
     linears: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {
             "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

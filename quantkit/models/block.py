@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from quantkit.models.adapters import ArchAdapter
 from quantkit.models.source import ModelSource
 
 
@@ -53,3 +56,82 @@ class BlockRunner:
             y = y[0] if isinstance(y, tuple) else y
             out[start:start + self.batch_size] = y.to(out.device, out.dtype)
         return out
+
+
+class _Captured(Exception):
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def _input_of(module: nn.Module, call: Callable[[], object]) -> torch.Tensor:
+    """The input `module` receives (before any other pre-hook) when `call()` runs; the rest of the call is skipped."""
+
+    def hook(mod: nn.Module, args: tuple) -> None:
+        raise _Captured(args[0])
+
+    handle = module.register_forward_pre_hook(hook, prepend=True)
+    try:
+        call()
+    except _Captured as captured:
+        return captured.value
+    finally:
+        handle.remove()
+    raise RuntimeError(f"{type(module).__name__} was not called")
+
+
+@torch.no_grad()
+def run_by_role(
+    runner: BlockRunner, block: nn.Module, adapter: ArchAdapter, x: torch.Tensor, out: torch.Tensor,
+    role_input: Callable[[str, torch.Tensor], None], role_done: Callable[[str], None],
+) -> torch.Tensor:
+    """`runner.run(block, x, out=out)`, paused at each role's input so the role can be quantized first.
+
+    For each role in execution order (qkv, o, gate_up, down): every chunk's input of that role goes to
+    `role_input(role, input)`, then `role_done(role)` may rewrite the role's linears before the block goes on
+    (GPTQ's true-sequential mode). The module calls and chunks are those of `BlockRunner.run`, so `out` is
+    bit-identical to running the finished block. Holds three float32 buffers of the whole cache on its
+    device: the attention output, the mid-block residual and the MLP hidden state ((2 H + I) / H times `x`).
+    `out` may be `x`.
+    """
+    norm1, attn = block.get_submodule(adapter.input_norm), block.get_submodule(adapter.attention)
+    norm2, mlp = block.get_submodule(adapter.post_attn_norm), block.get_submodule(adapter.mlp)
+    o_proj, down = block.get_submodule(adapter.o_proj), block.get_submodule(adapter.down_proj)
+    chunks = [slice(s, s + runner.batch_size) for s in range(0, x.shape[0], runner.batch_size)]
+
+    def load(t: torch.Tensor, s: slice) -> torch.Tensor:
+        return t[s].to(runner.device, torch.float32)
+
+    def attention(s: slice) -> object:  # called exactly as the decoder layers call it
+        return attn(hidden_states=norm1(load(x, s)), attention_mask=runner.mask, position_ids=None,
+                    past_key_values=None, use_cache=False, position_embeddings=runner.position_embeddings)
+
+    def stored(t: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.empty(*x.shape[:-1], width, dtype=torch.float32, device=x.device) if t is None else t
+
+    for s in chunks:
+        role_input("qkv", norm1(load(x, s)))
+    role_done("qkv")
+    attn_out = None
+    for s in chunks:
+        a = _input_of(o_proj, lambda s=s: attention(s))
+        role_input("o", a)
+        attn_out = stored(attn_out, a.shape[-1])
+        attn_out[s] = a.to(x.device)
+    role_done("o")
+    mid = stored(None, x.shape[-1])
+    for s in chunks:
+        h = load(x, s) + o_proj(load(attn_out, s))
+        mid[s] = h.to(x.device)
+        role_input("gate_up", norm2(h))
+    del attn_out
+    role_done("gate_up")
+    hidden = None
+    for s in chunks:
+        d = _input_of(down, lambda s=s: mlp(norm2(load(mid, s))))
+        role_input("down", d)
+        hidden = stored(hidden, d.shape[-1])
+        hidden[s] = d.to(x.device)
+    role_done("down")
+    for s in chunks:
+        out[s] = (load(mid, s) + down(load(hidden, s))).to(out.device, out.dtype)
+    return out

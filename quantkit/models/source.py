@@ -129,7 +129,7 @@ class ModelSource:
             except (OSError, RuntimeError) as exc:
                 raise ModelError(f"{file}: cannot read tensors ({exc})") from None
         for name, t in out.items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if t.is_floating_point() and not _all_finite(t):
                 bad = (~torch.isfinite(t)).sum().item()
                 raise ModelError(f"{self.origin}: tensor {name!r} has {bad} NaN/Inf values; refusing to quantize it")
         return out
@@ -142,6 +142,12 @@ class ModelSource:
 
     def non_layer_names(self) -> list[str]:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """torch.isfinite(t).all() in slices, so checking an embedding never allocates a mask of its size."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def open_model(spec: str | os.PathLike, trust_remote_code: bool = False, cache_dir: Path | None = None) -> ModelSource:

@@ -133,30 +133,45 @@ class LayerWork:
     def collect_hessians(self) -> torch.Tensor:
         """H = 2/n X^T X of the first linear of each quantized role, in one pass over the calibration inputs,
         tokens weighted as `token_weights` says; returns the block outputs of that pass."""
-        firsts = {}
+        firsts: dict[str, str] = {}
         for name, role in self.linears.items():
             firsts.setdefault(role, name)
-        sums: dict[str, torch.Tensor] = {}
-        counts = dict.fromkeys(firsts, 0)
+        acc = self.hessian_accumulator()
+        out = self.forward({name: (lambda x, role=role: acc.add(role, x)) for role, name in firsts.items()})
+        self.hessians.update(acc.finish())
+        return out
 
-        def hook(role: str) -> Callable[[torch.Tensor], None]:
-            def fn(x: torch.Tensor) -> None:
-                x = x.float()
-                flat = x.reshape(-1, x.shape[-1])
-                if role not in sums:
-                    sums[role] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
-                add_gram_(sums[role], flat)
-                if self.sink_weight is not None or self.token_cap is not None:
-                    # reweighting touches few tokens: add (w - 1) x x^T for those instead of scaling a copy of X
-                    extra = token_weights(x, self.sink_weight, self.token_cap).reshape(-1) - 1.0
-                    few = extra.nonzero().squeeze(1)
-                    sums[role].addmm_(flat[few].T * extra[few], flat[few])
-                counts[role] += flat.shape[0]
-            return fn
+    def hessian_accumulator(self) -> HessianAccumulator:
+        """An accumulator with this recipe's token weighting."""
+        return HessianAccumulator(self.sink_weight, self.token_cap)
 
-        out = self.forward({name: hook(role) for role, name in firsts.items()})
-        for role, h in sums.items():
-            self.hessians[role] = h.mul_(2.0 / counts[role])
+
+class HessianAccumulator:
+    """Accumulates H = 2/n sum_t w_t x_t x_t^T per role from input chunks [B, L, K] (float32)."""
+
+    def __init__(self, sink_weight: float | None = None, token_cap: float | None = None):
+        self.sink_weight, self.token_cap = sink_weight, token_cap
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, role: str, x: torch.Tensor) -> None:
+        x = x.float()
+        flat = x.reshape(-1, x.shape[-1])
+        if role not in self.sums:
+            self.sums[role] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+            self.counts[role] = 0
+        add_gram_(self.sums[role], flat)
+        if self.sink_weight is not None or self.token_cap is not None:
+            # reweighting touches few tokens: add (w - 1) x x^T for those instead of scaling a copy of X
+            extra = token_weights(x, self.sink_weight, self.token_cap).reshape(-1) - 1.0
+            few = extra.nonzero().squeeze(1)
+            self.sums[role].addmm_(flat[few].T * extra[few], flat[few])
+        self.counts[role] += flat.shape[0]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The Hessians by role (the accumulator is emptied)."""
+        out = {role: h.mul_(2.0 / self.counts[role]) for role, h in self.sums.items()}
+        self.sums, self.counts = {}, {}
         return out
 
 
@@ -226,5 +241,13 @@ class Pass:
     def prepare(self, edges: ModelEdges, config: Any) -> None:
         """Rewrite the model-level tensors (embeddings, final norm, lm_head) before any block runs."""
 
-    def run(self, work: LayerWork) -> None:  # pragma: no cover - interface
+    def run(self, work: LayerWork) -> None:
+        """Transform the block, or (quantizers) quantize all its target linears."""
+        if not self.quantizes:  # pragma: no cover - interface
+            raise NotImplementedError
+        self.quantize(work, list(work.specs))
+
+    def quantize(self, work: LayerWork, names: list[str]) -> None:  # pragma: no cover - interface
+        """Quantizers: put the named linears' results into `work.results`, reading only their own statistics, so
+        the engine may quantize a block role by role."""
         raise NotImplementedError

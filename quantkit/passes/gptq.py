@@ -44,15 +44,24 @@ class GPTQ(Pass):
     quantizes = True
     needs_hessian = True
 
-    def run(self, work: LayerWork) -> None:
-        for name, spec in work.specs.items():
-            w = work.weight(name).detach().float()
-            result, damp, loss = gptq_quantize(w, work.hessian(name), spec, self.config, work.scale_dtype,
-                                               clip=work.clip.get(name))
-            work.results[name] = result
-            work.metrics[f"{name}.gptq_loss"] = loss
-            if damp != self.config.damp:
-                work.notes.append(f"{name}: Cholesky failed at damp {self.config.damp:g}, used {damp:g}")
+    def quantize(self, work: LayerWork, names: list[str]) -> None:
+        """Quantize `names`, factoring each role's Hessian once for all its linears; the Hessians are consumed
+        (factored in place, then dropped from `work`) to keep one K x K buffer pair alive at a time."""
+        by_role: dict[str, list[str]] = {}
+        for name in names:
+            by_role.setdefault(work.linears[name], []).append(name)
+        for role, members in by_role.items():
+            work.hessian(members[0])  # collected on first use
+            factor = factor_hessian(work.hessians.pop(role), self.config, consume=True)
+            for name in members:
+                w = work.weight(name).detach().float()
+                result, loss = gptq_with_factor(w, factor, work.specs[name], self.config, work.scale_dtype,
+                                                clip=work.clip.get(name))
+                work.results[name] = result
+                work.metrics[f"{name}.gptq_loss"] = loss
+            if factor.damp != self.config.damp:
+                work.notes.append(f"{', '.join(members)}: Cholesky failed at damp {self.config.damp:g}, "
+                                  f"used {factor.damp:g}")
 
 
 def _qparams(w: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype) -> QParams:
@@ -76,38 +85,154 @@ def _sweep_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp I)^-1, escalating the damping until it factorizes."""
-    mean_diag = torch.mean(torch.diag(h)).item()
+@dataclass
+class HessianFactor:
+    """What GPTQ needs from a Hessian, shared by every linear that reads the same input: the upper Cholesky
+    factor of (H + damp I)^-1 in visiting order, that order (act-order) or None, the dead (never active) input
+    columns, and the damping used (relative to mean diag H)."""
+
+    upper: torch.Tensor
+    perm: torch.Tensor | None
+    dead: torch.Tensor
+    damp: float
+
+
+def factor_hessian(h: torch.Tensor, config: GPTQConfig, consume: bool = False) -> HessianFactor:
+    """Factor H [K, K] for GPTQ. With `consume`, H's own buffer becomes the factor: on the CPU nothing else of
+    size K x K is allocated (the down_proj Hessian of a 70B model is 3.3 GB in float32)."""
+    if not consume:
+        h = h.clone()
+    diag = h.diagonal()
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = None
+    if config.act_order:
+        perm = torch.argsort(diag, descending=True, stable=True)
+        _permute_symmetric_(h, perm)
+    if h.device.type == "cpu" and h.dtype == torch.float32:
+        upper, damp = _inverse_cholesky_lapack(h, config)
+    else:
+        upper, damp = _inverse_cholesky(h, config)
+    return HessianFactor(upper, perm, dead, damp)
+
+
+def _permute_symmetric_(h: torch.Tensor, perm: torch.Tensor, block: int = 256) -> None:
+    """h <- h[perm][:, perm] in place: rows by following the permutation's cycles (one row of scratch), then
+    the columns of each block of rows (a block of scratch). Off the CPU, with a full temporary."""
+    if h.device.type != "cpu":
+        h.copy_(h.index_select(0, perm).index_select(1, perm))
+        return
+    order = perm.tolist()
+    seen = [False] * len(order)
+    for start, target in enumerate(order):
+        if seen[start] or target == start:
+            continue
+        saved = h[start].clone()
+        j = start
+        while order[j] != start:  # new row j = old row order[j], along the cycle through `start`
+            seen[j] = True
+            h[j] = h[order[j]]
+            j = order[j]
+        seen[j] = True
+        h[j] = saved
+    for start in range(0, h.shape[0], block):
+        h[start:start + block] = h[start:start + block].index_select(1, perm)
+
+
+def _inverse_cholesky_lapack(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp I)^-1 computed inside H's buffer by LAPACK (scipy: potrf, potri,
+    potrf), escalating the damping until it factorizes; returns a view of that buffer.
+
+    LAPACK works on the upper triangle of the column-major view of `h`, which is `h`'s lower triangle; `h`'s
+    upper triangle keeps H for a retry until the last step succeeds.
+    """
+    from scipy.linalg import lapack
+
+    a = h.numpy().T  # column-major view of the same buffer (H is symmetric)
+    diag = h.diagonal().clone()
+    mean_diag = diag.mean().item()
     damp = config.damp
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     while True:
-        chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        h.diagonal().copy_(diag + damp * mean_diag)
+        c, info = lapack.spotrf(a, lower=0, overwrite_a=1, clean=0)
         if info == 0:
-            # cholesky_solve, not cholesky_inverse: MKL's potri is ~40x slower on AMD CPUs (14 s at K = 1536)
-            hinv = torch.cholesky_solve(eye, chol)
-            upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if info == 0:
-                return upper, damp
+            c, info = lapack.spotri(c, lower=0, overwrite_c=1)
+        if info == 0:
+            c, info = lapack.spotrf(c, lower=0, overwrite_a=1, clean=0)
+        if info == 0:
+            return _zero_lower_(torch.from_numpy(c)), damp  # shares h's buffer unless LAPACK had to copy
         if damp * 10 > config.max_damp:
             raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp:g}")
+        upper_h = torch.triu(h, 1)
+        h.copy_(upper_h + upper_h.T)  # rare: restore H from the untouched triangle, then retry
         damp *= 10
+
+
+def _zero_lower_(u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Zero the strict lower triangle of `u` in place, a block of rows at a time (no K x K mask)."""
+    cols = torch.arange(u.shape[1], device=u.device)
+    for start in range(0, u.shape[0], block):
+        rows = u[start:start + block]
+        rows.masked_fill_(cols < torch.arange(start, start + rows.shape[0], device=u.device)[:, None], 0.0)
+    return u
+
+
+def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp I)^-1 with torch (any device), escalating the damping until it
+    factorizes. Overwrites `h` (its buffer holds (H + damp I)^-1 on the way)."""
+    mean_diag = torch.mean(torch.diagonal(h)).item()
+    damp = config.damp
+    h.diagonal().add_(damp * mean_diag)
+    while True:
+        chol, info = torch.linalg.cholesky_ex(h)
+        if info == 0:
+            _cholesky_inverse(chol, out=h)
+            del chol
+            upper, info = torch.linalg.cholesky_ex(h, upper=True)
+            if info == 0:
+                return upper, damp
+            h.copy_(torch.linalg.inv(h))  # rare: back to H + damp I, to retry with more damping
+        if damp * 10 > config.max_damp:
+            raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp:g}")
+        h.diagonal().add_(9 * damp * mean_diag)
+        damp *= 10
+
+
+def _cholesky_inverse(chol: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """(L L^T)^-1 into `out` from its Cholesky factor L, as L^-T (L^-1 E) against a block of identity columns at
+    a time: no K x K identity, and triangular solves never copy L (cholesky_solve copies it on every call;
+    MKL's potri, behind cholesky_inverse, is ~40x slower on AMD CPUs: 14 s at K = 1536)."""
+    k = chol.shape[0]
+    for start in range(0, k, block):
+        stop = min(start + block, k)
+        rhs = torch.zeros(k, stop - start, dtype=chol.dtype, device=chol.device)
+        rhs[start:stop].fill_diagonal_(1.0)
+        y = torch.linalg.solve_triangular(chol, rhs, upper=False)
+        out[:, start:stop] = torch.linalg.solve_triangular(chol.mT, y, upper=True)
+    return out
 
 
 def gptq_quantize(
     w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype,
     clip: torch.Tensor | float | None = None,
 ) -> tuple[QuantizedLinear, float, float]:
-    """Quantize `w` [N, K] with Hessian [K, K]; returns the result, the damping used, and GPTQ's loss.
+    """Quantize `w` [N, K] with Hessian [K, K] (left unchanged); returns the result, the damping used, and
+    GPTQ's loss. `clip` (per group, from a clipping search) fixes the static parameters' clip ratios instead
+    of the observer."""
+    factor = factor_hessian(hessian, config)
+    result, loss = gptq_with_factor(w, factor, spec, config, scale_dtype, clip)
+    return result, factor.damp, loss
 
-    `clip` (per group, from a clipping search) fixes the static parameters' clip ratios instead of the observer.
-    """
-    w = w.clone()
+
+def gptq_with_factor(
+    w: torch.Tensor, factor: HessianFactor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype,
+    clip: torch.Tensor | float | None = None,
+) -> tuple[QuantizedLinear, float]:
+    """GPTQ's column sweep of `w` [N, K] against a factored Hessian; returns the result and GPTQ's loss."""
     n, k = w.shape
-    h = hessian.clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    if factor.dead.any():
+        w = w.clone()
+        w[:, factor.dead] = 0.0
     gs = spec.columns_per_group(k)
     grouped = spec.granularity == "group"
 
@@ -118,15 +243,11 @@ def gptq_quantize(
     elif spec.progressive or spec.zero_form != "integer":
         raise ValueError("GPTQ with dynamic groups supports plain integer zeros only; set static_groups=true")
 
-    perm = None
-    if config.act_order:
-        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
-        w = w[:, perm]
-        h = h[perm][:, perm]
-    hinv, damp = _inverse_cholesky(h, config)
-
+    perm, hinv = factor.perm, factor.upper
     dev = w.device
-    wt = w.T.contiguous()  # [K, N]: the sweep walks columns of w, each a contiguous row here
+    # [K, N] in visiting order: the sweep walks columns of w, each a contiguous row here (a copy, never `w`)
+    wt = w.T.index_select(0, perm) if perm is not None else w.T.clone(memory_format=torch.contiguous_format)
+    del w
     codes_t = torch.zeros(k, n, dtype=torch.int8, device=dev)
     dynamic: list[QParams] = []  # per-group params found during the sweep (dynamic groups)
     g_idx = torch.arange(k, device=dev) // gs  # group of each column, in original column order
@@ -138,7 +259,7 @@ def gptq_quantize(
             i2 = min(i1 + config.block_size, k)
             w1 = wt[i1:i2]  # updated in place; these rows are not read again after the block
             err1 = torch.zeros(i2 - i1, n, device=dev)
-            h1 = hinv[i1:i2, i1:i2]
+            h1 = hinv[i1:i2, i1:i2].contiguous()  # the factor may be a column-major view
             for i in range(i2 - i1):
                 col = i1 + i
                 if static is not None:
@@ -169,4 +290,4 @@ def gptq_quantize(
         qparams = dynamic[0].map(lambda f, t: torch.cat([getattr(d, f) for d in dynamic], dim=1))
         qparams.group_size = gs
         g_idx_out = None if torch.equal(g_idx, torch.arange(k, device=dev) // gs) else g_idx
-    return QuantizedLinear(codes, qparams, spec, g_idx_out), damp, float(loss.sum())
+    return QuantizedLinear(codes, qparams, spec, g_idx_out), float(loss.sum())

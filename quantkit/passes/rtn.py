@@ -20,8 +20,9 @@ class RTN(Pass):
     Config = RTNConfig
     quantizes = True
 
-    def run(self, work: LayerWork) -> None:
-        for name, spec in work.specs.items():
+    def quantize(self, work: LayerWork, names: list[str]) -> None:
+        for name in names:
+            spec = work.specs[name]
             w = work.weight(name).detach().float()
             qp = compute_qparams(w, spec, work.scale_dtype, clip_ratio=work.clip.get(name))
             work.results[name] = QuantizedLinear(quantize(w, qp, spec), qp, spec)
