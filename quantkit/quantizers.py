@@ -17,6 +17,11 @@ Two variants serve kernels whose dequantization differs from (q - zero) * scale:
   and an integer zero; w_hat = ((q - zero) * s2) * s1, where (q - zero) * s2 must be an INT8 value. `scale`
   holds s1 * s2 (exact in fp32), and per-group code bounds keep (q - zero) * s2 inside [-128, 127] even for
   the error-updated weights GPTQ feeds in.
+  With `level2="lqq"` it is LiquidQuant's form instead: level 1 rounds to INT8 x8 = clamp(round(w / s1), -P, P);
+  per group, min8 = min x8, an integer step s2 = clamp(round((max8 - min8) / 15), 1, 16) and unsigned codes
+  u = round((x8 - min8) / s2), so w_hat = (u * s2 + min8) * s1. The kernel computes u * s2 + (128 + min8) in
+  one byte lane and flips bit 7; the per-group code bound u <= (127 - min8) // s2 keeps that lane <= 255.
+  `offset` holds min8, and the float form (u * (s1 * s2) + min8 * s1) is exact in fp32.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class QuantSpec:
     zero_form: Literal["integer", "scaled"] = "integer"
     progressive: bool = False  # QoQ two-level: INT8 per channel (protective range), integer group params
     protective_range: int = 119
+    level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ zero point, or LiquidQuant offset
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -60,6 +66,11 @@ class QuantSpec:
                 raise ValueError("progressive quantization needs per-channel level-1 scales, not per tensor")
             if not 1 <= self.protective_range <= 127:
                 raise ValueError(f"protective_range must be in 1..127, got {self.protective_range}")
+        if self.level2 not in ("qoq", "lqq"):
+            raise ValueError(f"level2 must be 'qoq' or 'lqq', got {self.level2!r}")
+        if self.level2 == "lqq" and not (self.progressive and self.bits == 4):
+            raise ValueError("level2 'lqq' (LiquidQuant) is a form of 4-bit progressive quantization: set "
+                             "progressive=true and bits=4")
 
     @property
     def qmin(self) -> int:
@@ -92,9 +103,10 @@ class QParams:
     code_lo: torch.Tensor | None = None
     code_hi: torch.Tensor | None = None
     protect: int | None = None
-    code_offset: int = 0  # scaled zero form: signed code + offset = the unsigned code the kernel multiplies
+    code_offset: int = 0  # scaled zero / LQQ: signed code + offset = the unsigned code the kernel multiplies
+    offset: torch.Tensor | None = None  # LQQ: the group's INT8 minimum [N, G] (integers in float32)
 
-    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi")
+    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi", "offset")
 
     def map(self, fn) -> QParams:
         """A copy with `fn` applied to every tensor field (e.g. a device move or a where-select)."""
@@ -149,6 +161,8 @@ def _progressive_qparams(
     amax = w32.abs().amax(dim=1, keepdim=True)
     s1 = (amax / p).to(scale_dtype).float()
     s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
+    if spec.level2 == "lqq":
+        return _lqq_qparams(w32, s1, spec, clip, gs)
     x = (w32 / s1).clamp(-p, p).reshape(n, k // gs, gs)
     lo = x.amin(dim=-1).clamp(max=0) * clip
     hi = x.amax(dim=-1).clamp(min=0) * clip
@@ -160,6 +174,24 @@ def _progressive_qparams(
     return QParams(
         scale=s1 * s2, zero=(z_u + spec.qmin).to(torch.int32), group_size=gs, s1=s1, s2=s2,
         code_lo=code_lo.to(torch.int32), code_hi=code_hi.to(torch.int32), protect=p,
+    )
+
+
+def _lqq_qparams(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, clip: float | torch.Tensor, gs: int
+                 ) -> QParams:
+    """LiquidQuant level 2 on the INT8 level-1 values: integer step 1..16 and offset min8 per group."""
+    n, k = w.shape
+    p = spec.protective_range
+    x8 = torch.round(w / s1).clamp(-p, p).reshape(n, k // gs, gs)
+    lo = torch.round(x8.amin(dim=-1) * clip)  # a clip ratio narrows the group's integer range
+    hi = torch.round(x8.amax(dim=-1) * clip)
+    levels = spec.qmax - spec.qmin
+    s2 = torch.round((hi - lo) / levels).clamp(1, 16)
+    u_hi = torch.minimum(torch.floor((127 - lo) / s2), torch.full_like(lo, levels))
+    return QParams(
+        scale=s1 * s2, zero=None, group_size=gs, s1=s1, s2=s2, offset=lo,
+        code_lo=torch.full_like(lo, spec.qmin).to(torch.int32), code_hi=(u_hi + spec.qmin).to(torch.int32),
+        protect=p, code_offset=-spec.qmin,
     )
 
 
@@ -232,7 +264,10 @@ def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
     """Float codes of `w`; `ex` broadcasts a per-group field to `w`'s shape."""
     if qp.s1 is not None:
         x = (w / qp.s1.to(w.device).reshape(-1, *([1] * (w.ndim - 1)))).clamp(-qp.protect, qp.protect)
-        q = torch.round(x / ex(qp.s2)) + ex(qp.zero)
+        if qp.offset is not None:  # LQQ: unsigned codes of the INT8 values above the group minimum
+            q = torch.round((torch.round(x) - ex(qp.offset)) / ex(qp.s2)) - qp.code_offset
+        else:
+            q = torch.round(x / ex(qp.s2)) + ex(qp.zero)
         return torch.maximum(torch.minimum(q, ex(qp.code_hi).float()), ex(qp.code_lo).float())
     if qp.szero is not None:
         q = torch.round((w + ex(qp.szero)) / ex(qp.scale)) - qp.code_offset
@@ -244,6 +279,9 @@ def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
 
 
 def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
+    if qp.offset is not None:  # LQQ: (u * s2 + min8) * s1, as u * (s1 * s2) + min8 * s1 (both exact)
+        s1 = qp.s1.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
+        return (q + qp.code_offset) * ex(qp.scale) + ex(qp.offset) * s1
     if qp.szero is not None:  # unsigned-domain codes times scale, minus the fp16 scaled zero
         return (q + qp.code_offset) * ex(qp.scale) - ex(qp.szero)
     if qp.zero is not None:

@@ -37,12 +37,14 @@ class WeightConfig:
     zero_form: Literal["integer", "scaled"] = "integer"  # "scaled": fp16 scale*zero (QServe per-channel)
     progressive: bool = False  # QoQ two-level: INT8 per channel, then integer group scales (QServe g128)
     protective_range: int = 119  # level-1 INT8 clamp of progressive quantization
+    level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ's zero point, or LiquidQuant's offset
 
     def spec(self, granularity: str | None = None) -> QuantSpec:
         granularity = granularity or self.granularity
+        progressive = self.progressive and granularity == "group"
         return QuantSpec(self.bits, self.symmetric, granularity, self.group_size, self.clip_ratio,
-                         zero_form=self.zero_form, progressive=self.progressive and granularity == "group",
-                         protective_range=self.protective_range)
+                         zero_form=self.zero_form, progressive=progressive,
+                         protective_range=self.protective_range, level2=self.level2 if progressive else "qoq")
 
     def __post_init__(self) -> None:
         self.spec()  # range checks live in QuantSpec

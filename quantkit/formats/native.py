@@ -4,7 +4,8 @@ Tensors per linear, named relative to the module:
 - `weight_codes` int8 [N, K]: the signed codes, natural column order;
 - `weight_<field>` for every QParams tensor field that is set, in the dtype quantkit holds it (no rounding):
   `weight_scale` fp32 [N or 1, G], `weight_zero` int32 [N, G], `weight_szero` fp32 [N, G], `weight_s1` fp32
-  [N, 1], `weight_s2` fp32 [N, G] (integers), `weight_code_lo` / `weight_code_hi` int32 [N, G];
+  [N, 1], `weight_s2` fp32 [N, G] (integers), `weight_code_lo` / `weight_code_hi` int32 [N, G],
+  `weight_offset` fp32 [N, G] (LiquidQuant's group minimum, integers);
 - `weight_g_idx` [K] (the column -> group map) when the columns were permuted;
 - `weight_meta` int64 [4]: (layout version 1, group_size, protect or -1 when unset, code_offset).
 No inference engine reads this format; it exists for research and for shapes or schemes no engine format

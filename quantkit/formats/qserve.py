@@ -48,7 +48,7 @@ Variant = Literal["channel", "group"]
 def _describe(spec: QuantSpec) -> str:
     """The spec fields that decide whether QServe can store it."""
     return (f"bits={spec.bits}, symmetric={spec.symmetric}, granularity={spec.granularity}, "
-            f"zero_form={spec.zero_form}, progressive={spec.progressive}")
+            f"zero_form={spec.zero_form}, progressive={spec.progressive}, level2={spec.level2}")
 
 
 def variant(spec: QuantSpec) -> Variant | None:
@@ -57,7 +57,7 @@ def variant(spec: QuantSpec) -> Variant | None:
         return None
     if spec.granularity == "channel" and spec.zero_form == "scaled" and not spec.progressive:
         return "channel"
-    if spec.granularity == "group" and spec.progressive:
+    if spec.granularity == "group" and spec.progressive and spec.level2 == "qoq":
         return "group"
     return None
 

@@ -1,0 +1,126 @@
+"""LiquidQuant: two-level quantization with an integer step and offset, and the kernel's IMAD + XOR lanes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit.formats.liquidquant import lane_dequant, pack_register
+from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, quantize, quantize_column
+
+LQQ = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=240, progressive=True, level2="lqq")
+
+
+def _all_groups() -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """One row per (min8, max8) pair with -119 <= min8 <= max8 <= 119 (28,680 rows): group 0 pins the level-1
+    scale to exactly 1 (it holds -119 and 119), group 1 holds every integer of [min8, max8]."""
+    lo, hi = np.triu_indices(239)
+    lo, hi = lo - 119, hi - 119
+    span = np.arange(240)
+    group = np.minimum(lo[:, None] + span, hi[:, None])  # min8, min8 + 1, ..., max8, max8, ...
+    pin = np.tile(np.r_[-119, 119, np.zeros(238)], (len(lo), 1))
+    return torch.from_numpy(np.concatenate([pin, group], axis=1)).float(), lo, hi
+
+
+@pytest.fixture(scope="module")
+def every_group():
+    w, lo, hi = _all_groups()
+    qp = compute_qparams(w, LQQ)
+    assert torch.equal(qp.s1, torch.ones_like(qp.s1))
+    return w, lo, hi, qp, quantize(w, qp, LQQ)
+
+
+def test_parameters_of_every_group(every_group):
+    """Step = round(range / 15) within 1..16 and offset = min8, as the paper's Eq. 7 (round to nearest)."""
+    _, lo, hi, qp, _ = every_group
+    s = qp.s2[:, 1].numpy()
+    assert np.array_equal(s, np.clip(np.round((hi - lo) / 15), 1, 16))
+    assert np.array_equal(qp.offset[:, 1].numpy(), lo)
+    assert s.max() == 16 and s.min() == 1
+
+
+def test_no_lane_overflows_for_any_group_or_code(every_group):
+    """Every code the quantizer may emit (0 up to the group's code bound), in every lane of a register next to
+    lanes at that bound, dequantizes through the modelled IMAD + XOR to exactly u * s + min8: no lane ever
+    carries into its neighbour, whatever GPTQ's error updates push a weight to."""
+    _, lo, _, qp, _ = every_group
+    s = qp.s2[:, 1].numpy().astype(np.int64)
+    u_hi = (qp.code_hi[:, 1] + 8).numpy().astype(np.int64)
+    assert np.array_equal(u_hi, np.minimum(15, (127 - lo) // s))
+    assert (u_hi * s + 128 + lo <= 255).all()
+    u = np.minimum(np.arange(16)[None, :], u_hi[:, None])  # [pairs, 16]: every admissible code
+    top = np.broadcast_to(u_hi[:, None, None], (*u.shape, 4))
+    for lane in range(4):
+        low = top.copy()
+        low[..., lane] = u
+        words = pack_register(low, top)
+        lo_lanes, hi_lanes = lane_dequant(words, s[:, None], (128 + lo)[:, None])
+        assert np.array_equal(lo_lanes[..., lane], (u * s[:, None] + lo[:, None]).astype(np.int8))
+        assert np.array_equal(hi_lanes, (top * s[:, None, None] + lo[:, None, None]).astype(np.int8))
+        assert np.array_equal(lo_lanes.astype(np.int64), low * s[:, None, None] + lo[:, None, None])
+
+
+def test_every_value_of_every_group_round_trips_within_eight(every_group):
+    """Each INT8 value x of [min8, max8] gets a code within the bound, and the kernel's byte lies in
+    [min8, 127] (never -128). The error is at most s/2 where the top value rounds to a code <= 15 (the paper's
+    proof), and at most 8 where rounding the step down makes code 15 clamp (8,484 groups, as the digest's
+    independent count says)."""
+    w, lo, hi, qp, codes = every_group
+    u = codes[:, 240:].numpy().astype(np.int64) + 8
+    assert (u >= 0).all() and (u <= (qp.code_hi[:, 1:2] + 8).numpy()).all()
+    s = qp.s2[:, 1:2].numpy().astype(np.int64)
+    lanes = u * s + lo[:, None]
+    err = np.abs(lanes - w[:, 240:].numpy())
+    spans = np.round((hi - lo) / s[:, 0]) <= 15  # code 15 needs no clamp
+    assert (err[spans] <= s[spans] / 2).all()
+    assert err.max() == 8 and (~spans).sum() == 8484
+    assert (lanes >= lo[:, None]).all() and (lanes <= 127).all()
+    assert np.array_equal(dequantize(codes, qp)[:, 240:].numpy(), lanes)  # float path == integer path
+
+
+def test_paper_overflow_example():
+    """LiquidGEMM §4: Q_u4 = 15, max 119, min -104: s = round(223 / 15) = 15, and 225 - 104 = 121 must come
+    out; the naive UINT8 sum 225 + (-104) wraps, the XOR form does not."""
+    lo, hi = lane_dequant(pack_register([15, 0, 0, 0], [0, 0, 0, 0]), 15, 128 - 104)
+    assert lo[0] == 121 and lo[1] == -104 and hi[0] == -104
+
+
+def test_dequant_is_exact_two_level_product():
+    """w_hat = (u * s + min8) * s1 in fp32 exactly, for random weights and fp16 level-1 scales."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g)
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=64, progressive=True, level2="lqq")
+    qp = compute_qparams(w, spec)
+    codes = quantize(w, qp, spec)
+    u = (codes.double() + 8).reshape(64, 4, 64)
+    int8 = u * qp.s2.double()[..., None] + qp.offset.double()[..., None]
+    expected = (int8.reshape(64, 256) * qp.s1.double()).float()
+    assert torch.equal(dequantize(codes, qp), expected)
+    assert int8.min() >= -119 and int8.max() <= 127
+
+
+def test_code_bound_keeps_the_lane_in_a_byte_beyond_the_protective_range():
+    """With the protective range 119 a code never needs the bound (round((119 - min8) / s) <= (127 - min8) / s
+    since s <= 16). At 127 it does: group [89, 127] has s = 3 and 127 rounds to code 13, whose lane
+    13 * 3 + 128 + 89 = 256 would carry; the bound holds it at 12 (lane 253), also in GPTQ's column step."""
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=8, progressive=True,
+                     protective_range=127, level2="lqq")
+    w = torch.tensor([[127.0, 89, 100, 110, 120, 127, 89, 89]])
+    qp = compute_qparams(w, spec)
+    assert qp.s1.item() == 1 and qp.s2.item() == 3 and qp.offset.item() == 89
+    assert qp.code_hi.item() + 8 == 12
+    codes = quantize(w, qp, spec)
+    assert codes[0, 0].item() + 8 == 12
+    assert dequantize(codes, qp)[0, 0].item() == 12 * 3 + 89
+    lanes, _ = lane_dequant(pack_register([12, 0, 0, 0], [0, 0, 0, 0]), 3, 128 + 89)
+    assert lanes[0] == 125
+    q, deq = quantize_column(torch.tensor([127.0]), qp, 0, spec)
+    assert q.item() + 8 == 12 and deq.item() == 125
+
+
+def test_lqq_needs_progressive_four_bits():
+    with pytest.raises(ValueError, match="progressive"):
+        QuantSpec(bits=4, symmetric=False, granularity="group", level2="lqq")
+    with pytest.raises(ValueError, match="level2"):
+        QuantSpec(bits=4, symmetric=False, granularity="group", progressive=True, level2="qserve")
