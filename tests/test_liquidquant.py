@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from helpers import cli_ok
 
-from quantkit.formats.liquidquant import lane_dequant, pack_register
+from quantkit.eval.loading import load_for_eval
+from quantkit.formats.base import ExportError
+from quantkit.formats.liquidquant import (
+    COLS,
+    ROWS,
+    LiquidQuantPacker,
+    lane_dequant,
+    pack_codes,
+    pack_register,
+    register_rows,
+    registers,
+    unpack_codes,
+)
+from quantkit.passes.base import QuantizedLinear
 from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, quantize, quantize_column
+from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
 LQQ = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=240, progressive=True, level2="lqq")
 
@@ -124,3 +141,92 @@ def test_lqq_needs_progressive_four_bits():
         QuantSpec(bits=4, symmetric=False, granularity="group", level2="lqq")
     with pytest.raises(ValueError, match="level2"):
         QuantSpec(bits=4, symmetric=False, granularity="group", progressive=True, level2="qserve")
+
+
+G64 = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=64, progressive=True, level2="lqq")
+
+
+def _quantized(n: int = 128, k: int = 192, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) + 0.3 * torch.randn(n, 1, generator=g)
+    qp = compute_qparams(w, G64)
+    return QuantizedLinear(quantize(w, qp, G64), qp, G64)
+
+
+def test_block_layout_by_hand():
+    """Thread 0's first register: byte b holds row 0, column b (low nibble) and column 16 + b (high); its
+    second register the same for row 8; thread 5 (gid 1, tig 1) starts at row 1, column 4. The map is a
+    bijection onto the 64 x 64 block."""
+    assert [(ROWS[b, 0], COLS[b, 0], COLS[b, 1]) for b in range(4)] == [(0, b, 16 + b) for b in range(4)]
+    assert (ROWS[4, 0], COLS[4, 0]) == (8, 0)
+    assert (ROWS[8, 0], COLS[8, 0], COLS[8, 1]) == (0, 32, 48)  # register 2: the second MMA's K half
+    assert (ROWS[16 * 5, 0], COLS[16 * 5, 0]) == (1, 4)
+    assert (ROWS[16 * 32, 0]) == 16  # warp 1 starts at row 16
+    cells = {(r, c) for r, c in zip(ROWS.ravel(), COLS.ravel(), strict=True)}
+    assert len(cells) == 64 * 64
+    u = np.random.default_rng(0).integers(0, 16, (128, 192))
+    assert np.array_equal(unpack_codes(pack_codes(u)), u)
+
+
+def test_packer_round_trip_is_exact():
+    q = _quantized()
+    packer = LiquidQuantPacker(None, torch.float16)
+    tensors = packer.pack(q)
+    assert tensors["qweight"].dtype == torch.uint8 and tuple(tensors["qweight"].shape) == (2, 3, 2048)
+    assert tuple(tensors["s2a"].shape) == (2, 3, 64, 2) and tensors["s1_scales"].dtype == torch.float16
+    back = packer.unpack(tensors, G64)
+    assert torch.equal(back.codes, q.codes)
+    for field in ("scale", "s1", "s2", "offset", "code_lo", "code_hi"):
+        assert torch.equal(getattr(back.qparams, field).float(), getattr(q.qparams, field).float()), field
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_kernel_lanes_on_packed_registers_equal_reference():
+    """Every register of the packed artifact, dequantized through the IMAD + XOR model with the (s, a) of its
+    row, gives the INT8 values of the reference dequant at the cells the layout assigns to its lanes."""
+    q = _quantized(seed=3)
+    t = LiquidQuantPacker(None, torch.float16).pack(q)
+    regs = registers(t["qweight"].numpy())  # [N/64, K/64, 128, 4]
+    sa = t["s2a"].numpy().astype(np.uint32)  # [N/64, K/64, 64, 2]
+    rows = register_rows()
+    lo, hi = lane_dequant(regs, sa[:, :, rows, 0], sa[:, :, rows, 1])  # [N/64, K/64, 128, 4, 4]
+    int8 = (q.dequantize() / q.qparams.s1).round().to(torch.int64).numpy()  # exact: (u * s + min8)
+    blocks = int8.reshape(2, 64, 3, 64).transpose(0, 2, 1, 3)
+    r, c = ROWS.reshape(128, 4, 4, 2), COLS.reshape(128, 4, 4, 2)
+    assert np.array_equal(lo, blocks[:, :, r[..., 0], c[..., 0]])
+    assert np.array_equal(hi, blocks[:, :, r[..., 1], c[..., 1]])
+
+
+def test_packer_refuses_what_the_kernel_cannot_run():
+    packer = LiquidQuantPacker(None, torch.float16)
+    with pytest.raises(ExportError, match="multiples of 64"):
+        packer.check("mlp.down_proj", G64, (576, 1000))
+    with pytest.raises(ExportError, match="level2 lqq"):
+        packer.check("mlp.down_proj", QuantSpec(bits=4, symmetric=True, group_size=64), (128, 128))
+    q = _quantized()
+    q.codes[0, 0] = 7  # u = 15 where the bound may be lower
+    q.qparams.offset[0, 0] = 120.0
+    q.qparams.s2[0, 0] = 16.0
+    with pytest.raises(ExportError, match="overflow"):
+        packer.pack(q)
+
+
+def test_end_to_end_liquidquant_artifact_loads_as_quantized(tmp_path, calib_txt):
+    """GPTQ with LiquidQuant weights and W8 activations exports the liquidquant layout, and eval's loader
+    rebuilds exactly the weights the quantkit simulation artifact of the same run holds."""
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
+                                                                  num_hidden_layers=2))
+    args = ["--recipe", "gptq-w4a16-g128", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64",
+            "--set", "weights={bits: 4, symmetric: false, granularity: group, group_size: 64, progressive: true, "
+                     "level2: lqq}",
+            "--set", "activations={bits: 8, symmetric: true, granularity: token}"]
+    cli_ok("quantize", model, "-o", tmp_path / "lqq", *args, "--set", "export.format=liquidquant")
+    cli_ok("quantize", model, "-o", tmp_path / "sim", *args, "--set", "export.format=quantkit")
+    config = json.loads((tmp_path / "lqq" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "liquidquant"
+    a = load_for_eval(tmp_path / "lqq", dtype=torch.float16).model
+    b = load_for_eval(tmp_path / "sim", dtype=torch.float16).model
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    fp = load_for_eval(model, dtype=torch.float16).model
+    assert not torch.equal(a.model.layers[0].mlp.down_proj.weight, fp.model.layers[0].mlp.down_proj.weight)

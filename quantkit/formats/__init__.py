@@ -5,11 +5,12 @@ from __future__ import annotations
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import Packer
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+from quantkit.formats.liquidquant import LiquidQuantPacker
 from quantkit.formats.native import NativePacker
 from quantkit.formats.qserve import QServePacker
 
 PACKERS: dict[str, type[Packer]] = {
-    packer.name: packer for packer in (CompressedTensorsPacker, QServePacker, NativePacker)
+    packer.name: packer for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, NativePacker)
 }
 
 
