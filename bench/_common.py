@@ -109,6 +109,20 @@ def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path:
     return json.loads(json_path.read_text())["results"]["wikitext"]["perplexity"]
 
 
+def cpu_probe(seconds: float = 3.0) -> float:
+    """GFLOP/s of a float32 2048^3 matmul on this machine now: shared hosts vary by tens of percent over a day,
+    so wall times are printed beside it."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        runs += 1
+    return 2 * 2048**3 * runs / (time.perf_counter() - start) / 1e9
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731

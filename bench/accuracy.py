@@ -8,7 +8,7 @@ Protocol (issue #2): WikiText-2 perplexity over the first 40 windows of 2048 tok
 
 from __future__ import annotations
 
-from _common import eval_ppl, manifest, quantize_cached, smollm2_job, table
+from _common import cpu_probe, eval_ppl, manifest, quantize_cached, smollm2_job, table
 
 VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
@@ -21,6 +21,7 @@ def main() -> None:
     job = smollm2_job(__doc__, "quantkit-bench-")
     args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
 
+    probe_start = cpu_probe()
     fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
     rows = [["FP16 (GGUF dequantized)", f"{fp:.2f}", "-", "-", "-"]]
     common = ["--calib", str(c4), "--num-samples", "32", "--seq-len", "2048", "--set", "calibration.sampling=first",
@@ -36,6 +37,8 @@ def main() -> None:
         rows.append([name, f"{ppl:.2f}", f"{wall:.0f} s", f"{m['peak_rss_bytes'] / 2**30:.2f} GiB", f"{gap:+.2f}"])
     rtn = next((float(r[1]) for r in rows if r[0] == "RTN"), None)
     print()
+    print(f"CPU probe (fp32 2048^3 matmul): {probe_start:.0f} GFLOP/s at the start, {cpu_probe():.0f} at the end; "
+          "wall times of cached rows come from earlier runs")
     print(f"SmolLM2-135M, W4A16 sym g64, WikiText-2 ppl (first {args.windows} x 2048), calib 32 x 2048 c4")
     print(table(["method", "wikitext2 ppl", "quantize wall", "peak RSS", "ppl - FP16"], rows))
     if rtn is not None:

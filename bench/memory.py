@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from _common import manifest, quantkit, table
+from _common import cpu_probe, manifest, quantkit, table
 
 from quantkit.synthetic import TINYLLAMA_1B, write_synthetic_llama
 
@@ -39,6 +39,7 @@ def main() -> None:
     wall = quantkit("quantize", str(model), "--recipe", args.recipe, "-o", str(out), "--calib", str(calib),
                     "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--overwrite")
     fp16 = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    print(f"CPU probe (fp32 2048^3 matmul): {cpu_probe():.0f} GFLOP/s")
     peak = manifest(out)["peak_rss_bytes"]
     print()
     print(table(

@@ -200,7 +200,7 @@ def token_weights(x: torch.Tensor, sink_weight: float | None, token_cap: float |
     Plain GPTQ (both None) lets a sink with massive activations own the Hessian of the layer that produces
     it, and elsewhere leaves the sink's rare input directions to absorb the error of everyone else.
     """
-    energy = (x * x).sum(-1)
+    energy = torch.linalg.vector_norm(x, dim=-1).square()  # |x|^2 without an x-sized temporary
     median = energy.median()
     safe = torch.where(energy > 0, energy, torch.ones_like(energy))  # a zero token keeps weight 1 (it adds nothing)
     weights = torch.ones_like(energy)
