@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +29,17 @@ class SmolLM2Job:
     work: Path
 
 
-def smollm2_job(doc: str, prefix: str) -> SmolLM2Job:
-    """Parse `--work`, `--windows` and `--only`, and check the shared model and data are present."""
+def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+                ) -> SmolLM2Job:
+    """Parse `--work`, `--windows`, `--only` (and what `extra` adds), and check the shared model and data are
+    present."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them "
                         "(default: a fresh temp dir)")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--only", nargs="*", help="run only the rows with these labels")
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
     data = need(SHARED / "data")
