@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--actorder", choices=["none", "static"], required=True)
     parser.add_argument("--report", required=True)
+    parser.add_argument("--precision", default="float32", help="model dtype for llm-compressor (default float32)")
     args = parser.parse_args()
 
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -42,7 +43,10 @@ def main() -> None:
                                actorder=actorder)
     modifier = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                             ignore=["lm_head"], block_size=128, dampening_frac=0.01, actorder=actorder)
-    oneshot(model=args.model, dataset=data, recipe=modifier, max_seq_length=len(windows[0]),
+    # float32, as quantkit computes: llm-compressor's default "auto" keeps the checkpoint's fp16, whose CPU
+    # matmuls are several times slower (a first attempt needed ~3 min per layer on this job)
+    oneshot(model=args.model, dataset=data, recipe=modifier, precision=args.precision,
+            max_seq_length=len(windows[0]),
             num_calibration_samples=len(windows), shuffle_calibration_samples=False, output_dir=args.out)
     report = {"wall": time.time() - START,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
