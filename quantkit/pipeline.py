@@ -142,11 +142,17 @@ def _deployed_block(
     state: dict[str, torch.Tensor] = {}
     quantized = {name: role for role, name in adapter.linear_names(targets)}
     for name, role in quantized.items():
-        parts = linear_parts(tensors, name, packer)
-        q = packer.unpack(parts, specs[role])
-        state[f"{name}.weight"] = q.dequantize().to(source.dtype)
+        state[f"{name}.weight"] = deployed_weight(packer, linear_parts(tensors, name, packer), specs[role],
+                                                  source.dtype)
     state.update(tensors)
     return build_block(source, index, state)
+
+
+def deployed_weight(packer: Packer, parts: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype. Calibration and
+    --resume both deploy through here, so they agree bit for bit."""
+    return packer.unpack(dict(parts), spec).dequantize().to(dtype)
 
 
 def _quantize_by_role(
@@ -181,7 +187,7 @@ def _quantize_by_role(
         for name in names_by_role[role]:
             q = work.results.pop(name)  # the packed tensors are what is kept
             packed[name] = packer.pack(q.to("cpu"))
-            work.module(name).weight.data.copy_(packer.unpack(dict(packed[name]), q.spec).dequantize().to(dtype))
+            work.module(name).weight.data.copy_(deployed_weight(packer, packed[name], q.spec, dtype))
         simulate.attach([block], names_by_role[role], work.config, act_sim, None)
         work.hessians.pop(role, None)  # quantizers may consume it themselves
 
