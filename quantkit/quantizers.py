@@ -177,6 +177,12 @@ def _progressive_qparams(
     )
 
 
+def lqq_code_bound(offset: torch.Tensor, s2: torch.Tensor, levels: int = 15) -> torch.Tensor:
+    """The largest unsigned LQQ code u with u * s2 + 128 + offset <= 255 (the kernel's byte lane), at most
+    `levels`."""
+    return torch.minimum(torch.floor((127 - offset) / s2), torch.full_like(offset, levels))
+
+
 def _lqq_qparams(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, clip: float | torch.Tensor, gs: int
                  ) -> QParams:
     """LiquidQuant level 2 on the INT8 level-1 values: integer step 1..16 and offset min8 per group."""
@@ -187,7 +193,7 @@ def _lqq_qparams(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, clip: float
     hi = torch.round(x8.amax(dim=-1) * clip)
     levels = spec.qmax - spec.qmin
     s2 = torch.round((hi - lo) / levels).clamp(1, 16)
-    u_hi = torch.minimum(torch.floor((127 - lo) / s2), torch.full_like(lo, levels))
+    u_hi = lqq_code_bound(lo, s2, levels)
     return QParams(
         scale=s1 * s2, zero=None, group_size=gs, s1=s1, s2=s2, offset=lo,
         code_lo=torch.full_like(lo, spec.qmin).to(torch.int32), code_hi=(u_hi + spec.qmin).to(torch.int32),

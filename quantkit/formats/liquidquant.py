@@ -38,7 +38,7 @@ import torch
 
 from quantkit.formats.base import ExportError, Packer
 from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantSpec, lqq_code_bound
 
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 ONES = np.uint32(0x01010101)
@@ -187,7 +187,7 @@ class LiquidQuantPacker(Packer):
         s2 = torch.from_numpy(sa[..., 0]).float()
         offset = torch.from_numpy(sa[..., 1] - 128).float()
         s1 = tensors["s1_scales"].float().reshape(n, 1)
-        code_hi = torch.minimum(torch.floor((127 - offset) / s2), torch.full_like(s2, 15)) - OFFSET
+        code_hi = lqq_code_bound(offset, s2) - OFFSET
         qp = QParams(scale=s1 * s2, zero=None, group_size=BLOCK, s1=s1, s2=s2, offset=offset,
                      code_lo=torch.full_like(s2, -OFFSET).to(torch.int32), code_hi=code_hi.to(torch.int32),
                      protect=spec.protective_range, code_offset=OFFSET)
