@@ -109,10 +109,7 @@ def factor_hessian(h: torch.Tensor, config: GPTQConfig, consume: bool = False) -
     if config.act_order:
         perm = torch.argsort(diag, descending=True, stable=True)
         _permute_symmetric_(h, perm)
-    if h.device.type == "cpu" and h.dtype == torch.float32:
-        upper, damp = _inverse_cholesky_lapack(h, config)
-    else:
-        upper, damp = _inverse_cholesky(h, config)
+    upper, damp = _inverse_cholesky(h, config)
     return HessianFactor(upper, perm, dead, damp)
 
 
@@ -139,33 +136,40 @@ def _permute_symmetric_(h: torch.Tensor, perm: torch.Tensor, block: int = 256) -
         h[start:start + block] = h[start:start + block].index_select(1, perm)
 
 
-def _inverse_cholesky_lapack(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp I)^-1 computed inside H's buffer by LAPACK (scipy: potrf, potri,
-    potrf), escalating the damping until it factorizes; returns a view of that buffer.
-
-    LAPACK works on the upper triangle of the column-major view of `h`, which is `h`'s lower triangle; `h`'s
-    upper triangle keeps H for a retry until the last step succeeds.
-    """
-    from scipy.linalg import lapack
-
-    a = h.numpy().T  # column-major view of the same buffer (H is symmetric)
+def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp I)^-1, escalating the damping tenfold until it factorizes; overwrites
+    `h`. On the CPU (float32) LAPACK computes it inside h's own buffer; elsewhere torch does, out of place."""
+    attempt = _attempt_lapack if h.device.type == "cpu" and h.dtype == torch.float32 else _attempt_torch
     diag = h.diagonal().clone()
     mean_diag = diag.mean().item()
     damp = config.damp
     while True:
         h.diagonal().copy_(diag + damp * mean_diag)
-        c, info = lapack.spotrf(a, lower=0, overwrite_a=1, clean=0)
-        if info == 0:
-            c, info = lapack.spotri(c, lower=0, overwrite_c=1)
-        if info == 0:
-            c, info = lapack.spotrf(c, lower=0, overwrite_a=1, clean=0)
-        if info == 0:
-            return _zero_lower_(torch.from_numpy(c)), damp  # shares h's buffer unless LAPACK had to copy
+        upper = attempt(h)
+        if upper is not None:
+            return upper, damp
         if damp * 10 > config.max_damp:
             raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp:g}")
-        upper_h = torch.triu(h, 1)
-        h.copy_(upper_h + upper_h.T)  # rare: restore H from the untouched triangle, then retry
         damp *= 10
+
+
+def _attempt_lapack(h: torch.Tensor) -> torch.Tensor | None:
+    """The factor as a view of h's buffer (scipy LAPACK: potrf, potri, potrf), or None with h's off-diagonal
+    restored. LAPACK works on the upper triangle of the column-major view of `h`, which is `h`'s lower
+    triangle; `h`'s upper triangle keeps H for a retry until the last step succeeds."""
+    from scipy.linalg import lapack
+
+    a = h.numpy().T  # column-major view of the same buffer (H is symmetric)
+    c, info = lapack.spotrf(a, lower=0, overwrite_a=1, clean=0)
+    if info == 0:
+        c, info = lapack.spotri(c, lower=0, overwrite_c=1)
+    if info == 0:
+        c, info = lapack.spotrf(c, lower=0, overwrite_a=1, clean=0)
+    if info == 0:
+        return _zero_lower_(torch.from_numpy(c))  # shares h's buffer unless LAPACK had to copy
+    upper_h = torch.triu(h, 1)
+    h.copy_(upper_h + upper_h.T)  # rare: restore H from the untouched triangle (the caller resets the diagonal)
+    return None
 
 
 def _zero_lower_(u: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -177,25 +181,19 @@ def _zero_lower_(u: torch.Tensor, block: int = 256) -> torch.Tensor:
     return u
 
 
-def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp I)^-1 with torch (any device), escalating the damping until it
-    factorizes. Overwrites `h` (its buffer holds (H + damp I)^-1 on the way)."""
-    mean_diag = torch.mean(torch.diagonal(h)).item()
-    damp = config.damp
-    h.diagonal().add_(damp * mean_diag)
-    while True:
-        chol, info = torch.linalg.cholesky_ex(h)
-        if info == 0:
-            _cholesky_inverse(chol, out=h)
-            del chol
-            upper, info = torch.linalg.cholesky_ex(h, upper=True)
-            if info == 0:
-                return upper, damp
-            h.copy_(torch.linalg.inv(h))  # rare: back to H + damp I, to retry with more damping
-        if damp * 10 > config.max_damp:
-            raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp:g}")
-        h.diagonal().add_(9 * damp * mean_diag)
-        damp *= 10
+def _attempt_torch(h: torch.Tensor) -> torch.Tensor | None:
+    """The factor with torch (any device), or None with h's off-diagonal restored; h holds (H + damp I)^-1 on
+    the way."""
+    chol, info = torch.linalg.cholesky_ex(h)
+    if info != 0:
+        return None
+    _cholesky_inverse(chol, out=h)
+    del chol
+    upper, info = torch.linalg.cholesky_ex(h, upper=True)
+    if info == 0:
+        return upper
+    h.copy_(torch.linalg.inv(h))  # rare: back to H + damp I (the caller resets the diagonal)
+    return None
 
 
 def _cholesky_inverse(chol: torch.Tensor, out: torch.Tensor, block: int = 256) -> torch.Tensor:
