@@ -223,8 +223,7 @@ def inspect(output: Path) -> None:
     table.add_row("recipe", m["recipe"])
     table.add_row("format", m["format"])
     for role, w in m["weights"].items():
-        group = f"group {w['group_size']}" if w["group_size"] else w["granularity"]
-        table.add_row(f"weights {role}", f"{w['bits']}-bit {'sym' if w['symmetric'] else 'asym'}, {group}")
+        table.add_row(f"weights {role}", _describe_weights(w))
     table.add_row("activations", f"{m['activations']['bits']}-bit per token" if m["activations"] else "fp")
     table.add_row("kv cache", f"{m['kv_cache']['bits']}-bit per head" if m["kv_cache"] else "fp")
     cal = m["calibration"]
@@ -242,6 +241,21 @@ def inspect(output: Path) -> None:
     Console().print(layers)
     for note in m["notes"]:
         Console().print(f"note: {note}", highlight=False)
+
+
+def _describe_weights(w: dict) -> str:
+    """One line for a manifest's weight spec, e.g. "4-bit sym, group 128, INT8 re-expression (QQQ)"."""
+    parts = [f"{w['bits']}-bit {'sym' if w['symmetric'] else 'asym'}",
+             f"group {w['group_size']}" if w["granularity"] == "group" else f"per {w['granularity']}"]
+    if w.get("progressive"):
+        parts.append("LiquidQuant two-level" if w.get("level2") == "lqq" else "QoQ progressive (INT8 level 1)")
+    if w.get("zero_form") == "scaled":
+        parts.append("scaled zero")
+    if w.get("narrow_range"):
+        parts.append(f"narrow range [-{2 ** (w['bits'] - 1) - 1}, {2 ** (w['bits'] - 1) - 1}]")
+    if w.get("requant_int8"):
+        parts.append("INT8 re-expression (QQQ)")
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ def _quantize_by_role(
         work.hessians.update(acc.finish())
         quantizer.quantize(work, names_by_role[role])
         for name in names_by_role[role]:
-            q = work.results.pop(name)  # the packed tensors are what is kept
+            q = work.results.pop(name).finished()  # the packed tensors are what is kept
             packed[name] = packer.pack(q.to("cpu"))
             work.module(name).weight.data.copy_(deployed_weight(packer, packed[name], q.spec, dtype))
         simulate.attach([block], names_by_role[role], work.config, act_sim, None)
@@ -442,7 +442,7 @@ def _quantize_layer(
         else:
             y_ref = runner.run(block, x if recipe.engine.propagate == "float" else x[:n_err])
         quantizer.run(work)
-        packed = {name: packer.pack(q.to("cpu")) for name, q in work.results.items()}
+        packed = {name: packer.pack(q.finished().to("cpu")) for name, q in work.results.items()}
     missing = set(work.linears) - set(packed)
     if missing:
         raise QuantkitError(f"layer {i}: no pass quantized {sorted(missing)}")

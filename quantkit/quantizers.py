@@ -22,6 +22,11 @@ Two variants serve kernels whose dequantization differs from (q - zero) * scale:
   u = round((x8 - min8) / s2), so w_hat = (u * s2 + min8) * s1. The kernel computes u * s2 + (128 + min8) in
   one byte lane and flips bit 7; the per-group code bound u <= (127 - min8) // s2 keeps that lane <= 255.
   `offset` holds min8, and the float form (u * (s1 * s2) + min8 * s1) is exact in fp32.
+- `narrow_range=True` drops the most negative code: symmetric codes in [-qmax, qmax], scale = amax / qmax
+  (QQQ per channel: INT4 in [-7, 7], so that 16 q is an INT8 the kernel gets by masking the high nibble).
+- `requant_int8=True` is QQQ's per-group form: after quantization (`requantize_int8`), each row gets an INT8
+  scale s_c = max|w_hat| / 127 and each group's scale becomes the fp16 ratio r = fp16(scale / s_c); the kernel
+  feeds round(q * r) to an INT8 MMA, so w_hat = round(q * r) * s_c, a second rounding nothing compensates.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class QuantSpec:
     progressive: bool = False  # QoQ two-level: INT8 per channel (protective range), integer group params
     protective_range: int = 119
     level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ zero point, or LiquidQuant offset
+    narrow_range: bool = False  # symmetric codes in [-qmax, qmax] with scale amax / qmax (QQQ per channel)
+    requant_int8: bool = False  # QQQ per group: group scales re-expressed over a per-channel INT8 scale
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -71,10 +78,14 @@ class QuantSpec:
         if self.level2 == "lqq" and not (self.progressive and self.bits == 4):
             raise ValueError("level2 'lqq' (LiquidQuant) is a form of 4-bit progressive quantization: set "
                              "progressive=true and bits=4")
+        if self.narrow_range and not self.symmetric:
+            raise ValueError("narrow_range is a symmetric grid: set symmetric=true")
+        if self.requant_int8 and not (self.symmetric and self.granularity == "group" and not self.narrow_range):
+            raise ValueError("requant_int8 (QQQ per group) needs symmetric, full-range group quantization")
 
     @property
     def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
+        return -(1 << (self.bits - 1)) + int(self.narrow_range)
 
     @property
     def qmax(self) -> int:
@@ -105,8 +116,10 @@ class QParams:
     protect: int | None = None
     code_offset: int = 0  # scaled zero / LQQ: signed code + offset = the unsigned code the kernel multiplies
     offset: torch.Tensor | None = None  # LQQ: the group's INT8 minimum [N, G] (integers in float32)
+    s_channel: torch.Tensor | None = None  # requant_int8: per-row INT8 scale [N, 1] (float32)
+    ratio: torch.Tensor | None = None  # requant_int8: fp16(scale / s_channel) [N, G] (float32 holding fp16)
 
-    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi", "offset")
+    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi", "offset", "s_channel", "ratio")
 
     def map(self, fn) -> QParams:
         """A copy with `fn` applied to every tensor field (e.g. a device move or a where-select)."""
@@ -284,7 +297,26 @@ def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
     return q.clamp(spec.qmin, spec.qmax)
 
 
+def requantize_int8(codes: torch.Tensor, qp: QParams) -> QParams:
+    """QQQ's per-group deployment of final codes [N, K]: s_channel = max|w_hat| / 127 per row (float32) and the
+    fp16 ratio scale / s_channel per group, so every group's round(q * ratio) is an INT8 value in [-127, 127].
+    A group whose codes are all zero gets ratio 0 (any ratio is exact there; an unbounded one could overflow)."""
+    if qp.zero is not None or qp.s1 is not None or qp.szero is not None:
+        raise ValueError("requant_int8 applies to symmetric single-level group scales")
+    n, k = codes.shape
+    w_hat = dequantize(codes, qp)
+    s_channel = w_hat.abs().amax(dim=1, keepdim=True) / 127
+    s_channel = torch.where(s_channel > 0, s_channel, torch.ones_like(s_channel))
+    ratio = (qp.scale / s_channel).to(torch.float16).float()
+    used = codes.reshape(n, k // qp.group_size, qp.group_size).abs().amax(dim=-1) > 0
+    ratio = torch.where(used, ratio, torch.zeros_like(ratio))
+    return QParams(scale=qp.scale, zero=None, group_size=qp.group_size, s_channel=s_channel, ratio=ratio)
+
+
 def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
+    if qp.ratio is not None:  # QQQ per group: the INT8 value the kernel computes, times the channel scale
+        s_channel = qp.s_channel.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
+        return torch.round(q * ex(qp.ratio)) * s_channel
     if qp.offset is not None:  # LQQ: (u * s2 + min8) * s1, as u * (s1 * s2) + min8 * s1 (both exact)
         s1 = qp.s1.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
         return (q + qp.code_offset) * ex(qp.scale) + ex(qp.offset) * s1

@@ -38,13 +38,18 @@ class WeightConfig:
     progressive: bool = False  # QoQ two-level: INT8 per channel, then integer group scales (QServe g128)
     protective_range: int = 119  # level-1 INT8 clamp of progressive quantization
     level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ's zero point, or LiquidQuant's offset
+    narrow_range: bool = False  # symmetric codes in [-(2^(b-1) - 1), 2^(b-1) - 1], scale amax / qmax (QQQ)
+    requant_int8: bool = False  # QQQ per group: group scales as fp16 ratios over a per-channel INT8 scale
 
     def spec(self, granularity: str | None = None) -> QuantSpec:
+        """The QuantSpec at `granularity` (the recipe's by default); group-only forms drop out per channel."""
         granularity = granularity or self.granularity
-        progressive = self.progressive and granularity == "group"
+        grouped = granularity == "group"
+        progressive = self.progressive and grouped
         return QuantSpec(self.bits, self.symmetric, granularity, self.group_size, self.clip_ratio,
                          zero_form=self.zero_form, progressive=progressive,
-                         protective_range=self.protective_range, level2=self.level2 if progressive else "qoq")
+                         protective_range=self.protective_range, level2=self.level2 if progressive else "qoq",
+                         narrow_range=self.narrow_range, requant_int8=self.requant_int8 and grouped)
 
     def __post_init__(self) -> None:
         self.spec()  # range checks live in QuantSpec

@@ -90,7 +90,7 @@ def test_qoq_on_stories260k_needs_simulation_export(stories260k, tinystories_txt
 
 def test_every_qoq_step_can_be_switched_off(synthetic, calib_txt, tmp_path):
     off = [f"passes.{p}.enabled=false" for p in ("fold_norms", "rotate", "reorder", "smooth_attention",
-                                                 "smooth_output", "clip")]
+                                                 "smooth", "clip")]
     out = tmp_path / "bare"
     cli_ok("quantize", synthetic, "--recipe", "qoq-g128", "-o", out, "--calib", calib_txt, *FAST,
            *[a for o in off for a in ("--set", o)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 QOQ_TRANSFORMS = [("fold_norms", {}), ("rotate", {})]
 PER_CHANNEL = QuantSpec(bits=4, symmetric=False, granularity="channel")  # stories260K: 172 = 4 x 43
 ALL_TRANSFORMS = [("fold_norms", {}), ("rotate", {}), ("reorder", {}), ("smooth_attention", {}),
-                  ("smooth_output", {})]
+                  ("smooth", {})]
 
 
 def _tokens(vocab: int, n: int = 4, length: int = 48) -> torch.Tensor:
@@ -56,9 +57,62 @@ def test_rotation_preserves_logits_on_stories260k(stories260k):
     _assert_same_function(stories260k, QOQ_TRANSFORMS)
 
 
-@pytest.mark.parametrize("name", ["reorder", "smooth_attention", "smooth_output"])
+@pytest.mark.parametrize("name", ["reorder", "smooth_attention", "smooth"])
 def test_pass_preserves_logits(synthetic, name):
     _assert_same_function(synthetic, [(name, {})])
+
+
+EVERY_POINT = ["qkv", "o", "gate_up", "down"]
+
+
+@pytest.mark.parametrize("config", [
+    {"targets": EVERY_POINT, "method": "threshold", "thresholds": 20},
+    {"targets": EVERY_POINT, "method": "alpha", "alphas": [0.3, 0.5, 0.8]},
+    {"targets": EVERY_POINT, "method": "threshold", "thresholds": 20, "gqa_output": "skip"},
+], ids=["threshold", "alpha", "threshold-skip-gqa"])
+def test_smoothing_every_point_preserves_logits(synthetic, config):
+    """Scales folded into the input norm (qkv), v_proj rows and bias (o), the post-attention norm (gate_up) and
+    up_proj rows (down) leave the function unchanged, and the search chose to smooth somewhere."""
+    metrics: list[dict] = []
+    _assert_same_function(synthetic, [("smooth", config)], metrics=metrics)
+    label = "smooth_sigma" if config["method"] == "threshold" else "smooth_alpha"
+    chosen = [v for m in metrics for k, v in m.items() if k.endswith(label)]
+    cfg = json.loads((synthetic / "config.json").read_text())
+    skipped = config.get("gqa_output") == "skip" and cfg["num_key_value_heads"] != cfg["num_attention_heads"]
+    assert len(chosen) == len(metrics) * (4 - skipped) and any(v >= 0 for v in chosen)
+
+
+def test_threshold_smoothing_scales_only_channels_beyond_sigma():
+    """QQQ's adaptive smoothing: lambda_j = max(1, max|X_j| / sigma), so after it no channel exceeds sigma and
+    the channels already inside keep lambda = 1; the grid runs from max|X| (nothing scaled) down to 0.1."""
+    from quantkit.passes.smooth import Smooth, SmoothConfig
+
+    x = torch.tensor([[0.5, -8.0, 2.0, 0.05], [-1.0, 4.0, -3.0, 0.0]])
+    weights = [torch.ones(3, 4)]
+    smooth = Smooth(SmoothConfig(method="threshold", thresholds=4))
+    candidates = smooth._candidates(x, weights, torch.arange(4))
+    sigmas = [s for s, _ in candidates]
+    assert sigmas == pytest.approx([8 - 7.9 * i / 4 for i in range(1, 4)])
+    for sigma, lam in candidates:
+        assert torch.allclose(lam, (x.abs().amax(0).clamp(min=1e-5) / sigma).clamp(min=1.0))
+        assert ((x / lam).abs().amax(0) <= sigma + 1e-6).all()
+    assert candidates[0][1].tolist() == pytest.approx([1.0, 8 / sigmas[0], 1.0, 1.0])
+
+
+def test_coarse_to_fine_search_finds_the_grid_minimum_of_unimodal_errors():
+    from quantkit.passes.smooth import _search
+
+    for count in (1, 7, 10, 11, 100, 101):
+        for target in range(count):
+            calls: list[int] = []
+
+            def error(i: int, target: int = target, calls: list[int] = calls) -> float:
+                calls.append(i)
+                return abs(i - target) ** 1.5
+
+            assert _search(count, error, 10) == target
+            assert len(set(calls)) <= -(-count // 10) + 19
+    assert _search(0, lambda i: 0.0, 10) is None
 
 
 def test_all_qoq_transforms_preserve_logits_on_stories260k(stories260k):

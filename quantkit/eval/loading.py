@@ -41,7 +41,18 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     source = open_model(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
-    return EvalModel(model.eval(), tokenizer, f"{source.origin} (unquantized, {source.dtype})")
+    method = _quant_method(model.config)
+    kind = f"{method} checkpoint, dequantized by transformers" if method else "unquantized"
+    return EvalModel(model.eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
+
+
+def _quant_method(config: Any) -> str | None:
+    """The `quant_method` of a transformers config's quantization_config (a dict or a config object), if any."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
 
 
 def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:

@@ -7,10 +7,12 @@ from quantkit.formats.base import Packer
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 from quantkit.formats.liquidquant import LiquidQuantPacker
 from quantkit.formats.native import NativePacker
+from quantkit.formats.qqq import QQQPacker
 from quantkit.formats.qserve import QServePacker
 
 PACKERS: dict[str, type[Packer]] = {
-    packer.name: packer for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, NativePacker)
+    packer.name: packer
+    for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, QQQPacker, NativePacker)
 }
 
 

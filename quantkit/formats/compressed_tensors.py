@@ -118,6 +118,11 @@ class CompressedTensorsPacker(Packer):
                 "(q - zero) * scale); use --set export.format=qserve, or export.format=quantkit for a "
                 "simulation-only artifact"
             )
+        if spec.requant_int8:
+            raise ExportError(
+                f"{module}: compressed-tensors cannot express QQQ's per-group INT8 re-expression (requant_int8); "
+                "use --set export.format=qqq"
+            )
         if spec.granularity == "group" and shape[1] % spec.group_size:
             raise ExportError(f"{module}: group size {spec.group_size} does not divide input width {shape[1]}")
 

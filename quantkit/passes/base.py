@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quantkit.quantizers import QParams, QuantSpec, dequantize
+from quantkit.quantizers import QParams, QuantSpec, dequantize, requantize_int8
 
 
 @dataclass
@@ -23,6 +23,15 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.codes, self.qparams, self.g_idx)
+
+    def finished(self) -> QuantizedLinear:
+        """The result as deployed: with QQQ's per-group INT8 re-expression (`requant_int8`) applied to the final
+        codes, which the engine does once a quantizer is done; otherwise (or once applied) this result itself."""
+        if not self.spec.requant_int8 or self.qparams.ratio is not None:
+            return self
+        if self.g_idx is not None:
+            raise ValueError("requant_int8 needs groups in natural column order (static groups)")
+        return QuantizedLinear(self.codes, requantize_int8(self.codes, self.qparams), self.spec)
 
     def to(self, device: torch.device | str) -> QuantizedLinear:
         """The same result with every tensor on `device` (packers work on the CPU)."""

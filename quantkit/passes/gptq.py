@@ -238,8 +238,9 @@ def gptq_with_factor(
     if not grouped or config.static_groups:
         static = _qparams(w, spec, config, scale_dtype) if clip is None else compute_qparams(
             w, spec, scale_dtype, clip_ratio=clip)
-    elif spec.progressive or spec.zero_form != "integer":
-        raise ValueError("GPTQ with dynamic groups supports plain integer zeros only; set static_groups=true")
+    elif spec.progressive or spec.zero_form != "integer" or spec.requant_int8:
+        raise ValueError("GPTQ with dynamic groups supports plain single-level groups only (no progressive, scaled "
+                         "zero or requant_int8 weights); set static_groups=true")
 
     perm, hinv = factor.perm, factor.upper
     dev = w.device
