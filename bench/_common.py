@@ -99,9 +99,9 @@ def quantize_cached(model: Path, out: Path, *args: str) -> float:
     return wall
 
 
-def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path: Path) -> float:
-    """WikiText-2 perplexity through `quantkit eval`; reuses `json_path` when an earlier run wrote it after
-    the model was last written."""
+def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path: Path, *extra: str) -> float:
+    """WikiText-2 perplexity through `quantkit eval` (with `extra` options, e.g. --bits 3); reuses `json_path`
+    when an earlier run wrote it after the model was last written."""
     manifest_path = model / "quantkit_manifest.json"
     fresh = json_path.exists() and (not manifest_path.exists()
                                     or json_path.stat().st_mtime > manifest_path.stat().st_mtime)
@@ -110,7 +110,7 @@ def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path:
         if cached.get("windows") == windows and cached.get("seq_len") == seq_len:
             return cached["perplexity"]
     quantkit("eval", str(model), "--tasks", "wikitext", "--limit", str(windows), "--seq-len", str(seq_len),
-             "--data-dir", str(data_dir), "--output-json", str(json_path))
+             "--data-dir", str(data_dir), "--output-json", str(json_path), *extra)
     return json.loads(json_path.read_text())["results"]["wikitext"]["perplexity"]
 
 

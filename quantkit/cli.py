@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -55,10 +56,17 @@ class _RichReporter:
             console=console, transient=False,
         )
         self.task = None
+        self.phases: dict[str, Any] = {}
 
     def start(self, total: int, description: str) -> None:
         self.progress.start()
         self.task = self.progress.add_task(description, total=total, last="")
+
+    def phase(self, description: str, done: int, total: int) -> None:
+        if description not in self.phases:
+            self.progress.start()
+            self.phases[description] = self.progress.add_task(description, total=total, last="")
+        self.progress.update(self.phases[description], completed=done)
 
     def layer_done(self, report) -> None:
         tag = " (resumed)" if report.replayed else ""
@@ -72,7 +80,7 @@ class _RichReporter:
         console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
-        if self.task is not None:
+        if self.task is not None or self.phases:
             self.progress.stop()
 
 
@@ -152,8 +160,12 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
 @click.option("--output-json", type=click.Path(path_type=Path), help="Also write the results here as JSON.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="Compute dtype for the evaluation forward passes.")
+@click.option("--bits", type=click.IntRange(1, 8),
+              help="Any-Precision artifacts: evaluate at this width (any from the recipe's min_bits to its bits; "
+                   "default: the widest).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
-def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dtype, trust_remote_code) -> None:
+def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dtype, bits, trust_remote_code
+             ) -> None:
     """Evaluate MODEL (an FP checkpoint or a quantkit artifact, with its recorded A/KV simulation)."""
     import torch
 
@@ -168,7 +180,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         unknown = [t for t in lm_tasks if t not in LM_EVAL_TASKS]
         if unknown:
             raise QuantkitError(f"unknown task(s) {', '.join(unknown)}; known: wikitext, {', '.join(LM_EVAL_TASKS)}")
-    loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code)
+    loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits)
     console.print(f"evaluating {loaded.description}", highlight=False)
     results: dict[str, dict] = {}
     if "wikitext" in names:

@@ -48,7 +48,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
-from quantkit.models.source import ModelSource, open_model
+from quantkit.models.source import ModelSource, default_cache_dir, open_model
 from quantkit.passes import LayerWork, get_pass
 from quantkit.passes.base import ModelEdges, Pass
 from quantkit.quantizers import QuantSpec
@@ -89,6 +89,8 @@ class Reporter:
 
     def start(self, total: int, description: str) -> None: ...
     def layer_done(self, report: LayerReport) -> None: ...
+    def phase(self, description: str, done: int, total: int) -> None:
+        """Progress of a preparatory phase (e.g. the Fisher pass) before the layer loop."""
     def warn(self, message: str) -> None:
         log.warning(message)
 
@@ -333,7 +335,11 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         embed = edges.embed if edges else source.read([source.adapter.embed + ".weight"]).popitem()[1]
         cache = embed[calib.tokens].to(CACHE_DTYPES[recipe.engine.cache_dtype])
         del embed
-        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes)
+        fisher = None
+        if passes[-1].needs_fisher:
+            fisher = _fisher(source, calib.tokens, [name for _, name in source.adapter.linear_names(recipe.targets)],
+                             reporter)
+        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, fisher)
         _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
     except KeyboardInterrupt:
         reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
@@ -346,10 +352,31 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     )
 
 
+def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter) -> list[Path]:
+    """Per-layer diagonal Fisher files of the named linears, cached under $QUANTKIT_CACHE/fisher by the checkpoint
+    files, the token windows and the linears, so a resumed run or another width of the same model reuses them."""
+    from quantkit.fisher import diagonal_fisher
+
+    files = sorted(source.path.glob("*.safetensors"))
+    identity = [str(source.path.resolve()), *(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files),
+                hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names]
+    key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
+    directory = default_cache_dir() / "fisher" / key
+    done = directory / "complete.json"
+    paths = [directory / f"fisher-{i:05d}.safetensors" for i in range(source.num_layers)]
+    if done.is_file() and all(p.is_file() for p in paths):
+        reporter.phase("Fisher (cached)", 1, 1)
+        return paths
+    paths = diagonal_fisher(source, tokens, names, directory,
+                            progress=lambda phase, i, n: reporter.phase(f"Fisher ({phase})", i, n))
+    atomic_write(done, json.dumps({"model": source.origin, "identity": identity}))
+    return paths
+
+
 def _run_layers(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
     calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter, x: torch.Tensor,
-    passes: list[Pass],
+    passes: list[Pass], fisher: list[Path] | None = None,
 ) -> list[LayerReport]:
     """Calibrate, quantize and write every block; `x` (the embedded calibration tokens) becomes each block's
     inputs in turn."""
@@ -362,7 +389,7 @@ def _run_layers(
     *prep, quantizer = passes
     linear_names = [name for _, name in adapter.linear_names(recipe.targets)]
 
-    ctx = _LayerContext(job, source, packer, specs, runner, act_sim, kv_sim, prep, quantizer, linear_names)
+    ctx = _LayerContext(job, source, packer, specs, runner, act_sim, kv_sim, prep, quantizer, linear_names, fisher)
     reports: list[LayerReport] = []
     reporter.start(source.num_layers, "quantizing layers")
     for i in range(source.num_layers):
@@ -399,6 +426,7 @@ class _LayerContext:
     prep: list[Pass]
     quantizer: Pass
     linear_names: list[str]
+    fisher: list[Path] | None = None  # per layer: the diagonal Fisher file (quantizers that need it)
 
 
 def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor) -> None:
@@ -426,6 +454,8 @@ def _quantize_layer(
         sink_weight=recipe.calibration.sink_weight, token_cap=recipe.calibration.token_cap,
     )
     work.specs = {name: specs[role] for name, role in work.linears.items()}
+    if ctx.fisher is not None:
+        work.fisher = {name: t.to(job.device, torch.float32) for name, t in read_safetensors(ctx.fisher[i]).items()}
     for p in ctx.prep:
         p.run(work)
         if p.transforms:

@@ -27,6 +27,10 @@ Two variants serve kernels whose dequantization differs from (q - zero) * scale:
 - `requant_int8=True` is QQQ's per-group form: after quantization (`requantize_int8`), each row gets an INT8
   scale s_c = max|w_hat| / 127 and each group's scale becomes the fp16 ratio r = fp16(scale / s_c); the kernel
   feeds round(q * r) to an INT8 MMA, so w_hat = round(q * r) * s_c, a second rounding nothing compensates.
+- `codebook=True` is non-uniform quantization (SqueezeLLM, Any-Precision): per output row a lookup table of 2^b
+  fp16 centroids, codes are table indices (unsigned u = q + 2^(b-1)). With `min_bits` < bits the codes prefix
+  into every narrower width (Any-Precision): the w-bit model takes u >> (b - w) and its own table. `QParams.lut`
+  holds every width's table side by side, [N, 2^min_bits + ... + 2^bits], narrowest first (`lut_width`).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class QuantSpec:
     level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ zero point, or LiquidQuant offset
     narrow_range: bool = False  # symmetric codes in [-qmax, qmax] with scale amax / qmax (QQQ per channel)
     requant_int8: bool = False  # QQQ per group: group scales re-expressed over a per-channel INT8 scale
+    codebook: bool = False  # per-row lookup tables of centroids (SqueezeLLM); codes index them
+    min_bits: int | None = None  # codebook: the narrowest width the codes also serve (Any-Precision), else bits
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -82,6 +88,12 @@ class QuantSpec:
             raise ValueError("narrow_range is a symmetric grid: set symmetric=true")
         if self.requant_int8 and not (self.symmetric and self.granularity == "group" and not self.narrow_range):
             raise ValueError("requant_int8 (QQQ per group) needs symmetric, full-range group quantization")
+        if self.codebook and (self.granularity != "channel" or self.progressive or self.requant_int8
+                              or self.narrow_range or self.zero_form != "integer"):
+            raise ValueError("codebook (lookup-table) quantization has one table per output row: set "
+                             "granularity=channel and no uniform-grid variant")
+        if self.min_bits is not None and not (self.codebook and 1 <= self.min_bits <= self.bits):
+            raise ValueError(f"min_bits needs codebook weights and 1 <= min_bits <= bits, got {self.min_bits}")
 
     @property
     def qmin(self) -> int:
@@ -98,14 +110,15 @@ class QuantSpec:
 
 @dataclass
 class QParams:
-    """Scales [N or 1, G] (float32 holding storage-dtype values) and optional integer zeros of the same shape.
+    """Scales [N or 1, G] (float32 holding storage-dtype values) and optional integer zeros of the same shape;
+    codebook weights have no scale but a `lut`.
 
     Variant fields (see the module docstring): `szero` [N, G] for the scaled zero form; `s1` [N, 1] and `s2`
     [N, G] (integers held in float32) for progressive quantization, with `code_lo` / `code_hi` [N, G] the
     per-group code bounds and `protect` the level-1 clamp.
     """
 
-    scale: torch.Tensor
+    scale: torch.Tensor | None
     zero: torch.Tensor | None
     group_size: int
     szero: torch.Tensor | None = None
@@ -118,8 +131,9 @@ class QParams:
     offset: torch.Tensor | None = None  # LQQ: the group's INT8 minimum [N, G] (integers in float32)
     s_channel: torch.Tensor | None = None  # requant_int8: per-row INT8 scale [N, 1] (float32)
     ratio: torch.Tensor | None = None  # requant_int8: fp16(scale / s_channel) [N, G] (float32 holding fp16)
+    lut: torch.Tensor | None = None  # codebook: every width's table side by side [N, sum 2^w] (narrowest first)
 
-    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi", "offset", "s_channel", "ratio")
+    TENSORS = ("scale", "zero", "szero", "s1", "s2", "code_lo", "code_hi", "offset", "s_channel", "ratio", "lut")
 
     def map(self, fn) -> QParams:
         """A copy with `fn` applied to every tensor field (e.g. a device move or a where-select)."""
@@ -313,7 +327,19 @@ def requantize_int8(codes: torch.Tensor, qp: QParams) -> QParams:
     return QParams(scale=qp.scale, zero=None, group_size=qp.group_size, s_channel=s_channel, ratio=ratio)
 
 
+def lut_width(lut: torch.Tensor, spec: QuantSpec, bits: int) -> torch.Tensor:
+    """The [N, 2^bits] table of width `bits` within a codebook's side-by-side tables."""
+    low = spec.min_bits or spec.bits
+    if not low <= bits <= spec.bits:
+        raise ValueError(f"this codebook serves widths {low}..{spec.bits}, not {bits}")
+    start = (1 << bits) - (1 << low)
+    return lut[:, start:start + (1 << bits)]
+
+
 def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
+    if qp.lut is not None:  # codebook: the row's centroid at the widest width the tables hold
+        widest = qp.lut[:, qp.lut.shape[1] - 2 * qp.code_offset:]
+        return torch.gather(widest.to(q.device), 1, (q + qp.code_offset).long())
     if qp.ratio is not None:  # QQQ per group: the INT8 value the kernel computes, times the channel scale
         s_channel = qp.s_channel.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
         return torch.round(q * ex(qp.ratio)) * s_channel

@@ -40,6 +40,8 @@ class WeightConfig:
     level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ's zero point, or LiquidQuant's offset
     narrow_range: bool = False  # symmetric codes in [-(2^(b-1) - 1), 2^(b-1) - 1], scale amax / qmax (QQQ)
     requant_int8: bool = False  # QQQ per group: group scales as fp16 ratios over a per-channel INT8 scale
+    codebook: bool = False  # per-row lookup tables (SqueezeLLM / Any-Precision; the squeezellm quantizer)
+    min_bits: int | None = None  # codebook: also serve every width from min_bits up to bits (Any-Precision)
 
     def spec(self, granularity: str | None = None) -> QuantSpec:
         """The QuantSpec at `granularity` (the recipe's by default); group-only forms drop out per channel."""
@@ -49,7 +51,8 @@ class WeightConfig:
         return QuantSpec(self.bits, self.symmetric, granularity, self.group_size, self.clip_ratio,
                          zero_form=self.zero_form, progressive=progressive,
                          protective_range=self.protective_range, level2=self.level2 if progressive else "qoq",
-                         narrow_range=self.narrow_range, requant_int8=self.requant_int8 and grouped)
+                         narrow_range=self.narrow_range, requant_int8=self.requant_int8 and grouped,
+                         codebook=self.codebook, min_bits=self.min_bits)
 
     def __post_init__(self) -> None:
         self.spec()  # range checks live in QuantSpec

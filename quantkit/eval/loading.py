@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from quantkit import simulate
 from quantkit.artifact import MANIFEST, RECIPE, load_manifest, read_safetensors
+from quantkit.errors import QuantkitError
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import open_model
@@ -34,10 +35,14 @@ def is_artifact(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> EvalModel:
-    """The model at `path` ready for eval in `dtype` (float32 by default: CPU kernels, and exact upcasts)."""
+def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                  bits: int | None = None) -> EvalModel:
+    """The model at `path` ready for eval in `dtype` (float32 by default: CPU kernels, and exact upcasts);
+    `bits` reads an Any-Precision artifact at that width."""
     if is_artifact(path):
-        return _load_artifact(Path(path), dtype)
+        return _load_artifact(Path(path), dtype, bits)
+    if bits is not None:
+        raise QuantkitError(f"--bits applies to Any-Precision artifacts; {path} is not a quantkit artifact")
     source = open_model(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
@@ -55,7 +60,7 @@ def _quant_method(config: Any) -> str | None:
     return None if method is None else str(getattr(method, "value", method))
 
 
-def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
+def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
     manifest = load_manifest(path)
     recipe = parse_recipe(yaml.safe_load((path / RECIPE).read_text()), where=RECIPE)
     config_data = json.loads((path / "config.json").read_text())
@@ -66,6 +71,11 @@ def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
     packer = get_packer(manifest["format"])(recipe, model_dtype)
     specs = {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
              for role, w in manifest["weights"].items()}
+    for role, spec in specs.items():
+        low = spec.min_bits or spec.bits
+        if bits is not None and not (low <= bits <= spec.bits if spec.codebook else bits == spec.bits):
+            served = f"widths {low}..{spec.bits}" if spec.codebook else f"only its {spec.bits} bits"
+            raise QuantkitError(f"--bits {bits}: {path} ({role}) serves {served}")
     quantized = {}
     for i in range(config.num_hidden_layers):
         for role, name in adapter.linear_names(list(specs)):
@@ -77,7 +87,9 @@ def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
         for module, role in quantized.items():
             parts = linear_parts(tensors, module, packer)
             if parts:
-                weight = packer.unpack(parts, specs[role]).dequantize().to(model_dtype)
+                q = packer.unpack(parts, specs[role])
+                q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
+                weight = q.dequantize().to(model_dtype)
                 state[f"{module}.weight"] = weight
         state.update(tensors)
     with torch.device("meta"):
@@ -97,7 +109,8 @@ def _load_artifact(path: Path, dtype: torch.dtype) -> EvalModel:
     simulate.attach(blocks, linear_names, model.config, act, kv)
     tokenizer = AutoTokenizer.from_pretrained(path)
     sim = ", ".join(s for s in (f"A{act.bits} per-token" if act else "", f"KV{kv.bits} per-head" if kv else "") if s)
-    desc = f"{path} ({manifest['recipe']}, {manifest['format']}{'; simulating ' + sim if sim else ''})"
+    width = f", read at {bits} bits" if bits is not None else ""
+    desc = f"{path} ({manifest['recipe']}, {manifest['format']}{width}{'; simulating ' + sim if sim else ''})"
     return EvalModel(model.eval(), tokenizer, desc, recipe)
 
 

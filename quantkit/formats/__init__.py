@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.anyprec import AnyPrecisionPacker
 from quantkit.formats.base import Packer
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 from quantkit.formats.liquidquant import LiquidQuantPacker
@@ -12,7 +13,8 @@ from quantkit.formats.qserve import QServePacker
 
 PACKERS: dict[str, type[Packer]] = {
     packer.name: packer
-    for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, QQQPacker, NativePacker)
+    for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, QQQPacker, AnyPrecisionPacker,
+                   NativePacker)
 }
 
 

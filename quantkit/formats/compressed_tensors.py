@@ -118,6 +118,9 @@ class CompressedTensorsPacker(Packer):
                 "(q - zero) * scale); use --set export.format=qserve, or export.format=quantkit for a "
                 "simulation-only artifact"
             )
+        if spec.codebook:
+            raise ExportError(f"{module}: compressed-tensors cannot express lookup-table (codebook) weights; use "
+                              "--set export.format=anyprec")
         if spec.requant_int8:
             raise ExportError(
                 f"{module}: compressed-tensors cannot express QQQ's per-group INT8 re-expression (requant_int8); "

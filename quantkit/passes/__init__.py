@@ -22,7 +22,7 @@ def get_pass(name: str) -> type[Pass]:
     return PASSES[name]
 
 
-from quantkit.passes import clip, gptq, reorder, rtn, smooth, transforms  # noqa: E402  (registration)
+from quantkit.passes import clip, gptq, reorder, rtn, smooth, squeezellm, transforms  # noqa: E402  (registration)
 
 __all__ = ["PASSES", "LayerWork", "Pass", "QuantizedLinear", "clip", "get_pass", "gptq", "register", "reorder",
-           "rtn", "smooth", "transforms"]
+           "rtn", "smooth", "squeezellm", "transforms"]

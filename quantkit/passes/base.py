@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from quantkit.quantizers import QParams, QuantSpec, dequantize, requantize_int8
+from quantkit.quantizers import QParams, QuantSpec, dequantize, lut_width, requantize_int8
 
 
 @dataclass
@@ -32,6 +32,18 @@ class QuantizedLinear:
         if self.g_idx is not None:
             raise ValueError("requant_int8 needs groups in natural column order (static groups)")
         return QuantizedLinear(self.codes, requantize_int8(self.codes, self.qparams), self.spec)
+
+    def at_bits(self, bits: int) -> QuantizedLinear:
+        """A codebook result narrowed to `bits` (Any-Precision): the codes' top bits and that width's table."""
+        if not self.spec.codebook:
+            raise ValueError("only codebook (lookup-table) weights can be read at another width")
+        table = lut_width(self.qparams.lut, self.spec, bits)
+        unsigned = self.codes.long() + self.qparams.code_offset
+        offset = 1 << (bits - 1)
+        codes = ((unsigned >> (self.spec.bits - bits)) - offset).to(torch.int8)
+        spec = replace(self.spec, bits=bits, min_bits=bits)
+        qp = QParams(scale=None, zero=None, group_size=self.qparams.group_size, lut=table, code_offset=offset)
+        return QuantizedLinear(codes, qp, spec)
 
     def to(self, device: torch.device | str) -> QuantizedLinear:
         """The same result with every tensor on `device` (packers work on the CPU)."""
@@ -70,6 +82,7 @@ class LayerWork:
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     clip: dict[str, torch.Tensor | float] = field(default_factory=dict)  # linear -> clip ratio(s) [N, G]
+    fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> diagonal Fisher [N, K] (squeezellm)
     inputs: torch.Tensor | None = None  # calibration inputs of the block [n, L, H] (the CPU cache)
     runner: Any = None  # models.block.BlockRunner
     adapter: Any = None  # models.adapters.ArchAdapter
@@ -242,6 +255,7 @@ class Pass:
     quantizes: ClassVar[bool] = False  # produces the block's quantized weights
     transforms: ClassVar[bool] = False  # rewrites weights, function-preserving in FP
     needs_hessian: ClassVar[bool] = False
+    needs_fisher: ClassVar[bool] = False  # the engine computes each linear's diagonal Fisher first (quantkit.fisher)
     requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):

@@ -1,0 +1,79 @@
+"""Any-Precision LLM checkpoint (`anyprec`): one artifact that serves every width from the seed to the parent.
+
+Per quantized linear `<module>`: `qweight` int32 [P, N, K/32], the parent codes as bitplanes, most significant
+plane first, in the warp-coalesced column order of `anyprec_layout` (a b-bit model reads planes 0..b-1); and
+`lut{b}` fp16 [N, 2^b] for every width b from the seed to the parent, each row's centroids in ascending order.
+`config.json` gets `quantization_config: {quant_method: anyprec, seed_precision, parent_precision,
+group_count: 1}`, the fields the any-precision-llm loader reads from its `anyprec` entry. Kernel constraints:
+K a multiple of 32 and N of 4 (the GEMV runs four rows per thread block).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from quantkit.formats.anyprec_layout import pack_planes, unpack_planes
+from quantkit.formats.base import ExportError, Packer
+from quantkit.passes.base import QuantizedLinear
+from quantkit.quantizers import QParams, QuantSpec, lut_width
+
+_LUT = re.compile(r"lut([1-8])")
+
+
+class AnyPrecisionPacker(Packer):
+    name = "anyprec"
+
+    def owns(self, key: str) -> bool:
+        return key == "qweight" or _LUT.fullmatch(key) is not None
+
+    def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
+        """Codebook weights per channel; K a multiple of 32 and N of 4."""
+        if not spec.codebook:
+            raise ExportError(f"{module}: anyprec stores lookup-table weights (weights: {{granularity: channel, "
+                              "codebook: true}}); use the squeezellm quantizer")
+        n, k = shape
+        if k % 32 or n % 4:
+            raise ExportError(f"{module}: shape [N={n}, K={k}] does not fit anyprec's bitplanes (K must be a multiple "
+                              "of 32, N of 4); use --set export.format=quantkit for a simulation artifact")
+
+    def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
+        """`qweight` bitplanes of the parent codes and one fp16 `lut{b}` per width."""
+        spec, qp = q.spec, q.qparams
+        if qp.lut is None:
+            raise ExportError("anyprec export needs lookup tables (the squeezellm quantizer)")
+        codes = q.codes.detach().cpu().numpy().astype(np.int64) + qp.code_offset
+        out = {"qweight": torch.from_numpy(pack_planes(codes, spec.bits))}
+        for bits in range(spec.min_bits or spec.bits, spec.bits + 1):
+            lut = lut_width(qp.lut, spec, bits).detach().cpu()
+            if not torch.equal(lut.half().float(), lut.float()):
+                raise ExportError("anyprec stores fp16 lookup tables, but the centroids are not fp16 values")
+            out[f"lut{bits}"] = lut.half().contiguous()
+        return out
+
+    def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
+        """Exact inverse of `pack`: parent codes (signed domain) and every width's table, concatenated."""
+        planes = tensors["qweight"].numpy()
+        codes = unpack_planes(planes).astype(np.int64)
+        widths = sorted(int(_LUT.fullmatch(k).group(1)) for k in tensors if _LUT.fullmatch(k))
+        if planes.shape[0] != spec.bits or widths != list(range(spec.min_bits or spec.bits, spec.bits + 1)):
+            raise ExportError(f"anyprec tensors hold {planes.shape[0]} planes and tables {widths}, the spec asks for "
+                              f"widths {spec.min_bits or spec.bits}..{spec.bits}")
+        lut = torch.cat([tensors[f"lut{b}"].float() for b in widths], dim=1)
+        offset = 1 << (spec.bits - 1)
+        qp = QParams(scale=None, zero=None, group_size=codes.shape[1], lut=lut, code_offset=offset)
+        return QuantizedLinear(torch.from_numpy(codes - offset).to(torch.int8), qp, spec)
+
+    def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
+        widths = {(s.min_bits or s.bits, s.bits) for s in specs.values()}
+        if len(widths) != 1:
+            raise ExportError(f"anyprec checkpoints use one seed and parent width for every linear; got {widths}")
+        seed, parent = widths.pop()
+        return {"quant_method": "anyprec", "seed_precision": seed, "parent_precision": parent, "group_count": 1}
+
+    def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
+        return ["export format anyprec: safetensors, read by quantkit (eval --bits B picks the width); the "
+                "any-precision-llm repo's loader expects its own pickled checkpoint"]

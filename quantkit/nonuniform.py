@@ -1,0 +1,139 @@
+"""Non-uniform (lookup-table) quantization: SqueezeLLM's sensitivity-weighted k-means per output row, and
+Any-Precision LLM's incremental upscaling, which splits every cluster in two so parent codes prefix their children.
+
+Both work on every row of a matrix at once. A row's weights are sorted, so in one dimension each cluster is a
+contiguous interval [border_j, border_j+1) of the sorted row and codes ascend with the centroids (LUTs are sorted).
+Interval sums come from float64 prefix sums of f, f w and f w^2, as in the authors' flash1dkmeans.
+
+- Seed (`kmeans_rows`): weighted Lloyd iterations (at most 50, stopping once no border moves) minimizing
+  sum_i f_i (w_i - c(w_i))^2, started from the weighted quantiles of the row (deterministic; the authors use
+  weighted k-means++). An interval whose weights sum to 0 takes its plain mean; an empty one the value at its
+  border.
+- Upscaling (`split_clusters`): per cluster the split point minimizing the 2-means cost
+  sum f w^2 - S_L^2 / F_L - S_R^2 / F_R over every split of the sorted interval (the global optimum; the authors'
+  binary search finds a Lloyd fixed point), the lower part getting code 2j and the upper 2j + 1. The parent's
+  centroids are kept as its own LUT; only the children's are new.
+Weights equal to 0 get sensitivity 0 (as the authors' code does); a row whose sensitivities are all 0 is clustered
+unweighted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SortedRows:
+    """Rows sorted ascending with their sensitivities, and float64 prefix sums [N, K + 1] of f, f w, f w^2 (and
+    of 1 and w, for intervals whose sensitivities sum to 0)."""
+
+    values: torch.Tensor  # [N, K] float64, ascending per row
+    order: torch.Tensor  # [N, K] column of each sorted value
+    f: torch.Tensor
+    fw: torch.Tensor
+    fww: torch.Tensor
+    ones: torch.Tensor
+    w: torch.Tensor
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, sensitivity: torch.Tensor) -> SortedRows:
+        w = weight.detach().double()
+        f = sensitivity.detach().double().clamp(min=0) * (w != 0)
+        f = torch.where(f.sum(dim=1, keepdim=True) > 0, f, torch.ones_like(f))
+        values, order = torch.sort(w, dim=1, stable=True)
+        f = torch.gather(f, 1, order)
+
+        def prefix(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(torch.cumsum(t, dim=1), (1, 0))
+
+        return cls(values, order, prefix(f), prefix(f * values), prefix(f * values * values),
+                   prefix(torch.ones_like(values)), prefix(values))
+
+    def interval(self, sums: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """sum over [lo, hi) of the quantity whose prefix sums are `sums`, per row and interval."""
+        return torch.gather(sums, 1, hi) - torch.gather(sums, 1, lo)
+
+    def means(self, borders: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Weighted mean of each interval [borders_j, borders_j+1); the plain mean where the weights sum to 0,
+        `previous` where the interval is empty."""
+        lo, hi = borders[:, :-1], borders[:, 1:]
+        weight = self.interval(self.f, lo, hi)
+        count = self.interval(self.ones, lo, hi)
+        weighted = self.interval(self.fw, lo, hi) / weight.clamp(min=1e-300)
+        plain = self.interval(self.w, lo, hi) / count.clamp(min=1)
+        out = torch.where(weight > 0, weighted, plain)
+        return torch.where(count > 0, out, previous)
+
+
+def kmeans_rows(rows: SortedRows, clusters: int, max_iter: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted 1-D k-means of every row: (centroids [N, k] ascending, borders [N, k + 1] into the sorted rows)."""
+    n, k = rows.values.shape
+    total = rows.f[:, -1:]
+    targets = total * (torch.arange(clusters, dtype=torch.float64) + 0.5) / clusters  # weighted quantiles
+    idx = torch.searchsorted(rows.f[:, 1:].contiguous(), targets.contiguous()).clamp(max=k - 1)
+    centroids = torch.gather(rows.values, 1, idx)
+    borders = None
+    for _ in range(max_iter):
+        mid = (centroids[:, :-1] + centroids[:, 1:]) / 2
+        inner = torch.searchsorted(rows.values.contiguous(), mid.contiguous(), right=True)
+        new = torch.cat([torch.zeros(n, 1, dtype=torch.long), inner, torch.full((n, 1), k)], dim=1)
+        if borders is not None and torch.equal(new, borders):
+            break
+        borders = new
+        # an empty interval takes the value at its border, which keeps the centroids ascending
+        at_border = torch.gather(rows.values, 1, borders[:, :-1].clamp(max=k - 1))
+        centroids = rows.means(borders, at_border)
+    return centroids, borders
+
+
+def split_clusters(rows: SortedRows, borders: torch.Tensor, centroids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split every cluster in two at its best point: (child centroids [N, 2k], child borders [N, 2k + 1]).
+    Child 2j is the lower part of cluster j. An empty or single-valued side takes the parent's centroid (a
+    single element goes to the lower child)."""
+    n, k = rows.values.shape
+    clusters = borders.shape[1] - 1
+    positions = torch.arange(1, k + 1).expand(n, k)  # split after sorted element i - 1: left = [lo, i)
+    owner = torch.searchsorted(borders[:, 1:].contiguous(), positions.contiguous() - 1, right=True)  # cluster
+    lo, hi = torch.gather(borders, 1, owner), torch.gather(borders, 1, owner + 1)
+    f_l = torch.gather(rows.f, 1, positions) - torch.gather(rows.f, 1, lo)
+    s_l = torch.gather(rows.fw, 1, positions) - torch.gather(rows.fw, 1, lo)
+    f_r = torch.gather(rows.f, 1, hi) - torch.gather(rows.f, 1, positions)
+    s_r = torch.gather(rows.fw, 1, hi) - torch.gather(rows.fw, 1, positions)
+    gain = s_l * s_l / f_l.clamp(min=1e-300) + s_r * s_r / f_r.clamp(min=1e-300)  # cost = sum f w^2 - gain
+    # the best split of each cluster: the largest gain, first position among ties
+    best_gain = torch.full((n, clusters), -1.0, dtype=torch.float64).scatter_reduce(1, owner, gain, "amax")
+    is_best = gain >= torch.gather(best_gain, 1, owner)
+    first = torch.where(is_best, positions, torch.full_like(positions, k + 1))
+    split = torch.full((n, clusters), k + 1, dtype=torch.long).scatter_reduce(1, owner, first, "amin")
+    empty = borders[:, 1:] == borders[:, :-1]
+    split = torch.where(empty, borders[:, :-1], split)
+    child = torch.stack([borders[:, :-1], split], dim=2).reshape(n, 2 * clusters)
+    child_borders = torch.cat([child, borders[:, -1:]], dim=1)
+    parent = centroids.repeat_interleave(2, dim=1)
+    return rows.means(child_borders, parent), child_borders
+
+
+def codes_from_borders(rows: SortedRows, borders: torch.Tensor) -> torch.Tensor:
+    """Code of every weight [N, K] (long) in original column order: the index of the interval holding it."""
+    n, k = rows.values.shape
+    sorted_codes = torch.searchsorted(borders[:, 1:].contiguous(), torch.arange(k).expand(n, k).contiguous(),
+                                      right=True)
+    return torch.empty_like(sorted_codes).scatter_(1, rows.order, sorted_codes)
+
+
+def any_precision(weight: torch.Tensor, sensitivity: torch.Tensor, seed_bits: int = 3, parent_bits: int = 8,
+                  max_iter: int = 50) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """SqueezeLLM seed at `seed_bits`, upscaled one bit at a time to `parent_bits`: (parent codes [N, K] long,
+    {bits: LUT [N, 2^bits] float32}) with code_b = parent_code >> (parent_bits - b) for every width."""
+    if not 1 <= seed_bits <= parent_bits <= 8:
+        raise ValueError(f"need 1 <= seed_bits <= parent_bits <= 8, got {seed_bits}, {parent_bits}")
+    rows = SortedRows.build(weight, sensitivity)
+    centroids, borders = kmeans_rows(rows, 1 << seed_bits, max_iter)
+    luts = {seed_bits: centroids.float()}
+    for bits in range(seed_bits + 1, parent_bits + 1):
+        centroids, borders = split_clusters(rows, borders, centroids)
+        luts[bits] = centroids.float()
+    return codes_from_borders(rows, borders), luts

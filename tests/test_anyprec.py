@@ -1,0 +1,238 @@
+"""Any-Precision: bitplane layout, SqueezeLLM seed clustering and incremental upscaling (prefix codes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit.formats.anyprec_layout import column_map, lut_dequantize, pack_planes, unpack_planes
+from quantkit.nonuniform import SortedRows, any_precision, codes_from_borders, kmeans_rows, split_clusters
+
+
+@pytest.mark.parametrize("k", [32, 576, 1024, 1536, 2144, 4096])
+def test_column_map_is_a_permutation(k):
+    assert sorted(column_map(k).reshape(-1).tolist()) == list(range(k))
+
+
+def test_column_map_matches_packbits_with_the_warp_byte_permutation():
+    """The authors' construction for full chunks: np.packbits along the row (big-endian bytes), then within each
+    128-byte warp span byte b goes to thread b % 32 at little-endian byte slot (b // 32) XOR 3."""
+    k = 2048
+    codes = np.random.default_rng(0).integers(0, 2, (3, k))
+    plane = pack_planes(codes, 1)[0].view(np.uint32)
+    packed = np.packbits(codes.astype(np.uint8), axis=1)  # [3, K/8]
+    expect = np.zeros((3, k // 32, 4), dtype=np.uint8)
+    for b in range(k // 8):
+        chunk, within = divmod(b, 128)
+        expect[:, 32 * chunk + within % 32, (within // 32) ^ 3] = packed[:, b]
+    assert np.array_equal(plane, expect.view("<u4")[..., 0])
+
+
+def test_tail_chunk_by_hand():
+    """K = 1056: one full chunk and a 32-column tail worked by one thread, whose byte j holds columns
+    1024 + 8 j .. + 7 (W/4 = 8 apart)."""
+    cmap = column_map(1056)
+    assert cmap[32].tolist() == list(range(1024, 1056))
+    assert cmap[0, :9].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 256]
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 576), (3, 1536), (2, 2144)])
+def test_planes_round_trip_and_prefixes(n, k):
+    codes = np.random.default_rng(k).integers(0, 256, (n, k))
+    planes = pack_planes(codes, 8)
+    assert planes.dtype == np.int32 and planes.shape == (8, n, k // 32)
+    for bits in range(1, 9):
+        assert np.array_equal(unpack_planes(planes, bits), codes >> (8 - bits))
+        assert np.array_equal(unpack_planes(planes[:bits], bits), codes >> (8 - bits))  # only the first b planes
+
+
+def test_pack_planes_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_planes(np.zeros((2, 40), dtype=np.int64), 3)
+    with pytest.raises(ValueError, match=r"\[0, 7\]"):
+        pack_planes(np.full((2, 32), 8), 3)
+
+
+def _row_problem(n: int = 6, k: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    f = torch.rand(n, k, generator=g) ** 4  # uneven sensitivities
+    return w, f
+
+
+def _weighted_error(w: torch.Tensor, f: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    return (f * (w - torch.gather(lut, 1, codes)) ** 2).sum(dim=1)
+
+
+def test_seed_kmeans_is_a_weighted_lloyd_fixed_point():
+    """Every centroid is the sensitivity-weighted mean of its members, every weight is nearest its centroid, and
+    the LUT is ascending."""
+    w, f = _row_problem()
+    rows = SortedRows.build(w, f)
+    centroids, borders = kmeans_rows(rows, 8)
+    codes = codes_from_borders(rows, borders)
+    assert (centroids[:, 1:] >= centroids[:, :-1]).all()
+    for r in range(w.shape[0]):
+        for j in range(8):
+            members = codes[r] == j
+            if members.any():
+                mean = (f[r, members].double() * w[r, members].double()).sum() / f[r, members].double().sum()
+                assert float(centroids[r, j]) == pytest.approx(float(mean), rel=1e-9, abs=1e-12)
+        nearest = (w[r, :, None].double() - centroids[r]).abs().argmin(dim=1)
+        assert torch.equal((w[r, :, None].double() - centroids[r]).abs().gather(1, nearest[:, None]),
+                           (w[r, :, None].double() - centroids[r]).abs().gather(1, codes[r, :, None]))
+
+
+def test_best_split_is_the_exhaustive_optimum():
+    """For each cluster the split equals a brute-force search over all split points of the sorted members."""
+    w, f = _row_problem(n=3, k=64)
+    rows = SortedRows.build(w, f)
+    centroids, borders = kmeans_rows(rows, 4)
+    _, child = split_clusters(rows, borders, centroids)
+    x, g = rows.values, torch.gather(f.double(), 1, rows.order)
+    for r in range(3):
+        for j in range(4):
+            lo, hi = int(borders[r, j]), int(borders[r, j + 1])
+
+            def cost(m: int, r: int = r, lo: int = lo, hi: int = hi) -> float:
+                total = 0.0
+                for a, b in ((lo, m), (m, hi)):
+                    if b > a:
+                        c = (g[r, a:b] * x[r, a:b]).sum() / g[r, a:b].sum()
+                        total += float((g[r, a:b] * (x[r, a:b] - c) ** 2).sum())
+                return total
+
+            best = min(range(lo + 1, hi + 1), key=cost)
+            assert int(child[r, 2 * j]) == lo
+            assert cost(int(child[r, 2 * j + 1])) == pytest.approx(cost(best), rel=1e-9, abs=1e-15)
+
+
+def test_any_precision_prefix_property_and_monotone_error():
+    """Parent codes prefix every width's codes, each LUT is ascending, the parent LUT is kept, and the weighted
+    error falls with every bit."""
+    w, f = _row_problem()
+    codes, luts = any_precision(w, f, seed_bits=3, parent_bits=8)
+    assert sorted(luts) == [3, 4, 5, 6, 7, 8] and codes.max() < 256
+    errors = []
+    for bits, lut in luts.items():
+        c = codes >> (8 - bits)
+        assert lut.shape == (w.shape[0], 1 << bits) and (lut[:, 1:] >= lut[:, :-1]).all()
+        errors.append(_weighted_error(w.double(), f.double(), c, lut.double()))
+    for a, b in itertools.pairwise(errors):
+        assert (b <= a * (1 + 1e-6)).all()
+    assert (errors[-1] < errors[0] / 100).all()
+    # the packed artifact reproduces every width's weights exactly
+    planes = pack_planes(codes.numpy(), 8)
+    for bits, lut in luts.items():
+        deq = lut_dequantize(unpack_planes(planes, bits), lut.numpy())
+        assert np.array_equal(deq, torch.gather(lut, 1, codes >> (8 - bits)).numpy())
+
+
+def test_zero_weights_and_zero_sensitivity_rows():
+    """Exact zeros get no sensitivity; a row with none left is clustered unweighted; a constant row survives."""
+    w = torch.tensor([[0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0] * 4, [1.5] * 32])
+    f = torch.tensor([[1.0] * 32, [0.0] * 32])
+    codes, luts = any_precision(w, f, seed_bits=2, parent_bits=4)
+    assert torch.isfinite(luts[4]).all()
+    assert torch.equal(torch.gather(luts[4], 1, codes)[1], w[1])
+
+
+def _codebook_result(n: int = 8, k: int = 64):
+    from quantkit.passes.base import QuantizedLinear
+    from quantkit.quantizers import QParams, QuantSpec
+
+    w, f = _row_problem(n, k)
+    codes, luts = any_precision(w, f, 3, 8)
+    spec = QuantSpec(bits=8, granularity="channel", codebook=True, min_bits=3)
+    lut = torch.cat([luts[b].half().float() for b in range(3, 9)], dim=1)
+    qp = QParams(scale=None, zero=None, group_size=k, lut=lut, code_offset=128)
+    return QuantizedLinear((codes - 128).to(torch.int8), qp, spec), codes, luts
+
+
+def test_codebook_spec_validation():
+    from quantkit.quantizers import QuantSpec
+
+    with pytest.raises(ValueError, match="granularity=channel"):
+        QuantSpec(bits=4, granularity="group", codebook=True)
+    with pytest.raises(ValueError, match="min_bits"):
+        QuantSpec(bits=4, granularity="channel", codebook=True, min_bits=5)
+    with pytest.raises(ValueError, match="min_bits"):
+        QuantSpec(bits=4, granularity="channel", min_bits=3)
+
+
+def test_at_bits_reads_the_prefix_and_its_table():
+    q, codes, luts = _codebook_result()
+    assert torch.equal(q.dequantize(), torch.gather(luts[8].half().float(), 1, codes))
+    for bits in range(3, 9):
+        narrow = q.at_bits(bits)
+        assert narrow.spec.bits == bits
+        assert torch.equal(narrow.dequantize(), torch.gather(luts[bits].half().float(), 1, codes >> (8 - bits)))
+    with pytest.raises(ValueError, match="3..8"):
+        q.at_bits(2)
+
+
+def test_anyprec_packer_round_trip():
+    from quantkit.formats.anyprec import AnyPrecisionPacker
+    from quantkit.formats.base import ExportError
+    from quantkit.recipe import load_recipe
+
+    q, _, _ = _codebook_result()
+    packer = AnyPrecisionPacker(load_recipe("anyprec-3to8"), torch.float16)
+    packed = packer.pack(q)
+    assert packed["qweight"].dtype == torch.int32 and packed["qweight"].shape == (8, 8, 2)
+    assert sorted(k for k in packed if k.startswith("lut")) == [f"lut{b}" for b in range(3, 9)]
+    assert packed["lut3"].dtype == torch.float16 and packed["lut3"].shape == (8, 8)
+    back = packer.unpack(packed, q.spec)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.qparams.lut, q.qparams.lut)
+    for bits in range(3, 9):
+        assert torch.equal(back.at_bits(bits).dequantize(), q.at_bits(bits).dequantize())
+    with pytest.raises(ExportError, match="multiple of 32"):
+        packer.check("mlp.down_proj", q.spec, (64, 172))
+
+
+def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch):
+    """anyprec-3to8 on a synthetic Llama: the anyprec artifact and the quantkit simulation artifact of the same
+    run give identical weights at every width, narrower widths differ, and a width outside 3..8 is refused."""
+    from helpers import cli, cli_ok
+
+    from quantkit.eval.loading import load_for_eval
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=2))
+    args = ["--recipe", "anyprec-3to8", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64"]
+    cli_ok("quantize", model, "-o", tmp_path / "ap", *args)
+    cli_ok("quantize", model, "-o", tmp_path / "sim", *args, "--set", "export.format=quantkit")
+    assert not (tmp_path / "ap" / "fisher").exists()
+    weights = {}
+    for bits in (3, 5, 8):
+        a = load_for_eval(tmp_path / "ap", dtype=torch.float16, bits=bits)
+        b = load_for_eval(tmp_path / "sim", dtype=torch.float16, bits=bits)
+        assert f"read at {bits} bits" in a.description
+        wa = a.model.model.layers[1].mlp.down_proj.weight.detach()
+        assert torch.equal(wa, b.model.model.layers[1].mlp.down_proj.weight)
+        weights[bits] = wa
+    assert not torch.equal(weights[3], weights[8])
+    fp = load_for_eval(model, dtype=torch.float16).model.model.layers[1].mlp.down_proj.weight.detach()
+    errors = [float((weights[b].float() - fp.float()).pow(2).mean()) for b in (3, 5, 8)]
+    assert errors[0] > errors[1] > errors[2]
+    result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1")
+    assert result.exit_code != 0 and "widths 3..8" in result.output
+
+
+def test_anyprec_on_stories260k(stories260k, tinystories_txt, tmp_path, monkeypatch):
+    """stories260K's down_proj (K = 172) does not fit the bitplanes: the export says so, the simulation artifact
+    quantizes and evaluates at 3 bits."""
+    from helpers import cli, cli_ok
+
+    from quantkit.eval.loading import load_for_eval
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    args = ["--recipe", "anyprec-3to8", "--calib", tinystories_txt, "--num-samples", "4", "--seq-len", "64"]
+    result = cli("quantize", stories260k, "-o", tmp_path / "x", *args)
+    assert result.exit_code != 0 and "172" in result.output and "export.format=quantkit" in result.output
+    cli_ok("quantize", stories260k, "-o", tmp_path / "sim", *args, "--set", "export.format=quantkit")
+    assert "read at 3 bits" in load_for_eval(tmp_path / "sim", bits=3).description
