@@ -47,6 +47,8 @@ GAP: list[tuple[str, str, list[str]]] = [
     ("RTN W4A8KV4 (per channel)", "qoq", [*W4_CHANNEL, *_passes("rtn"), *SIM]),
     ("QoQ W4A8KV4 (per channel)", "qoq", [*SIM]),
     ("RTN W4A8KV4 (g64, sim.)", "qoq-g128", [*W4_G64, *_passes("rtn"), *SIM]),
+    # the recipes weight the attention sink in GPTQ's Hessians (calibration.sink_weight: 128); plain GPTQ beside it
+    ("QoQ W4A8KV4 (per channel), plain GPTQ", "qoq", ["--set", "calibration.sink_weight=null", *SIM]),
 ]
 
 
