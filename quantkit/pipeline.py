@@ -116,14 +116,26 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
         full = f"{adapter.layer_prefix(0)}{name}.weight"
         n, k = source.shape(full)
         spec = recipe.weights.spec()
-        if spec.granularity == "group" and k % spec.group_size:
+        normal = k - spec.outliers  # Atom: the columns left for the groups once the outliers are set apart
+        if spec.outliers >= k:
+            raise ShapeError(f"{full[:-7]}: weights.outliers={spec.outliers} leaves no columns of its {k} to group")
+        if spec.granularity == "group" and normal % spec.group_size:
+            what = (f"the {normal} input columns left after its {spec.outliers} outliers (input width {k})"
+                    if spec.outliers else f"its input width {k}")
             if recipe.weights.indivisible != "per_channel":
                 raise ShapeError(
-                    f"{full[:-7]}: group size {spec.group_size} does not divide its input width {k} "
-                    f"(output width {n}); choose a group size dividing {k} "
-                    "or set weights.indivisible=per_channel to quantize such layers per channel"
+                    f"{full[:-7]}: group size {spec.group_size} does not divide {what} (output width {n}); choose a "
+                    f"group size dividing {normal} or set weights.indivisible=per_channel to quantize such layers "
+                    "per channel"
                 )
             spec = recipe.weights.spec("channel")
+        act = recipe.activations
+        if act is not None and act.group_size is not None and (k - act.outliers) % act.group_size:
+            raise ShapeError(f"{full[:-7]}: activation groups of {act.group_size} do not divide its "
+                             f"{k - act.outliers} input columns (input width {k}, {act.outliers} outliers); "
+                             "set activations.group_size to a divisor")
+        if n % spec.row_block:
+            raise ShapeError(f"{full[:-7]}: weights.row_block={spec.row_block} does not divide its output width {n}")
         if role in specs and specs[role] != spec:
             raise ShapeError(f"linears of role {role} need different specs; this architecture is not supported")
         specs[role] = spec
@@ -136,25 +148,31 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
 def _deployed_block(
     source: ModelSource, index: int, shard: dict[str, torch.Tensor], packer: Packer, specs: dict[str, QuantSpec],
     targets: list[str],
-) -> nn.Module:
-    """Block whose weights are exactly what an engine reconstructs from the shard (dequantized in model dtype)."""
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Block whose weights are exactly what an engine reconstructs from the shard (dequantized in model dtype),
+    and the column -> group maps of its linears that have one (grouped activation simulation)."""
     adapter = source.adapter
     prefix = adapter.layer_prefix(index)
     tensors = {k[len(prefix):]: v for k, v in shard.items()}
     state: dict[str, torch.Tensor] = {}
+    groups: dict[str, torch.Tensor] = {}
     quantized = {name: role for role, name in adapter.linear_names(targets)}
     for name, role in quantized.items():
-        state[f"{name}.weight"] = deployed_weight(packer, linear_parts(tensors, name, packer), specs[role],
-                                                  source.dtype)
+        weight, g_idx = deploy(packer, linear_parts(tensors, name, packer), specs[role], source.dtype)
+        state[f"{name}.weight"] = weight
+        if g_idx is not None:
+            groups[name] = g_idx
     state.update(tensors)
-    return build_block(source, index, state)
+    return build_block(source, index, state), groups
 
 
-def deployed_weight(packer: Packer, parts: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype
-                    ) -> torch.Tensor:
-    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype. Calibration and
-    --resume both deploy through here, so they agree bit for bit."""
-    return packer.unpack(dict(parts), spec).dequantize().to(dtype)
+def deploy(packer: Packer, parts: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype, and its column ->
+    group map (None in natural order). Calibration, --resume and eval all deploy through here, so they agree bit
+    for bit."""
+    q = packer.unpack(dict(parts), spec)
+    return q.dequantize().to(dtype), q.g_idx
 
 
 def _quantize_by_role(
@@ -167,8 +185,10 @@ def _quantize_by_role(
     block, names_by_role = work.block, {}
     for name, role in work.linears.items():
         names_by_role.setdefault(role, []).append(name)
-    simulate.attach([block], [], work.config, None, kv_sim)
+    kv_projections = (work.adapter.k_proj, work.adapter.v_proj)
+    simulate.attach([block], [], work.config, None, kv_sim, kv_projections=kv_projections)
     acc = work.hessian_accumulator()
+    groups: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
 
     def role_input(role: str, x: torch.Tensor) -> None:
@@ -189,12 +209,19 @@ def _quantize_by_role(
         for name in names_by_role[role]:
             q = work.results.pop(name).finished()  # the packed tensors are what is kept
             packed[name] = packer.pack(q.to("cpu"))
-            work.module(name).weight.data.copy_(deployed_weight(packer, packed[name], q.spec, dtype))
-        simulate.attach([block], names_by_role[role], work.config, act_sim, None)
+            weight, g_idx = deploy(packer, packed[name], q.spec, dtype)
+            work.module(name).weight.data.copy_(weight)
+            if g_idx is not None:
+                groups[name] = g_idx
+        simulate.attach([block], names_by_role[role], work.config, act_sim, None, groups=[groups])
         work.hessians.pop(role, None)  # quantizers may consume it themselves
 
     run_by_role(work.runner, block, work.adapter, work.inputs, out, role_input, role_done)
     return packed
+
+
+def _kv_projections(source: ModelSource) -> tuple[str, str]:
+    return source.adapter.k_proj, source.adapter.v_proj
 
 
 def linear_parts(tensors: dict[str, torch.Tensor], module: str, packer: Packer) -> dict[str, torch.Tensor]:
@@ -218,8 +245,7 @@ def load_edges(source: ModelSource) -> ModelEdges:
 
 
 def _sim_config(recipe: Recipe) -> tuple[simulate.ActivationSim | None, simulate.KVSim | None]:
-    act = simulate.ActivationSim(recipe.activations.bits, recipe.activations.symmetric) if recipe.activations else None
-    kv = simulate.KVSim(recipe.kv_cache.bits, recipe.kv_cache.symmetric) if recipe.kv_cache else None
+    act, kv = simulate.sims_for(recipe)
     return act, kv
 
 
@@ -432,9 +458,11 @@ class _LayerContext:
 def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor) -> None:
     """Rebuild a finished layer from its shard and run it on `x` in place (resume)."""
     recipe = ctx.job.recipe
-    block = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs, recipe.targets)
+    block, groups = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs,
+                                    recipe.targets)
     block.to(ctx.job.device)
-    simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim)
+    simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, groups=[groups],
+                    kv_projections=_kv_projections(ctx.source))
     ctx.runner.run(block, x, out=x)
 
 
@@ -494,8 +522,10 @@ def _quantize_layer(
         y_q = x[:n_err]
     else:
         del block, work
-        block = _deployed_block(source, i, shard, packer, specs, recipe.targets).to(job.device)
-        simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim)
+        block, groups = _deployed_block(source, i, shard, packer, specs, recipe.targets)
+        block.to(job.device)
+        simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim, groups=[groups],
+                        kv_projections=_kv_projections(source))
         if recipe.engine.propagate == "quantized":
             y_q = runner.run(block, x, out=x)[:n_err]
         else:

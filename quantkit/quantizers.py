@@ -31,11 +31,16 @@ Two variants serve kernels whose dequantization differs from (q - zero) * scale:
   fp16 centroids, codes are table indices (unsigned u = q + 2^(b-1)). With `min_bits` < bits the codes prefix
   into every narrower width (Any-Precision): the w-bit model takes u >> (b - w) and its own table. `QParams.lut`
   holds every width's table side by side, [N, 2^min_bits + ... + 2^bits], narrowest first (`lut_width`).
+- `outliers > 0` is Atom's mixed precision: the layer's columns are taken in an order (the calibration inputs'
+  square-sum, ascending, `ordered_quantize`); the first K - outliers form the groups of `group_size` (or one
+  per-channel group), the last `outliers` are INT8 per row, unclipped. The codes stay in the original column
+  order, with `g_idx` mapping each column to its group (the outlier group last). `row_block` rows share one
+  scale per group (Atom's kernel pairs rows: 2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -59,6 +64,8 @@ class QuantSpec:
     narrow_range: bool = False  # symmetric codes in [-qmax, qmax] with scale amax / qmax (QQQ per channel)
     requant_int8: bool = False  # QQQ per group: group scales re-expressed over a per-channel INT8 scale
     codebook: bool = False  # per-row lookup tables of centroids (SqueezeLLM); codes index them
+    outliers: int = 0  # Atom: the last `outliers` columns of the layer's order are INT8 per row (unclipped)
+    row_block: int = 1  # output rows that share one scale per group (Atom: 2)
     min_bits: int | None = None  # codebook: the narrowest width the codes also serve (Any-Precision), else bits
 
     def __post_init__(self) -> None:
@@ -92,6 +99,13 @@ class QuantSpec:
                               or self.narrow_range or self.zero_form != "integer"):
             raise ValueError("codebook (lookup-table) quantization has one table per output row: set "
                              "granularity=channel and no uniform-grid variant")
+        if self.outliers < 0 or self.row_block < 1:
+            raise ValueError(f"outliers must be >= 0 and row_block >= 1, got {self.outliers}, {self.row_block}")
+        if (self.outliers or self.row_block > 1) and not (
+                self.symmetric and self.granularity in ("group", "channel") and not (
+                    self.progressive or self.codebook or self.requant_int8 or self.narrow_range)):
+            raise ValueError("outliers and row_block (Atom) need symmetric group or per-channel weights without "
+                             "another variant")
         if self.min_bits is not None and not (self.codebook and 1 <= self.min_bits <= self.bits):
             raise ValueError(f"min_bits needs codebook weights and 1 <= min_bits <= bits, got {self.min_bits}")
 
@@ -163,8 +177,15 @@ def compute_qparams(
         return _progressive_qparams(w, spec, scale_dtype, clip, gs)
     x = w.detach().float()
     x = x.reshape(1, 1, -1) if spec.granularity == "tensor" else x.reshape(n, k // gs, gs)
+    if spec.row_block > 1:
+        if n % spec.row_block:
+            raise ValueError(f"row_block {spec.row_block} does not divide the output width {n}")
+        x = x.reshape(n // spec.row_block, spec.row_block, k // gs, gs).transpose(1, 2).reshape(
+            n // spec.row_block, k // gs, spec.row_block * gs)  # one group spans the block's rows
     if spec.symmetric:
         amax = x.abs().amax(dim=-1) * clip
+        if spec.row_block > 1:
+            amax = amax.repeat_interleave(spec.row_block, dim=0)
         scale = amax / ((spec.qmax - spec.qmin) / 2)
         scale = _round_scale(scale, scale_dtype)
         return QParams(scale=scale, zero=None, group_size=gs)
@@ -202,6 +223,43 @@ def _progressive_qparams(
         scale=s1 * s2, zero=(z_u + spec.qmin).to(torch.int32), group_size=gs, s1=s1, s2=s2,
         code_lo=code_lo.to(torch.int32), code_hi=code_hi.to(torch.int32), protect=p,
     )
+
+
+def outlier_spec(spec: QuantSpec) -> QuantSpec:
+    """How the outlier columns of an Atom spec are quantized: INT8 symmetric per row, unclipped."""
+    return QuantSpec(bits=8, symmetric=True, granularity="channel")
+
+
+def normal_spec(spec: QuantSpec) -> QuantSpec:
+    """An Atom spec's normal columns: the same spec without the outlier split."""
+    return replace(spec, outliers=0)
+
+
+def ordered_quantize(w: torch.Tensor, spec: QuantSpec, order: torch.Tensor, scale_dtype: torch.dtype = torch.float16,
+                     clip_ratio: float | torch.Tensor | None = None) -> tuple[torch.Tensor, QParams, torch.Tensor]:
+    """Round-to-nearest of `w` [N, K] with groups formed along `order` (a permutation of the columns) and, for
+    Atom specs, the last `spec.outliers` columns of the order in INT8; returns codes [N, K] in the original
+    column order, the qparams (the outlier group last) and g_idx [K]."""
+    n, k = w.shape
+    kn = k - spec.outliers
+    wp = w.detach().float()[:, order]
+    normal = normal_spec(spec)
+    qn = compute_qparams(wp[:, :kn], normal, scale_dtype, clip_ratio)
+    codes_p = [quantize(wp[:, :kn], qn, normal)]
+    gs = normal.columns_per_group(kn)
+    groups = [torch.arange(kn, device=w.device) // gs]
+    scales = [qn.scale.expand(n, -1)]
+    if spec.outliers:
+        ospec = outlier_spec(spec)
+        qo = compute_qparams(wp[:, kn:], ospec, scale_dtype)
+        codes_p.append(quantize(wp[:, kn:], qo, ospec))
+        groups.append(torch.full((spec.outliers,), kn // gs, device=w.device))
+        scales.append(qo.scale)
+    codes = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    codes[:, order] = torch.cat(codes_p, dim=1)
+    g_idx = torch.empty(k, dtype=torch.long, device=w.device)
+    g_idx[order] = torch.cat(groups)
+    return codes, QParams(scale=torch.cat(scales, dim=1), zero=None, group_size=gs), g_idx
 
 
 def lqq_code_bound(offset: torch.Tensor, s2: torch.Tensor, levels: int = 15) -> torch.Tensor:
@@ -376,12 +434,14 @@ def quantize_column(col: torch.Tensor, qp: QParams, group: torch.Tensor | int, s
     return q.to(torch.int8), _dequant(q, qp, ex)
 
 
-def fake_quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = True) -> torch.Tensor:
-    """Dynamic per-token activation quantization (last dim), as vLLM's scaled_int8_quant: s = amax / qmax."""
+def fake_quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = True, clip_ratio: float = 1.0
+                            ) -> torch.Tensor:
+    """Dynamic per-token activation quantization (last dim), as vLLM's scaled_int8_quant: s = amax / qmax (times
+    `clip_ratio`, for symmetric)."""
     qmax = (1 << (bits - 1)) - 1
     xf = x.float()
     if symmetric:
-        scale = xf.abs().amax(dim=-1, keepdim=True) / qmax
+        scale = xf.abs().amax(dim=-1, keepdim=True) * clip_ratio / qmax
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return (torch.round(xf / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
     lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)

@@ -38,6 +38,8 @@ class WeightConfig:
     progressive: bool = False  # QoQ two-level: INT8 per channel, then integer group scales (QServe g128)
     protective_range: int = 119  # level-1 INT8 clamp of progressive quantization
     level2: Literal["qoq", "lqq"] = "qoq"  # progressive group form: QoQ's zero point, or LiquidQuant's offset
+    outliers: int = 0  # Atom: the last columns of each linear's order (outlier_order pass) INT8 per row
+    row_block: int = 1  # Atom: output rows sharing one group scale (2)
     narrow_range: bool = False  # symmetric codes in [-(2^(b-1) - 1), 2^(b-1) - 1], scale amax / qmax (QQQ)
     requant_int8: bool = False  # QQQ per group: group scales as fp16 ratios over a per-channel INT8 scale
     codebook: bool = False  # per-row lookup tables (SqueezeLLM / Any-Precision; the squeezellm quantizer)
@@ -52,7 +54,8 @@ class WeightConfig:
                          zero_form=self.zero_form, progressive=progressive,
                          protective_range=self.protective_range, level2=self.level2 if progressive else "qoq",
                          narrow_range=self.narrow_range, requant_int8=self.requant_int8 and grouped,
-                         codebook=self.codebook, min_bits=self.min_bits)
+                         codebook=self.codebook, min_bits=self.min_bits, outliers=self.outliers,
+                         row_block=self.row_block)
 
     def __post_init__(self) -> None:
         self.spec()  # range checks live in QuantSpec
@@ -65,10 +68,17 @@ class ActivationConfig:
     bits: int = 8
     symmetric: bool = True
     granularity: Literal["token"] = "token"
+    group_size: int | None = None  # per (token, group of this many input channels) instead of per token (Atom)
+    outliers: int = 0  # the last channels of each linear's order stay INT8 (Atom; must match weights.outliers)
+    clip_ratio: float = 1.0  # symmetric: scale = clip_ratio * max|x| / qmax
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
             raise ValueError(f"activation bits must be in 2..8, got {self.bits}")
+        if (self.group_size is not None and self.group_size <= 0) or self.outliers < 0:
+            raise ValueError("activation group_size must be positive (or null) and outliers >= 0")
+        if not 0.0 < self.clip_ratio <= 1.0:
+            raise ValueError(f"activation clip_ratio must be in (0, 1], got {self.clip_ratio}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class KVCacheConfig:
     bits: int = 4
     symmetric: bool = False
     granularity: Literal["head"] = "head"
+    rope: Literal["post", "pre"] = "post"  # quantize keys after RoPE (QServe) or before it (Atom)
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -192,6 +203,10 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
     except ConfigError as exc:
         raise RecipeError(str(exc)) from None
     _check_order(passes, where)
+    weights, acts = values.get("weights", WeightConfig()), values.get("activations")
+    if acts is not None and (acts.outliers or weights.outliers) and acts.outliers != weights.outliers:
+        raise RecipeError(f"{where}: activations.outliers ({acts.outliers}) must equal weights.outliers "
+                          f"({weights.outliers}): both split the same channels")
     quantizers = [p.name for p in passes if get_pass(p.name).quantizes]
     if len(quantizers) != 1 or not get_pass(passes[-1].name).quantizes:
         raise RecipeError(

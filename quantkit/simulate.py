@@ -5,6 +5,10 @@ scaled_int8_quant). KV cache: a registered transformers attention function fake-
 values per (token, KV head) before SDPA, which is where a quantized cache would store them; the same function
 lets calibration passes observe post-RoPE keys (SmoothAttention). Both are attached
 to a whole model (eval) or a single block (calibration), so recipes like W4A8KV4 share one engine.
+
+Atom's variants: activations quantized per (token, group) along the linear's column order (the weights' g_idx:
+groups of `group_size`, and the last `outliers` columns in INT8, unclipped), with a clip ratio; and keys quantized
+before RoPE (`pre_rope`, as Atom's cache stores them), by hooks on the k_proj and v_proj outputs.
 """
 
 from __future__ import annotations
@@ -25,12 +29,45 @@ ATTENTION_NAME = "quantkit_kv_sim"
 class ActivationSim:
     bits: int = 8
     symmetric: bool = True
+    group_size: int | None = None  # per (token, group) instead of per token (Atom)
+    outliers: int = 0  # the last columns of the linear's order, INT8 (Atom)
+    clip_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
 class KVSim:
     bits: int = 4
     symmetric: bool = False
+    pre_rope: bool = False  # quantize keys before RoPE (Atom) instead of after (QServe)
+
+
+def sims_for(recipe) -> tuple[ActivationSim | None, KVSim | None]:
+    """The activation and KV simulation a recipe asks for."""
+    a, kv = recipe.activations, recipe.kv_cache
+    act = ActivationSim(a.bits, a.symmetric, a.group_size, a.outliers, a.clip_ratio) if a else None
+    return act, (KVSim(kv.bits, kv.symmetric, kv.rope == "pre") if kv else None)
+
+
+def fake_quantize_activation(x: torch.Tensor, sim: ActivationSim, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Dynamic fake quantization of a linear's input x [..., K]: per token, or (with `group_size`) per token and
+    group along `g_idx` (natural order when None), the last group holding the `outliers` in INT8."""
+    if sim.group_size is None and not sim.outliers:
+        return fake_quantize_per_token(x, sim.bits, sim.symmetric, sim.clip_ratio)
+    k = x.shape[-1]
+    kn = k - sim.outliers
+    gs = sim.group_size or kn
+    if kn % gs:
+        raise ValueError(f"activation groups of {gs} do not divide the {kn} normal columns of a width-{k} input")
+    order = torch.arange(k, device=x.device) if g_idx is None else torch.argsort(g_idx.to(x.device), stable=True)
+    xp = x[..., order]
+    normal = fake_quantize_per_token(xp[..., :kn].unflatten(-1, (kn // gs, gs)), sim.bits, sim.symmetric,
+                                     sim.clip_ratio).flatten(-2)
+    parts = [normal]
+    if sim.outliers:
+        parts.append(fake_quantize_per_token(xp[..., kn:], 8, True))
+    out = torch.empty_like(x)
+    out[..., order] = torch.cat(parts, dim=-1)
+    return out
 
 
 def fake_quantize_kv(x: torch.Tensor, sim: KVSim) -> torch.Tensor:
@@ -55,7 +92,7 @@ def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kw
     if observer is not None:  # calibration statistics on the unquantized post-RoPE keys and values
         observer(key, value)
     sim: KVSim | None = getattr(module, "_quantkit_kv_sim", None)
-    if sim is not None:
+    if sim is not None and not sim.pre_rope:
         key = fake_quantize_kv(key, sim)
         value = fake_quantize_kv(value, sim)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -64,9 +101,17 @@ def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kw
 AttentionInterface.register(ATTENTION_NAME, _kv_sim_attention)
 
 
-def _act_hook(sim: ActivationSim):
+def _act_hook(sim: ActivationSim, g_idx: torch.Tensor | None):
     def hook(module: nn.Module, args: tuple) -> tuple:
-        return (fake_quantize_per_token(args[0], sim.bits, sim.symmetric), *args[1:])
+        return (fake_quantize_activation(args[0], sim, g_idx), *args[1:])
+
+    return hook
+
+
+def _kv_hook(sim: KVSim, head_dim: int):
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        heads = out.unflatten(-1, (out.shape[-1] // head_dim, head_dim))
+        return fake_quantize_kv(heads, sim).flatten(-2)
 
     return hook
 
@@ -77,15 +122,27 @@ def attach(
     config,
     activations: ActivationSim | None,
     kv: KVSim | None,
+    groups: list[dict[str, torch.Tensor]] | None = None,
+    kv_projections: tuple[str, str] | None = None,
 ) -> list:
-    """Attach activation and KV simulation to decoder blocks; returns hook handles (remove() to detach)."""
+    """Attach activation and KV simulation to decoder blocks; returns hook handles (remove() to detach).
+    `groups[i][name]` is the column -> group map (g_idx) of linear `name` in block i, for grouped activations;
+    `kv_projections` names the k and v projections (needed for pre-RoPE keys)."""
     handles = []
     if activations is not None:
-        for block in blocks:
+        for i, block in enumerate(blocks):
             for name in linear_names:
-                handles.append(block.get_submodule(name).register_forward_pre_hook(_act_hook(activations)))
+                g_idx = groups[i].get(name) if groups else None
+                handles.append(block.get_submodule(name).register_forward_pre_hook(_act_hook(activations, g_idx)))
     if kv is not None:
         config._attn_implementation = ATTENTION_NAME
         for block in blocks:
             block.self_attn._quantkit_kv_sim = kv
+        if kv.pre_rope:
+            if kv_projections is None:
+                raise ValueError("pre-RoPE KV simulation needs the k and v projection names")
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            for block in blocks:
+                for name in kv_projections:
+                    handles.append(block.get_submodule(name).register_forward_hook(_kv_hook(kv, head_dim)))
     return handles

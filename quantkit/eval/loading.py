@@ -51,6 +51,16 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     return EvalModel(model.eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
 
 
+def _describe_act(act: simulate.ActivationSim | None) -> str:
+    """e.g. "A8 per-token", or "A4 per-token groups of 128 + 128 INT8 outliers" (Atom)."""
+    if act is None:
+        return ""
+    if act.group_size is None and not act.outliers:
+        return f"A{act.bits} per-token"
+    groups = f" groups of {act.group_size}" if act.group_size else ""
+    return f"A{act.bits} per-token{groups}" + (f" + {act.outliers} INT8 outliers" if act.outliers else "")
+
+
 def _quant_method(config: Any) -> str | None:
     """The `quant_method` of a transformers config's quantization_config (a dict or a config object), if any."""
     qc = getattr(config, "quantization_config", None)
@@ -79,18 +89,20 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     quantized = {}
     for i in range(config.num_hidden_layers):
         for role, name in adapter.linear_names(list(specs)):
-            quantized[f"{adapter.layer_prefix(i)}{name}"] = role
+            quantized[f"{adapter.layer_prefix(i)}{name}"] = (i, name, role)
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_hidden_layers)]
     index = json.loads((path / "model.safetensors.index.json").read_text())
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(index["weight_map"].values())):
         tensors = read_safetensors(path / shard)
-        for module, role in quantized.items():
+        for module, (i, name, role) in quantized.items():
             parts = linear_parts(tensors, module, packer)
             if parts:
                 q = packer.unpack(parts, specs[role])
                 q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
-                weight = q.dequantize().to(model_dtype)
-                state[f"{module}.weight"] = weight
+                state[f"{module}.weight"] = q.dequantize().to(model_dtype)
+                if q.g_idx is not None:
+                    groups[i][name] = q.g_idx
         state.update(tensors)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -102,13 +114,14 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     _rebuild_buffers(model)
-    act = simulate.ActivationSim(recipe.activations.bits, recipe.activations.symmetric) if recipe.activations else None
-    kv = simulate.KVSim(recipe.kv_cache.bits, recipe.kv_cache.symmetric) if recipe.kv_cache else None
+    act, kv = simulate.sims_for(recipe)
     linear_names = [name for _, name in adapter.linear_names(list(specs))]
     blocks = list(model.get_submodule(adapter.layers_prefix))
-    simulate.attach(blocks, linear_names, model.config, act, kv)
+    simulate.attach(blocks, linear_names, model.config, act, kv, groups=groups,
+                    kv_projections=(adapter.k_proj, adapter.v_proj))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    sim = ", ".join(s for s in (f"A{act.bits} per-token" if act else "", f"KV{kv.bits} per-head" if kv else "") if s)
+    sim = ", ".join(s for s in (_describe_act(act), f"KV{kv.bits} per-head{' pre-RoPE' if kv.pre_rope else ''}"
+                                if kv else "") if s)
     width = f", read at {bits} bits" if bits is not None else ""
     desc = f"{path} ({manifest['recipe']}, {manifest['format']}{width}{'; simulating ' + sim if sim else ''})"
     return EvalModel(model.eval(), tokenizer, desc, recipe)

@@ -22,7 +22,16 @@ def get_pass(name: str) -> type[Pass]:
     return PASSES[name]
 
 
-from quantkit.passes import clip, gptq, reorder, rtn, smooth, squeezellm, transforms  # noqa: E402  (registration)
+from quantkit.passes import (  # noqa: E402  (registration)
+    clip,
+    gptq,
+    outliers,
+    reorder,
+    rtn,
+    smooth,
+    squeezellm,
+    transforms,
+)
 
-__all__ = ["PASSES", "LayerWork", "Pass", "QuantizedLinear", "clip", "get_pass", "gptq", "register", "reorder",
-           "rtn", "smooth", "squeezellm", "transforms"]
+__all__ = ["PASSES", "LayerWork", "Pass", "QuantizedLinear", "clip", "get_pass", "gptq", "outliers", "register",
+           "reorder", "rtn", "smooth", "squeezellm", "transforms"]

@@ -83,6 +83,7 @@ class LayerWork:
     metrics: dict[str, float] = field(default_factory=dict)
     clip: dict[str, torch.Tensor | float] = field(default_factory=dict)  # linear -> clip ratio(s) [N, G]
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> diagonal Fisher [N, K] (squeezellm)
+    column_order: dict[str, torch.Tensor] = field(default_factory=dict)  # role -> the quantizer's column order (Atom)
     inputs: torch.Tensor | None = None  # calibration inputs of the block [n, L, H] (the CPU cache)
     runner: Any = None  # models.block.BlockRunner
     adapter: Any = None  # models.adapters.ArchAdapter

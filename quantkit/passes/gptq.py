@@ -16,7 +16,15 @@ import torch
 
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass, QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, compute_qparams, quantize_column, search_qparams
+from quantkit.quantizers import (
+    QParams,
+    QuantSpec,
+    compute_qparams,
+    normal_spec,
+    outlier_spec,
+    quantize_column,
+    search_qparams,
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,8 @@ class GPTQ(Pass):
             by_role.setdefault(work.linears[name], []).append(name)
         for role, members in by_role.items():
             work.hessian(members[0])  # collected on first use
-            factor = factor_hessian(work.hessians.pop(role), self.config, consume=True)
+            factor = factor_hessian(work.hessians.pop(role), self.config, consume=True,
+                                    order=work.column_order.get(role))
             for name in members:
                 w = work.weight(name).detach().float()
                 result, loss = gptq_with_factor(w, factor, work.specs[name], self.config, work.scale_dtype,
@@ -95,22 +104,28 @@ class HessianFactor:
     perm: torch.Tensor | None
     dead: torch.Tensor
     damp: float
+    ordered: bool = False  # `perm` is a given column order (Atom), whose groups form along it during the sweep
 
 
-def factor_hessian(h: torch.Tensor, config: GPTQConfig, consume: bool = False) -> HessianFactor:
-    """Factor H [K, K] for GPTQ. With `consume`, H's own buffer becomes the factor: on the CPU nothing else of
-    size K x K is allocated (the down_proj Hessian of a 70B model is 3.3 GB in float32)."""
+def factor_hessian(h: torch.Tensor, config: GPTQConfig, consume: bool = False, order: torch.Tensor | None = None
+                   ) -> HessianFactor:
+    """Factor H [K, K] for GPTQ, visiting columns in `order` when given (else act-order or natural). With
+    `consume`, H's own buffer becomes the factor: on the CPU nothing else of size K x K is allocated (the down_proj
+    Hessian of a 70B model is 3.3 GB in float32)."""
     if not consume:
         h = h.clone()
     diag = h.diagonal()
     dead = diag == 0
     diag[dead] = 1.0
     perm = None
-    if config.act_order:
+    if order is not None:
+        perm = order.to(h.device)
+    elif config.act_order:
         perm = torch.argsort(diag, descending=True, stable=True)
+    if perm is not None:
         _permute_symmetric_(h, perm)
     upper, damp = _inverse_cholesky(h, config)
-    return HessianFactor(upper, perm, dead, damp)
+    return HessianFactor(upper, perm, dead, damp, ordered=order is not None)
 
 
 def _permute_symmetric_(h: torch.Tensor, perm: torch.Tensor, block: int = 256) -> None:
@@ -231,16 +246,21 @@ def gptq_with_factor(
     if factor.dead.any():
         w = w.clone()
         w[:, factor.dead] = 0.0
-    gs = spec.columns_per_group(k)
     grouped = spec.granularity == "group"
-
+    kn = k - spec.outliers  # Atom: the last `outliers` visited columns are the INT8 outlier group
+    gs = normal_spec(spec).columns_per_group(kn)
     static: QParams | None = None
-    if not grouped or config.static_groups:
+    starts: dict[int, tuple[int, QuantSpec]] = {}
+    if (not grouped or config.static_groups) and not (factor.ordered or spec.outliers):
         static = _qparams(w, spec, config, scale_dtype) if clip is None else compute_qparams(
             w, spec, scale_dtype, clip_ratio=clip)
     elif spec.progressive or spec.zero_form != "integer" or spec.requant_int8:
         raise ValueError("GPTQ with dynamic groups supports plain single-level groups only (no progressive, scaled "
                          "zero or requant_int8 weights); set static_groups=true")
+    else:  # groups that begin at a visited column: width and spec (Atom's along the layer's order)
+        starts = {c: (gs, replace(normal_spec(spec), granularity="channel")) for c in range(0, kn, gs)}
+        if spec.outliers:
+            starts[kn] = (spec.outliers, outlier_spec(spec))
 
     perm, hinv = factor.perm, factor.upper
     dev = w.device
@@ -249,7 +269,7 @@ def gptq_with_factor(
     del w
     codes_t = torch.zeros(k, n, dtype=torch.int8, device=dev)
     dynamic: list[QParams] = []  # per-group params found during the sweep (dynamic groups)
-    g_idx = torch.arange(k, device=dev) // gs  # group of each column, in original column order
+    g_idx = torch.arange(k, device=dev) // gs  # group of each column, in original column order (static)
     loss = torch.zeros(n, device=dev)
     col_groups = (g_idx[perm] if perm is not None else g_idx).tolist()  # group of each permuted column (static)
 
@@ -264,13 +284,14 @@ def gptq_with_factor(
                 if static is not None:
                     params, g = static, col_groups[col] if grouped else 0
                 else:
-                    if col % gs == 0:  # dynamic groups: params from the error-updated weights of this group
-                        span = torch.cat([w1[i:], wt[i2:]])[:gs].T
-                        dynamic.append(_qparams(span, replace(spec, granularity="channel"), config, scale_dtype))
-                        if perm is not None:
-                            g_idx[perm[col:col + gs]] = len(dynamic) - 1
+                    if col in starts:  # dynamic groups: params from the error-updated weights of this group
+                        width, col_spec = starts[col]
+                        span = torch.cat([w1[i:], wt[i2:]])[:width].T
+                        dynamic.append(_qparams(span, col_spec, config, scale_dtype))
+                        visited = perm[col:col + width] if perm is not None else slice(col, col + width)
+                        g_idx[visited] = len(dynamic) - 1
                     params, g = dynamic[-1], 0
-                q, deq = quantize_column(w1[i], params, g, spec)
+                q, deq = quantize_column(w1[i], params, g, spec if static is not None else col_spec)
                 codes_t[col] = q
                 e = err1[i]
                 torch.sub(w1[i], deq, out=e)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass, QuantizedLinear
-from quantkit.quantizers import compute_qparams, quantize
+from quantkit.quantizers import compute_qparams, ordered_quantize, quantize
 
 
 @dataclass(frozen=True)
@@ -24,5 +26,11 @@ class RTN(Pass):
         for name in names:
             spec = work.specs[name]
             w = work.weight(name).detach().float()
+            order = work.column_order.get(work.linears[name])
+            if order is not None or spec.outliers:  # Atom: groups along the layer's column order
+                order = order if order is not None else torch.arange(w.shape[1], device=w.device)
+                codes, qp, g_idx = ordered_quantize(w, spec, order.to(w.device), work.scale_dtype)
+                work.results[name] = QuantizedLinear(codes, qp, spec, g_idx)
+                continue
             qp = compute_qparams(w, spec, work.scale_dtype, clip_ratio=work.clip.get(name))
             work.results[name] = QuantizedLinear(quantize(w, qp, spec), qp, spec)
