@@ -139,9 +139,10 @@ def test_atom_recipe_end_to_end(tmp_path, calib_txt):
 
     model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
                                                                   num_hidden_layers=2))
-    out = tmp_path / "atom"
-    cli_ok("quantize", model, "--recipe", "atom-w4a4", "-o", out, "--calib", calib_txt, "--num-samples", "4",
-           "--seq-len", "64")
+    out = tmp_path / "sim"
+    args = ["--recipe", "atom-w4a4", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64"]
+    cli_ok("quantize", model, "-o", out, *args, "--set", "export.format=quantkit")
+    cli_ok("quantize", model, "-o", tmp_path / "atom", *args)
     shard = load_file(str(sorted(out.glob("model-*.safetensors"))[0]))
     g_idx = shard["model.layers.0.mlp.down_proj.weight_g_idx"]
     scale = shard["model.layers.0.mlp.down_proj.weight_scale"]
@@ -152,6 +153,13 @@ def test_atom_recipe_end_to_end(tmp_path, calib_txt):
     loaded = load_for_eval(out)
     assert "A4 per-token groups of 128 + 128 INT8 outliers" in loaded.description
     assert "KV4 per-head pre-RoPE" in loaded.description
+    # the atom layout deploys exactly the simulation artifact's weights
+    atom = load_for_eval(tmp_path / "atom").model
+    for (name, pa), (_, pb) in zip(atom.named_parameters(), loaded.model.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    packed = load_file(str(sorted((tmp_path / "atom").glob("model-*.safetensors"))[0]))
+    assert packed["model.layers.0.mlp.down_proj.weight_int4"].shape == (256, 192)
+    assert packed["model.layers.0.mlp.down_proj.scale_int4"].shape == (3, 1024)
 
 
 def test_atom_on_stories260k_per_channel_fallback(stories260k, tinystories_txt, tmp_path):
@@ -162,5 +170,51 @@ def test_atom_on_stories260k_per_channel_fallback(stories260k, tinystories_txt, 
     result = cli("quantize", stories260k, "-o", tmp_path / "x", *args)
     assert result.exit_code != 0 and "outliers=128" in result.output
     fallback = ["--set", "weights.granularity=channel", "--set", "weights.outliers=16", "--set",
-                "activations.outliers=16", "--set", "activations.group_size=null"]
+                "activations.outliers=16", "--set", "activations.group_size=null", "--set", "export.format=quantkit"]
     cli_ok("quantize", stories260k, "-o", tmp_path / "pc", *args, *fallback)
+
+
+def test_scale_layout_by_hand_and_round_trip():
+    """Rows 0..15 of a tile fill its 64 slots: row r at (r % 8) 8 + (r // 8) % 2, four copies at stride 2."""
+    import numpy as np
+
+    from quantkit.formats.atom import gather_scales, scale_slots, scatter_scales
+
+    slots = scale_slots(32)
+    assert slots[0].tolist() == [0, 2, 4, 6] and slots[8].tolist() == [1, 3, 5, 7]
+    assert slots[1].tolist() == [8, 10, 12, 14] and slots[16].tolist() == [64, 66, 68, 70]
+    assert sorted(slots.reshape(-1).tolist()) == list(range(128))
+    s = np.arange(32, dtype=np.float16)
+    assert np.array_equal(gather_scales(scatter_scales(s)), s)
+
+
+def test_atom_packer_round_trip_and_refusals():
+    from quantkit.formats.atom import AtomPacker
+    from quantkit.formats.base import ExportError
+    from quantkit.passes.base import QuantizedLinear
+    from quantkit.recipe import load_recipe
+
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128, clip_ratio=0.85, outliers=128,
+                     row_block=2)
+    w, _, order = _problem(n=32, k=384)
+    codes, qp, g_idx = ordered_quantize(w, spec, order)
+    q = QuantizedLinear(codes, qp, spec, g_idx)
+    packer = AtomPacker(load_recipe("atom-w4a4"), torch.float16)
+    packed = packer.pack(q)
+    assert packed["weight_int4"].dtype == torch.uint8 and packed["weight_int4"].shape == (32, 128)
+    assert packed["weight_int8"].shape == (32, 128) and packed["scale_int8"].shape == (128,)
+    back = packer.unpack(packed, spec)
+    assert torch.equal(back.dequantize(), q.dequantize())
+    assert torch.equal(back.g_idx, g_idx) and torch.equal(back.codes, codes)
+    # hand check: the first byte holds reordered columns 0 (low nibble) and 1 (high nibble) of row 0
+    first = packed["reorder_index"][:2]
+    byte = int(packed["weight_int4"][0, 0])
+    assert [byte & 0xF, byte >> 4] == [int(c) & 0xF for c in codes[0, first]]
+    with pytest.raises(ExportError, match="multiple of 16"):
+        packer.check("mlp.down_proj", spec, (40, 384))
+    with pytest.raises(ExportError, match="groups of 128"):
+        packer.check("mlp.down_proj", QuantSpec(bits=4, symmetric=True, group_size=64, outliers=128), (32, 384))
+    corrupt = dict(packed, scale_int8=packed["scale_int8"].clone())
+    corrupt["scale_int8"][2] += 1
+    with pytest.raises(ExportError, match="corrupt"):
+        packer.unpack(corrupt, spec)

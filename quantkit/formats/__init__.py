@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionPacker
+from quantkit.formats.atom import AtomPacker
 from quantkit.formats.base import Packer
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 from quantkit.formats.liquidquant import LiquidQuantPacker
@@ -14,7 +15,7 @@ from quantkit.formats.qserve import QServePacker
 PACKERS: dict[str, type[Packer]] = {
     packer.name: packer
     for packer in (CompressedTensorsPacker, QServePacker, LiquidQuantPacker, QQQPacker, AnyPrecisionPacker,
-                   NativePacker)
+                   AtomPacker, NativePacker)
 }
 
 
