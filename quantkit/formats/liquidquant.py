@@ -130,6 +130,21 @@ def register_rows() -> np.ndarray:
     return ROWS[:, 0].reshape(128, 4, 4)[:, :, 0]
 
 
+def kernel_int8(qweight: np.ndarray, s2a: np.ndarray) -> np.ndarray:
+    """The INT8 weights [N, K] (int64) the kernel's IMAD + XOR makes from the stored `qweight` and `s2a`, each lane
+    put back at the cell the layout assigns it (the A operand of its MMAs)."""
+    regs = registers(qweight)  # [N/64, K/64, 128, 4]
+    sa = s2a.astype(np.uint32)
+    rows = register_rows()
+    lo, hi = lane_dequant(regs, sa[:, :, rows, 0], sa[:, :, rows, 1])  # [N/64, K/64, 128, 4, 4]
+    nt, kt = qweight.shape[:2]
+    blocks = np.zeros((nt, kt, BLOCK, BLOCK), dtype=np.int64)
+    r, c = ROWS.reshape(128, 4, 4, 2), COLS.reshape(128, 4, 4, 2)
+    blocks[:, :, r[..., 0], c[..., 0]] = lo
+    blocks[:, :, r[..., 1], c[..., 1]] = hi
+    return blocks.transpose(0, 2, 1, 3).reshape(nt * BLOCK, kt * BLOCK)
+
+
 class LiquidQuantPacker(Packer):
     name = "liquidquant"
 

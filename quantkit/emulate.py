@@ -1,0 +1,103 @@
+"""Bit-exact CPU emulation of the W4A8 GEMMs that read quantkit's packed layouts (the arithmetic issue #6's
+kernels run), and the check of a packed artifact against its reference dequantization (`quantkit validate`).
+
+An emulation takes activations x [M, K] (float32) and one linear's stored tensors, and does what the kernel does:
+1. per-token INT8 activations: s_x = max|x| / 127 (float32), q = round-half-even(x / s_x) clamped to [-128, 127];
+2. the layout's INT8 weights [N, K] from the stored bytes through the kernel's own bit operations (`kernel_int8`
+   of the format: QQQ's nibble mask or FP16 FMA trick, LiquidQuant's IMAD + XOR lanes);
+3. an exact integer accumulation over K (int32 in the kernel; an overflow is reported);
+4. the epilogue in float32 in a fixed order, rounded once: y = fp16((float(acc) * s_w[n]) * s_x[m]).
+The reference is the packer's `unpack(...).dequantize()`: its INT8 weights are round(W / s_w), and the emulated
+accumulators must equal x_int8 @ those exactly; the fp16 outputs are compared with the float32 product of the
+fake-quantized activations and the dequantized weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quantkit.formats import liquidquant, qqq
+
+INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+@dataclass
+class Emulation:
+    """What the kernel produces: the int32 accumulators [M, N] (int64 here), its fp16 outputs, and the pieces
+    the check needs (INT8 activations and their scales, the per-channel weight scales)."""
+
+    acc: np.ndarray
+    out: np.ndarray
+    x_int8: np.ndarray
+    s_x: np.ndarray
+    s_w: np.ndarray
+
+
+def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token symmetric INT8 (vLLM's scaled_int8_quant): (codes int64 [M, K], scales float32 [M])."""
+    x = np.asarray(x, dtype=np.float32)
+    s = np.abs(x).max(axis=1) / np.float32(127)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(x / s[:, None]), -128, 127).astype(np.int64)
+    return q, s
+
+
+def int8_gemm(x_int8: np.ndarray, w_int8: np.ndarray) -> np.ndarray:
+    """acc[m, n] = sum_k x[m, k] w[n, k], exactly; raises if a sum leaves int32 (the kernel would wrap)."""
+    acc = x_int8.astype(np.int64) @ w_int8.astype(np.int64).T
+    if acc.min(initial=0) < INT32[0] or acc.max(initial=0) > INT32[1]:
+        raise OverflowError("an int32 accumulator overflows")
+    return acc
+
+
+def _epilogue(acc: np.ndarray, s_w: np.ndarray, s_x: np.ndarray) -> np.ndarray:
+    return ((acc.astype(np.float32) * s_w[None, :].astype(np.float32)) * s_x[:, None]).astype(np.float16)
+
+
+def _qqq(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    s_group = tensors["s_group"].numpy() if "s_group" in tensors else None
+    w = qqq.kernel_int8(tensors["B"].numpy(), s_group).T  # [N, K]
+    s_w = qqq.permute_columns(tensors["s_channel"].numpy(), qqq.SCALE_PERM_SINGLE, inverse=True).reshape(-1)
+    return w, s_w
+
+
+def _liquidquant(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    w = liquidquant.kernel_int8(tensors["qweight"].numpy(), tensors["s2a"].numpy())
+    return w, tensors["s1_scales"].float().numpy()
+
+
+WEIGHTS: dict[str, Callable[[dict[str, torch.Tensor]], tuple[np.ndarray, np.ndarray]]] = {
+    "qqq": _qqq,
+    "liquidquant": _liquidquant,
+}
+
+
+def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulation:
+    """The kernel's GEMM of layout `fmt` on one linear's stored tensors and activations x [M, K]."""
+    if fmt not in WEIGHTS:
+        raise KeyError(f"no kernel emulation for format {fmt!r} (emulated: {', '.join(sorted(WEIGHTS))})")
+    w_int8, s_w = WEIGHTS[fmt](tensors)
+    x_int8, s_x = quantize_tokens(x)
+    acc = int8_gemm(x_int8, w_int8)
+    return Emulation(acc, _epilogue(acc, s_w, s_x), x_int8, s_x, s_w.astype(np.float32))
+
+
+@dataclass
+class Check:
+    exact: bool  # the accumulators equal the reference integer product
+    rel_error: float  # max |y - y_ref| / max |y_ref| of the fp16 outputs against the float32 reference
+
+
+def check_against_reference(emulation: Emulation, weight: torch.Tensor, x: np.ndarray) -> Check:
+    """Compare an emulation with the reference dequantized weight [N, K] (float32) on the same activations."""
+    w = weight.detach().float().numpy()
+    ref_int8 = np.round(w / emulation.s_w[:, None]).astype(np.int64)
+    exact = bool(np.array_equal(emulation.acc, emulation.x_int8 @ ref_int8.T)
+                 and np.array_equal(ref_int8.astype(np.float32) * emulation.s_w[:, None], w))
+    y_ref = (emulation.x_int8.astype(np.float32) * emulation.s_x[:, None]) @ w.T
+    scale = max(float(np.abs(y_ref).max()), 1e-30)
+    return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
