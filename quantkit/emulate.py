@@ -3,13 +3,16 @@ kernels run), and the check of a packed artifact against its reference dequantiz
 
 An emulation takes activations x [M, K] (float32) and one linear's stored tensors, and does what the kernel does:
 1. per-token INT8 activations: s_x = max|x| / 127 (float32), q = round-half-even(x / s_x) clamped to [-128, 127];
-2. the layout's INT8 weights [N, K] from the stored bytes through the kernel's own bit operations (`kernel_int8`
-   of the format: QQQ's nibble mask or FP16 FMA trick, LiquidQuant's IMAD + XOR lanes);
+2. the layout's INT8 weights [N, K] from the stored bytes through the kernel's own bit operations (QQQ's nibble
+   mask or FP16 FMA trick, LiquidQuant's IMAD + XOR lanes, QServe's 32-bit multiply and vadd4 per group, or its
+   UINT4 codes fed as they are per channel);
 3. an exact integer accumulation over K (int32 in the kernel; an overflow is reported);
-4. the epilogue in float32 in a fixed order, rounded once: y = fp16((float(acc) * s_w[n]) * s_x[m]).
-The reference is the packer's `unpack(...).dequantize()`: its INT8 weights are round(W / s_w), and the emulated
-accumulators must equal x_int8 @ those exactly; the fp16 outputs are compared with the float32 product of the
-fake-quantized activations and the dequantized weights.
+4. the epilogue in float32 in a fixed order, rounded once: y = fp16((float(acc) * s_w[n]) * s_x[m]), and for
+   QServe per channel minus szero[n] * t_x[m], with t_x the per-token sum of the unquantized x (its zero point
+   moved to the epilogue, paper Eq. 13).
+The reference is the packer's `unpack(...).dequantize()`: its INT8 weights are round((W + szero) / s_w), and the
+emulated accumulators must equal x_int8 @ those exactly; the fp16 outputs are compared with the float32 product
+of the fake-quantized activations and the dequantized weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from quantkit.formats import liquidquant, qqq
+from quantkit.formats import liquidquant, qqq, qserve_layout
 
 INT32 = (-(1 << 31), (1 << 31) - 1)
 
@@ -35,6 +38,7 @@ class Emulation:
     x_int8: np.ndarray
     s_x: np.ndarray
     s_w: np.ndarray
+    szero: np.ndarray | None = None  # QServe per channel: the scaled zero the epilogue subtracts
 
 
 def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,25 +58,44 @@ def int8_gemm(x_int8: np.ndarray, w_int8: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _epilogue(acc: np.ndarray, s_w: np.ndarray, s_x: np.ndarray) -> np.ndarray:
-    return ((acc.astype(np.float32) * s_w[None, :].astype(np.float32)) * s_x[:, None]).astype(np.float16)
+def _epilogue(acc: np.ndarray, s_w: np.ndarray, s_x: np.ndarray, szero: np.ndarray | None = None,
+              t_x: np.ndarray | None = None) -> np.ndarray:
+    y = (acc.astype(np.float32) * s_w[None, :].astype(np.float32)) * s_x[:, None]
+    if szero is not None:
+        y = y - szero[None, :].astype(np.float32) * t_x[:, None]
+    return y.astype(np.float16)
 
 
-def _qqq(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+Weights = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # INT8 weights [N, K], s_w [N], szero [N] or None
+
+
+def _qqq(tensors: dict[str, torch.Tensor]) -> Weights:
     s_group = tensors["s_group"].numpy() if "s_group" in tensors else None
     w = qqq.kernel_int8(tensors["B"].numpy(), s_group).T  # [N, K]
     s_w = qqq.permute_columns(tensors["s_channel"].numpy(), qqq.SCALE_PERM_SINGLE, inverse=True).reshape(-1)
-    return w, s_w
+    return w, s_w, None
 
 
-def _liquidquant(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+def _liquidquant(tensors: dict[str, torch.Tensor]) -> Weights:
     w = liquidquant.kernel_int8(tensors["qweight"].numpy(), tensors["s2a"].numpy())
-    return w, tensors["s1_scales"].float().numpy()
+    return w, tensors["s1_scales"].float().numpy(), None
 
 
-WEIGHTS: dict[str, Callable[[dict[str, torch.Tensor]], tuple[np.ndarray, np.ndarray]]] = {
+def _qserve(tensors: dict[str, torch.Tensor]) -> Weights:
+    s1 = tensors["s1_scales"].float().numpy()
+    if "s2_scales" in tensors:  # progressive groups: q * s2 - z * s2 per byte lane
+        k = tensors["qweight"].shape[1] * 2
+        group = k // tensors["s2_scales"].shape[0]
+        w = qserve_layout.emulate_group_dequant(tensors["qweight"], tensors["s2_scales"], tensors["s2_zeros"], group)
+        return w.numpy().astype(np.int64), s1, None
+    codes = qserve_layout.unpack_qweight(tensors["qweight"]).numpy().astype(np.int64)  # UINT4 as s8 operands
+    return codes, s1, tensors["s1_szeros"].float().numpy()
+
+
+WEIGHTS: dict[str, Callable[[dict[str, torch.Tensor]], Weights]] = {
     "qqq": _qqq,
     "liquidquant": _liquidquant,
+    "qserve": _qserve,
 }
 
 
@@ -80,10 +103,12 @@ def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulat
     """The kernel's GEMM of layout `fmt` on one linear's stored tensors and activations x [M, K]."""
     if fmt not in WEIGHTS:
         raise KeyError(f"no kernel emulation for format {fmt!r} (emulated: {', '.join(sorted(WEIGHTS))})")
-    w_int8, s_w = WEIGHTS[fmt](tensors)
+    w_int8, s_w, szero = WEIGHTS[fmt](tensors)
     x_int8, s_x = quantize_tokens(x)
     acc = int8_gemm(x_int8, w_int8)
-    return Emulation(acc, _epilogue(acc, s_w, s_x), x_int8, s_x, s_w.astype(np.float32))
+    t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
+    out = _epilogue(acc, s_w, s_x, szero, t_x)
+    return Emulation(acc, out, x_int8, s_x, s_w.astype(np.float32), szero)
 
 
 @dataclass
@@ -95,9 +120,14 @@ class Check:
 def check_against_reference(emulation: Emulation, weight: torch.Tensor, x: np.ndarray) -> Check:
     """Compare an emulation with the reference dequantized weight [N, K] (float32) on the same activations."""
     w = weight.detach().float().numpy()
-    ref_int8 = np.round(w / emulation.s_w[:, None]).astype(np.int64)
+    szero = np.zeros_like(emulation.s_w) if emulation.szero is None else emulation.szero.astype(np.float32)
+    ref_int8 = np.round((w + szero[:, None]) / emulation.s_w[:, None]).astype(np.int64)
     exact = bool(np.array_equal(emulation.acc, emulation.x_int8 @ ref_int8.T)
-                 and np.array_equal(ref_int8.astype(np.float32) * emulation.s_w[:, None], w))
-    y_ref = (emulation.x_int8.astype(np.float32) * emulation.s_x[:, None]) @ w.T
+                 and np.array_equal(ref_int8.astype(np.float32) * emulation.s_w[:, None] - szero[:, None], w))
+    x_hat = emulation.x_int8.astype(np.float32) * emulation.s_x[:, None]
+    y_ref = x_hat @ w.T
+    if emulation.szero is not None:  # QServe per channel: the zero point acts on sum(x), not sum(x_hat)
+        gap = x_hat.sum(axis=1) - np.asarray(x, dtype=np.float32).sum(axis=1)
+        y_ref = y_ref + gap[:, None] * emulation.szero[None, :]
     scale = max(float(np.abs(y_ref).max()), 1e-30)
     return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)

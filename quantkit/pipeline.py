@@ -155,24 +155,24 @@ def _deployed_block(
     prefix = adapter.layer_prefix(index)
     tensors = {k[len(prefix):]: v for k, v in shard.items()}
     state: dict[str, torch.Tensor] = {}
-    groups: dict[str, torch.Tensor] = {}
+    runtime: dict[str, simulate.LinearRuntime] = {}
     quantized = {name: role for role, name in adapter.linear_names(targets)}
     for name, role in quantized.items():
-        weight, g_idx = deploy(packer, linear_parts(tensors, name, packer), specs[role], source.dtype)
+        weight, info = deploy(packer, linear_parts(tensors, name, packer), specs[role], source.dtype)
         state[f"{name}.weight"] = weight
-        if g_idx is not None:
-            groups[name] = g_idx
+        if info is not None:
+            runtime[name] = info
     state.update(tensors)
-    return build_block(source, index, state), groups
+    return build_block(source, index, state), runtime
 
 
 def deploy(packer: Packer, parts: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype, and its column ->
-    group map (None in natural order). Calibration, --resume and eval all deploy through here, so they agree bit
-    for bit."""
+           ) -> tuple[torch.Tensor, simulate.LinearRuntime | None]:
+    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype, and what its kernel
+    does beyond that weight (simulate.LinearRuntime). Calibration, --resume and eval all deploy through here, so
+    they agree bit for bit."""
     q = packer.unpack(dict(parts), spec)
-    return q.dequantize().to(dtype), q.g_idx
+    return q.dequantize().to(dtype), simulate.runtime_of(q)
 
 
 def _quantize_by_role(
@@ -188,7 +188,7 @@ def _quantize_by_role(
     kv_projections = (work.adapter.k_proj, work.adapter.v_proj)
     simulate.attach([block], [], work.config, None, kv_sim, kv_projections=kv_projections)
     acc = work.hessian_accumulator()
-    groups: dict[str, torch.Tensor] = {}
+    runtime: dict[str, simulate.LinearRuntime] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
 
     def role_input(role: str, x: torch.Tensor) -> None:
@@ -209,11 +209,11 @@ def _quantize_by_role(
         for name in names_by_role[role]:
             q = work.results.pop(name).finished()  # the packed tensors are what is kept
             packed[name] = packer.pack(q.to("cpu"))
-            weight, g_idx = deploy(packer, packed[name], q.spec, dtype)
+            weight, info = deploy(packer, packed[name], q.spec, dtype)
             work.module(name).weight.data.copy_(weight)
-            if g_idx is not None:
-                groups[name] = g_idx
-        simulate.attach([block], names_by_role[role], work.config, act_sim, None, groups=[groups])
+            if info is not None:
+                runtime[name] = info
+        simulate.attach([block], names_by_role[role], work.config, act_sim, None, runtime=[runtime])
         work.hessians.pop(role, None)  # quantizers may consume it themselves
 
     run_by_role(work.runner, block, work.adapter, work.inputs, out, role_input, role_done)
@@ -458,10 +458,10 @@ class _LayerContext:
 def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor) -> None:
     """Rebuild a finished layer from its shard and run it on `x` in place (resume)."""
     recipe = ctx.job.recipe
-    block, groups = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs,
-                                    recipe.targets)
+    block, runtime = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs,
+                                     recipe.targets)
     block.to(ctx.job.device)
-    simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, groups=[groups],
+    simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
                     kv_projections=_kv_projections(ctx.source))
     ctx.runner.run(block, x, out=x)
 
@@ -522,9 +522,9 @@ def _quantize_layer(
         y_q = x[:n_err]
     else:
         del block, work
-        block, groups = _deployed_block(source, i, shard, packer, specs, recipe.targets)
+        block, runtime = _deployed_block(source, i, shard, packer, specs, recipe.targets)
         block.to(job.device)
-        simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim, groups=[groups],
+        simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
                         kv_projections=_kv_projections(source))
         if recipe.engine.propagate == "quantized":
             y_q = runner.run(block, x, out=x)[:n_err]

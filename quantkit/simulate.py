@@ -9,6 +9,10 @@ to a whole model (eval) or a single block (calibration), so recipes like W4A8KV4
 Atom's variants: activations quantized per (token, group) along the linear's column order (the weights' g_idx:
 groups of `group_size`, and the last `outliers` columns in INT8, unclipped), with a clip ratio; and keys quantized
 before RoPE (`pre_rope`, as Atom's cache stores them), by hooks on the k_proj and v_proj outputs.
+
+QServe's per-channel kernel moves the weight zero point to its epilogue with the *unquantized* activations: it
+computes X_hat (q s)^T - t_X szero with t_X = sum_k x (paper Eq. 13), not X_hat W^T. A linear deployed with a
+scaled zero (`LinearRuntime.szero`) therefore gets (sum x_hat - sum x) * szero added to its output.
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ class KVSim:
     bits: int = 4
     symmetric: bool = False
     pre_rope: bool = False  # quantize keys before RoPE (Atom) instead of after (QServe)
+
+
+@dataclass(frozen=True)
+class LinearRuntime:
+    """What a deployed linear's kernel does beyond multiplying by its dequantized weight."""
+
+    g_idx: torch.Tensor | None = None  # column -> group map: grouped activations follow it (Atom)
+    szero: torch.Tensor | None = None  # [N]: QServe per channel, the zero point applied to the unquantized sum
+
+
+def runtime_of(q) -> LinearRuntime | None:
+    """The runtime facts of a deployed QuantizedLinear, or None when it is a plain weight."""
+    szero = q.qparams.szero.reshape(-1) if q.spec.zero_form == "scaled" and q.qparams.szero is not None else None
+    return None if q.g_idx is None and szero is None else LinearRuntime(q.g_idx, szero)
 
 
 def sims_for(recipe) -> tuple[ActivationSim | None, KVSim | None]:
@@ -101,9 +119,24 @@ def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kw
 AttentionInterface.register(ATTENTION_NAME, _kv_sim_attention)
 
 
-def _act_hook(sim: ActivationSim, g_idx: torch.Tensor | None):
+def _act_hook(sim: ActivationSim, runtime: LinearRuntime | None):
+    g_idx = runtime.g_idx if runtime else None
+    track = runtime is not None and runtime.szero is not None
+
     def hook(module: nn.Module, args: tuple) -> tuple:
-        return (fake_quantize_activation(args[0], sim, g_idx), *args[1:])
+        x = args[0]
+        xq = fake_quantize_activation(x, sim, g_idx)
+        if track:  # the epilogue's zero term sees sum(x), the GEMM's sees sum(x_hat)
+            module._quantkit_sum_gap = xq.float().sum(-1) - x.float().sum(-1)
+        return (xq, *args[1:])
+
+    return hook
+
+
+def _zero_hook(szero: torch.Tensor):
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        gap = module.__dict__.pop("_quantkit_sum_gap")
+        return (out.float() + gap[..., None] * szero.to(out.device)).to(out.dtype)
 
     return hook
 
@@ -122,18 +155,21 @@ def attach(
     config,
     activations: ActivationSim | None,
     kv: KVSim | None,
-    groups: list[dict[str, torch.Tensor]] | None = None,
+    runtime: list[dict[str, LinearRuntime]] | None = None,
     kv_projections: tuple[str, str] | None = None,
 ) -> list:
     """Attach activation and KV simulation to decoder blocks; returns hook handles (remove() to detach).
-    `groups[i][name]` is the column -> group map (g_idx) of linear `name` in block i, for grouped activations;
-    `kv_projections` names the k and v projections (needed for pre-RoPE keys)."""
+    `runtime[i][name]` says how linear `name` of block i runs beyond its weight (grouped activations, QServe's
+    epilogue zero point); `kv_projections` names the k and v projections (needed for pre-RoPE keys)."""
     handles = []
     if activations is not None:
         for i, block in enumerate(blocks):
             for name in linear_names:
-                g_idx = groups[i].get(name) if groups else None
-                handles.append(block.get_submodule(name).register_forward_pre_hook(_act_hook(activations, g_idx)))
+                info = runtime[i].get(name) if runtime else None
+                module = block.get_submodule(name)
+                handles.append(module.register_forward_pre_hook(_act_hook(activations, info)))
+                if info is not None and info.szero is not None:
+                    handles.append(module.register_forward_hook(_zero_hook(info.szero)))
     if kv is not None:
         config._attn_implementation = ATTENTION_NAME
         for block in blocks:

@@ -32,20 +32,21 @@ def artifacts(tmp_path_factory, calib_txt):
     model = write_synthetic_llama(tmp / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
                                                              num_hidden_layers=2))
     out = {}
-    for recipe in ("qqq", "qqq-g128", "lqq-g64"):
+    for recipe in ("qqq", "qqq-g128", "lqq-g64", "qoq", "qoq-g128"):
         out[recipe] = tmp / recipe
+        fast = [] if recipe.startswith("qoq") else ["--set", "passes.smooth.enabled=false"]
         cli_ok("quantize", model, "--recipe", recipe, "-o", out[recipe], "--calib", calib_txt, "--num-samples", "4",
-               "--seq-len", "64", "--set", "passes.smooth.enabled=false")
+               "--seq-len", "64", *fast)
     return out
 
 
-@pytest.mark.parametrize("recipe", ["qqq", "qqq-g128", "lqq-g64"])
+@pytest.mark.parametrize("recipe", ["qqq", "qqq-g128", "lqq-g64", "qoq", "qoq-g128"])
 def test_emulation_matches_the_reference_dequant(artifacts, recipe):
     from quantkit.formats import get_packer
     from quantkit.recipe import load_recipe
 
     shard = load_file(str(sorted(artifacts[recipe].glob("model-*.safetensors"))[0]))
-    fmt = "liquidquant" if recipe == "lqq-g64" else "qqq"
+    fmt = {"lqq-g64": "liquidquant", "qoq": "qserve", "qoq-g128": "qserve"}.get(recipe, "qqq")
     packer = get_packer(fmt)(load_recipe(recipe), torch.float16)
     prefix = "model.layers.0.mlp.down_proj."
     parts = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix) and packer.owns(k[len(prefix):])}
@@ -58,7 +59,7 @@ def test_emulation_matches_the_reference_dequant(artifacts, recipe):
     assert emulation.out.dtype == np.float16 and emulation.out.shape == (8, weight.shape[0])
 
 
-@pytest.mark.parametrize("recipe", ["qqq-g128", "lqq-g64"])
+@pytest.mark.parametrize("recipe", ["qqq-g128", "lqq-g64", "qoq", "qoq-g128"])
 def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path):
     result = cli_ok("validate", artifacts[recipe])
     assert "every packed linear matches" in result.output and "yes" in result.output
@@ -88,3 +89,24 @@ def test_validate_names_formats_without_emulation(tmp_path, calib_txt):
            "--num-samples", "2", "--seq-len", "32")
     result = cli("validate", tmp_path / "ct")
     assert result.exit_code != 0 and "no kernel emulation for format 'compressed-tensors'" in result.output
+
+
+@pytest.mark.parametrize(("recipe", "fmt"), [("qoq", "qserve"), ("qqq-g128", "qqq"), ("lqq-g64", "liquidquant")])
+def test_eval_simulation_computes_what_the_kernel_computes(artifacts, recipe, fmt):
+    """A linear of the loaded artifact, with its activation simulation (and, for QServe per channel, the epilogue
+    zero point on the unquantized sum), gives the emulated kernel's output up to the fp16 rounding."""
+    from quantkit.eval.loading import load_for_eval
+    from quantkit.formats import get_packer
+    from quantkit.recipe import load_recipe
+
+    model = load_for_eval(artifacts[recipe]).model
+    module = model.model.layers[0].mlp.down_proj
+    shard = load_file(str(sorted(artifacts[recipe].glob("model-*.safetensors"))[0]))
+    packer = get_packer(fmt)(load_recipe(recipe), torch.float16)
+    prefix = "model.layers.0.mlp.down_proj."
+    parts = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix) and packer.owns(k[len(prefix):])}
+    x = np.random.default_rng(1).standard_normal((8, module.in_features)).astype(np.float32)
+    with torch.no_grad():
+        simulated = module(torch.from_numpy(x)).numpy()
+    kernel = emulate(fmt, parts, x).out.astype(np.float32)
+    assert np.abs(simulated - kernel).max() <= 2e-3 * np.abs(kernel).max()

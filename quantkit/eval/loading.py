@@ -90,7 +90,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     for i in range(config.num_hidden_layers):
         for role, name in adapter.linear_names(list(specs)):
             quantized[f"{adapter.layer_prefix(i)}{name}"] = (i, name, role)
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_hidden_layers)]
+    runtime: list[dict[str, simulate.LinearRuntime]] = [{} for _ in range(config.num_hidden_layers)]
     index = json.loads((path / "model.safetensors.index.json").read_text())
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(index["weight_map"].values())):
@@ -101,8 +101,9 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
                 q = packer.unpack(parts, specs[role])
                 q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
                 state[f"{module}.weight"] = q.dequantize().to(model_dtype)
-                if q.g_idx is not None:
-                    groups[i][name] = q.g_idx
+                info = simulate.runtime_of(q)
+                if info is not None:
+                    runtime[i][name] = info
         state.update(tensors)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -117,7 +118,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     act, kv = simulate.sims_for(recipe)
     linear_names = [name for _, name in adapter.linear_names(list(specs))]
     blocks = list(model.get_submodule(adapter.layers_prefix))
-    simulate.attach(blocks, linear_names, model.config, act, kv, groups=groups,
+    simulate.attach(blocks, linear_names, model.config, act, kv, runtime=runtime,
                     kv_projections=(adapter.k_proj, adapter.v_proj))
     tokenizer = AutoTokenizer.from_pretrained(path)
     sim = ", ".join(s for s in (_describe_act(act), f"KV{kv.bits} per-head{' pre-RoPE' if kv.pre_rope else ''}"
