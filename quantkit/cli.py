@@ -269,7 +269,7 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
     import numpy as np
 
     from quantkit.artifact import load_manifest, read_safetensors
-    from quantkit.emulate import WEIGHTS, check_against_reference, emulate
+    from quantkit.emulate import EMULATED, check_against_reference, check_atom, emulate, emulate_atom
     from quantkit.formats import get_packer
     from quantkit.models.adapters import adapter_for
     from quantkit.pipeline import linear_parts
@@ -278,9 +278,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
 
     m = load_manifest(output)
     fmt = m["format"]
-    if fmt not in WEIGHTS:
+    if fmt not in EMULATED:
         raise QuantkitError(f"validate: no kernel emulation for format {fmt!r} yet (emulated: "
-                            f"{', '.join(sorted(WEIGHTS))})")
+                            f"{', '.join(sorted(EMULATED))})")
     import yaml
 
     recipe = parse_recipe(yaml.safe_load((output / "quantkit_recipe.yaml").read_text()), where="recipe")
@@ -302,12 +302,18 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
                             if k.startswith(prefix)})
         for role, name in adapter.linear_names(list(specs)):
             parts = linear_parts(tensors, name, packer)
-            weight = packer.unpack(dict(parts), specs[role]).dequantize()
+            q = packer.unpack(dict(parts), specs[role])
+            weight = q.dequantize()
             k = weight.shape[1]
             plain = rng.standard_normal((tokens, k)).astype(np.float32)
             heavy = plain.copy()
             heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
-            checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
+            if fmt == "atom":
+                act = recipe.activations
+                bits, clip = (act.bits, act.clip_ratio) if act else (4, 1.0)
+                checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
+            else:
+                checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
             ok = all(c.exact and c.rel_error <= tolerance for c in checks)
             failures += not ok
             style = "" if ok else "[bold red]"

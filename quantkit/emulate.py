@@ -99,6 +99,9 @@ WEIGHTS: dict[str, Callable[[dict[str, torch.Tensor]], Weights]] = {
 }
 
 
+EMULATED = frozenset({*WEIGHTS, "atom"})  # formats `quantkit validate` can check (atom: emulate_atom)
+
+
 def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulation:
     """The kernel's GEMM of layout `fmt` on one linear's stored tensors and activations x [M, K]."""
     if fmt not in WEIGHTS:
@@ -129,5 +132,73 @@ def check_against_reference(emulation: Emulation, weight: torch.Tensor, x: np.nd
     if emulation.szero is not None:  # QServe per channel: the zero point acts on sum(x), not sum(x_hat)
         gap = x_hat.sum(axis=1) - np.asarray(x, dtype=np.float32).sum(axis=1)
         y_ref = y_ref + gap[:, None] * emulation.szero[None, :]
+    scale = max(float(np.abs(y_ref).max()), 1e-30)
+    return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
+
+
+@dataclass
+class AtomEmulation:
+    """Atom's W4A4 GEMM: per group the int32 partial sums [G + 1, M, N] (the outliers last) of the reordered INT4
+    (INT8 for the outliers) activations and weights, the reordered activation codes [M, K], and the fp16 output."""
+
+    partials: np.ndarray
+    out: np.ndarray
+    x_codes: np.ndarray
+    order: np.ndarray
+
+
+def emulate_atom(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0
+                 ) -> AtomEmulation:
+    """The W4A4 kernel on Atom's stored tensors: activations reordered by `reorder_index`, quantized per (token,
+    group of 128) to `bits` with scale clip * max|x| / qmax (float32) and per token to INT8 over the outliers;
+    one integer MMA per group; acc += float(partial) * (s_x * s_w) in float32, groups in order, outliers last;
+    fp16 out."""
+    from quantkit.formats.atom import GROUP, OUTLIERS, gather_scales
+
+    order = tensors["reorder_index"].numpy()
+    packed = tensors["weight_int4"].numpy()
+    nibbles = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.int64)
+    nibbles[:, 0::2], nibbles[:, 1::2] = packed & 0xF, packed >> 4
+    w = np.concatenate([np.where(nibbles >= 8, nibbles - 16, nibbles),
+                        tensors["weight_int8"].numpy().astype(np.int64)], axis=1)  # [N, K] reordered
+    s_w = np.concatenate([gather_scales(tensors["scale_int4"].numpy()),
+                          gather_scales(tensors["scale_int8"].numpy())[None]]).astype(np.float32)  # [G + 1, N]
+    xr = np.asarray(x, dtype=np.float32)[:, order]
+    m, k = xr.shape
+    groups = (k - OUTLIERS) // GROUP
+    qmax = (1 << (bits - 1)) - 1
+    codes = np.empty((m, k), dtype=np.int64)
+    partials = np.empty((groups + 1, m, w.shape[0]), dtype=np.int64)
+    acc = np.zeros((m, w.shape[0]), dtype=np.float32)
+    for g in range(groups + 1):
+        cols = slice(g * GROUP, (g + 1) * GROUP) if g < groups else slice(k - OUTLIERS, k)
+        top, lo, clip = (qmax, -qmax - 1, np.float32(clip_ratio)) if g < groups else (127, -128, np.float32(1))
+        s_x = np.abs(xr[:, cols]).max(axis=1) * clip / np.float32(top)
+        s_x = np.where(s_x > 0, s_x, np.float32(1)).astype(np.float32)
+        codes[:, cols] = np.clip(np.round(xr[:, cols] / s_x[:, None]), lo, top)
+        partials[g] = int8_gemm(codes[:, cols], w[:, cols])
+        acc += partials[g].astype(np.float32) * (s_x[:, None] * s_w[g][None, :])
+    return AtomEmulation(partials, acc.astype(np.float16), codes, order)
+
+
+def check_atom(emulation: AtomEmulation, q, x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0) -> Check:
+    """Compare an Atom emulation with the reference unpack `q` (codes in the original order, g_idx): each group's
+    partial sums against the reference codes of that group's columns, and the output against quantkit's
+    activation simulation times the dequantized weight."""
+    from quantkit.simulate import ActivationSim, fake_quantize_activation
+
+    codes = q.codes.numpy().astype(np.int64)
+    g_idx = q.g_idx.numpy() if q.g_idx is not None else np.arange(codes.shape[1]) // q.qparams.group_size
+    position = np.empty_like(emulation.order)
+    position[emulation.order] = np.arange(emulation.order.size)
+    exact = True
+    for g in range(emulation.partials.shape[0]):
+        cols = np.flatnonzero(g_idx == g)  # ascending, as the reorder index lists them
+        ref = emulation.x_codes[:, position[cols]] @ codes[:, cols].T
+        exact &= bool(np.array_equal(ref, emulation.partials[g]))
+    outliers = int((g_idx == g_idx.max()).sum())
+    sim = ActivationSim(bits=bits, group_size=q.qparams.group_size, outliers=outliers, clip_ratio=clip_ratio)
+    x_hat = fake_quantize_activation(torch.from_numpy(np.asarray(x, dtype=np.float32)), sim, q.g_idx).numpy()
+    y_ref = x_hat @ q.dequantize().numpy().T
     scale = max(float(np.abs(y_ref).max()), 1e-30)
     return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
