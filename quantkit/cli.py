@@ -269,7 +269,14 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
     import numpy as np
 
     from quantkit.artifact import load_manifest, read_safetensors
-    from quantkit.emulate import EMULATED, check_against_reference, check_atom, emulate, emulate_atom
+    from quantkit.emulate import (
+        EMULATED,
+        check_against_reference,
+        check_anyprec,
+        check_atom,
+        emulate,
+        emulate_atom,
+    )
     from quantkit.formats import get_packer
     from quantkit.models.adapters import adapter_for
     from quantkit.pipeline import linear_parts
@@ -312,6 +319,8 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
                 act = recipe.activations
                 bits, clip = (act.bits, act.clip_ratio) if act else (4, 1.0)
                 checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
+            elif fmt == "anyprec":  # every width the artifact serves
+                checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
             else:
                 checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
             ok = all(c.exact and c.rel_error <= tolerance for c in checks)

@@ -99,7 +99,7 @@ WEIGHTS: dict[str, Callable[[dict[str, torch.Tensor]], Weights]] = {
 }
 
 
-EMULATED = frozenset({*WEIGHTS, "atom"})  # formats `quantkit validate` can check (atom: emulate_atom)
+EMULATED = frozenset({*WEIGHTS, "atom", "anyprec"})  # formats `quantkit validate` checks (atom, anyprec: their own)
 
 
 def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulation:
@@ -202,3 +202,73 @@ def check_atom(emulation: AtomEmulation, q, x: np.ndarray, bits: int = 4, clip_r
     y_ref = x_hat @ q.dequantize().numpy().T
     scale = max(float(np.abs(y_ref).max()), 1e-30)
     return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
+
+
+def transpose_planes(words: np.ndarray, bits: int) -> np.ndarray:
+    """The any-precision kernel's bit transpose: from the `bits` plane words of one thread [..., bits] (uint32,
+    plane 0 the code's most significant bit) to the 32 codes of the word in word order u [..., 32], with bit
+    31 - u of every plane holding weight u. Widths up to 4 use four lanes of 4 bits: output word r takes bit
+    3 - r of each nibble from every plane (masks 0x88888888 >> r), so nibble s of word r is the code of
+    u = 4 (7 - s) + r; widths 5..8 the same with eight lanes of 8 bits (masks 0x80808080 >> r)."""
+    words = np.asarray(words, dtype=np.uint32)
+    lanes = 4 if bits <= 4 else 8
+    out = np.zeros((*words.shape[:-1], WORD_BITS), dtype=np.int64)
+    for r in range(lanes):
+        mask = np.uint32(((0x88888888 if lanes == 4 else 0x80808080) >> r) & 0xFFFFFFFF)
+        t = np.zeros(words.shape[:-1], dtype=np.uint32)
+        for j in range(bits):  # plane j lands on bit (lanes - 1 - (lanes - bits) - j) of each lane
+            shift = j - r + (lanes - bits)
+            part = words[..., j] & mask
+            t |= (part << np.uint32(-shift)) if shift < 0 else (part >> np.uint32(shift))
+        for s in range(32 // lanes):  # lane s of word r: the code of u = lanes * (32 / lanes - 1 - s) + r
+            u = lanes * (32 // lanes - 1 - s) + r
+            out[..., u] = (t >> np.uint32(lanes * s)) & np.uint32((1 << lanes) - 1)
+    return out
+
+
+WORD_BITS = 32
+
+
+def emulate_anyprec(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The any-precision LUT GEMV at width `bits`: each thread decodes its 32 weights per 1024-column chunk from the
+    first `bits` planes (`transpose_planes`), looks them up in the row's `lut{bits}`, multiplies them with the
+    activations of their columns and accumulates in float32 in word order; the 32 threads' sums are reduced by
+    an xor-shuffle tree (16, 8, 4, 2, 1), chunks are added in order, and the result is rounded to fp16. Returns
+    (codes [N, K] as decoded, y [M, N] fp16)."""
+    from quantkit.formats.anyprec_layout import column_map
+
+    planes = tensors["qweight"].numpy()[:bits].view(np.uint32)  # [b, N, K/32]
+    lut = tensors[f"lut{bits}"].float().numpy()  # [N, 2^b]
+    n, words = planes.shape[1], planes.shape[2]
+    k = words * WORD_BITS
+    codes_w = transpose_planes(np.moveaxis(planes, 0, -1), bits)  # [N, K/32, 32] in word order
+    cmap = column_map(k)  # [K/32, 32]: column of word w's weight u
+    codes = np.empty((n, k), dtype=np.int64)
+    codes[:, cmap] = codes_w
+    values = np.take_along_axis(lut, codes_w.reshape(n, -1), axis=1).reshape(n, words, WORD_BITS).astype(np.float32)
+    xs = np.asarray(x, dtype=np.float32)[:, cmap]  # [M, K/32, 32]
+    per_word = np.zeros((xs.shape[0], n, words), dtype=np.float32)
+    for u in range(WORD_BITS):  # each thread in word order
+        per_word += xs[:, None, :, u] * values[None, :, :, u]
+    full = k // 1024
+    y = np.zeros((xs.shape[0], n), dtype=np.float32)
+    for chunk in range(full + (1 if k % 1024 else 0)):
+        lanes = per_word[:, :, chunk * 32:chunk * 32 + 32]
+        lanes = np.concatenate([lanes, np.zeros((*lanes.shape[:2], 32 - lanes.shape[2]), np.float32)], axis=2)
+        for offset in (16, 8, 4, 2, 1):  # __shfl_xor_sync tree: lane l adds lane l ^ offset
+            lanes = lanes + lanes[:, :, np.arange(32) ^ offset]
+        y += lanes[:, :, 0]
+    return codes, y.astype(np.float16)
+
+
+def check_anyprec(tensors: dict[str, torch.Tensor], q, x: np.ndarray) -> Check:
+    """Every width the artifact serves: the decoded codes equal the reference unpack's (`at_bits`), and the fp16
+    GEMV output matches x W_b^T; the worst width is reported."""
+    exact, worst = True, 0.0
+    for bits in range((q.spec.min_bits or q.spec.bits), q.spec.bits + 1):
+        ref = q.at_bits(bits)
+        decoded, y = emulate_anyprec(tensors, x, bits)
+        exact &= bool(np.array_equal(decoded, ref.codes.numpy().astype(np.int64) + ref.qparams.code_offset))
+        y_ref = np.asarray(x, dtype=np.float32) @ ref.dequantize().numpy().T
+        worst = max(worst, float(np.abs(y.astype(np.float32) - y_ref).max()) / max(float(np.abs(y_ref).max()), 1e-30))
+    return Check(exact, worst)

@@ -221,6 +221,7 @@ def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch)
     assert errors[0] > errors[1] > errors[2]
     result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1")
     assert result.exit_code != 0 and "widths 3..8" in result.output
+    assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output  # every width, emulated
 
 
 def test_anyprec_on_stories260k(stories260k, tinystories_txt, tmp_path, monkeypatch):

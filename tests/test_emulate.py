@@ -135,3 +135,24 @@ def test_atom_emulation_and_validate(tmp_path, calib_txt):
     check = check_atom(emulation, q, x, 4, 0.9)
     assert check.exact and check.rel_error < 2e-3
     assert "every packed linear matches" in cli_ok("validate", out).output
+
+
+@pytest.mark.parametrize("k", [96, 1024, 1056, 2080])
+def test_anyprec_gemv_decodes_every_width_like_the_reference(k):
+    """The kernel's bit transpose of the first b planes gives exactly the b-bit codes (four 4-bit lanes up to 4
+    bits, eight 8-bit lanes above), at every width, including a tail chunk; the LUT GEMV then matches x W_b^T."""
+    from quantkit.emulate import emulate_anyprec
+    from quantkit.formats.anyprec_layout import lut_dequantize, pack_planes, unpack_planes
+
+    rng = np.random.default_rng(k)
+    n = 8
+    codes = rng.integers(0, 256, (n, k))
+    tensors = {"qweight": torch.from_numpy(pack_planes(codes, 8))}
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for bits in range(3, 9):
+        lut = np.sort(rng.standard_normal((n, 1 << bits)), axis=1).astype(np.float16)
+        tensors[f"lut{bits}"] = torch.from_numpy(lut)
+        decoded, y = emulate_anyprec(tensors, x, bits)
+        assert np.array_equal(decoded, unpack_planes(pack_planes(codes, 8), bits))
+        y_ref = x @ lut_dequantize(decoded, lut.astype(np.float32)).T
+        assert np.abs(y.astype(np.float32) - y_ref).max() <= 2e-3 * np.abs(y_ref).max()
