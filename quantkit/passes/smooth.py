@@ -156,7 +156,7 @@ class Smooth(Pass):
         if self.config.method == "threshold":  # QQQ / OS+: only channels beyond +-sigma are scaled, into it
             top = float(x_max.max())
             count = self.config.thresholds
-            sigmas = [top - (top - 0.1) * i / count for i in range(count)] if top > 0.1 else []
+            sigmas = [top - (top - 0.1) * i / count for i in range(count + 1)] if top > 0.1 else []
             return [(s, (x_max / s).clamp(min=1.0)) for s in sigmas[1:]]  # sigmas[0] = max: nothing scaled
         w_max = _pooled(torch.cat(weights).abs().amax(dim=0), group).clamp(min=1e-5)
         return [(a, (x_max.pow(a) / w_max.pow(1 - a)).clamp(1e-4, 1e4)) for a in self.config.alphas]
