@@ -86,16 +86,25 @@ def _code_digest() -> str:
 def quantize_cached(model: Path, out: Path, *args: str) -> float:
     """`quantkit quantize MODEL -o OUT ARGS`, skipped when OUT holds a finished artifact from an earlier run
     of the same command, recipe file and quantkit code (its measured wall time is kept beside it); returns
-    wall seconds."""
+    wall seconds. A run of the same command and code that was interrupted (a session ended) continues with
+    --resume; its wall time is then the interrupted part's per-layer times plus the resumed run, and the stamp
+    says it was resumed."""
     stamp = out.with_name(out.name + ".wall.json")
+    started = out.with_name(out.name + ".started.json")
     cmd = ["quantize", str(model), "-o", str(out), *args]
     key = {"cmd": cmd, "recipe_sha256": _recipe_digest(args), "code_sha256": _code_digest()}
     if stamp.exists() and (out / "quantkit_manifest.json").exists():
         cached = json.loads(stamp.read_text())
         if {k: cached.get(k) for k in key} == key:
             return cached["wall"]
-    wall = quantkit(*cmd)
-    stamp.write_text(json.dumps({**key, "wall": wall}))
+    journal = out.with_name(out.name + ".partial") / "quantkit_journal.json"
+    earlier = 0.0
+    if journal.exists() and started.exists() and json.loads(started.read_text()) == key:
+        earlier = sum(layer["seconds"] for layer in json.loads(journal.read_text())["layers"].values())
+        cmd = [a for a in cmd if a != "--overwrite"] + ["--resume"]
+    started.write_text(json.dumps(key))
+    wall = earlier + quantkit(*cmd)
+    stamp.write_text(json.dumps({**key, "wall": wall, "resumed": earlier > 0}))
     return wall
 
 
