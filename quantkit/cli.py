@@ -277,24 +277,21 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
         emulate,
         emulate_atom,
     )
+    from quantkit.eval.loading import artifact_recipe, artifact_specs
     from quantkit.formats import get_packer
     from quantkit.models.adapters import adapter_for
     from quantkit.pipeline import linear_parts
-    from quantkit.quantizers import QuantSpec
-    from quantkit.recipe import parse_recipe
 
     m = load_manifest(output)
     fmt = m["format"]
     if fmt not in EMULATED:
         raise QuantkitError(f"validate: no kernel emulation for format {fmt!r} yet (emulated: "
                             f"{', '.join(sorted(EMULATED))})")
-    import yaml
-
-    recipe = parse_recipe(yaml.safe_load((output / "quantkit_recipe.yaml").read_text()), where="recipe")
+    recipe = artifact_recipe(output)
     packer = get_packer(fmt)(recipe, None)
     config = json.loads((output / "config.json").read_text())
     adapter = adapter_for(config["model_type"])
-    specs = {role: QuantSpec(**w) for role, w in m["weights"].items()}
+    specs = artifact_specs(m)
     rng = np.random.default_rng(seed)
     table = Table(title=f"{output} ({fmt}): kernel emulation against the reference dequantization")
     for column in ("layer", "linear", "int32 exact", "max rel. err (plain)", "max rel. err (outliers)"):

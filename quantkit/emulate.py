@@ -114,6 +114,11 @@ def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulat
     return Emulation(acc, out, x_int8, s_x, s_w.astype(np.float32), szero)
 
 
+def _rel_error(out: np.ndarray, y_ref: np.ndarray) -> float:
+    """max |out - y_ref| / max |y_ref| (out the kernel's fp16 result)."""
+    return float(np.abs(out.astype(np.float32) - y_ref).max()) / max(float(np.abs(y_ref).max()), 1e-30)
+
+
 @dataclass
 class Check:
     exact: bool  # the accumulators equal the reference integer product
@@ -132,8 +137,7 @@ def check_against_reference(emulation: Emulation, weight: torch.Tensor, x: np.nd
     if emulation.szero is not None:  # QServe per channel: the zero point acts on sum(x), not sum(x_hat)
         gap = x_hat.sum(axis=1) - np.asarray(x, dtype=np.float32).sum(axis=1)
         y_ref = y_ref + gap[:, None] * emulation.szero[None, :]
-    scale = max(float(np.abs(y_ref).max()), 1e-30)
-    return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
+    return Check(exact, _rel_error(emulation.out, y_ref))
 
 
 @dataclass
@@ -200,8 +204,7 @@ def check_atom(emulation: AtomEmulation, q, x: np.ndarray, bits: int = 4, clip_r
     sim = ActivationSim(bits=bits, group_size=q.qparams.group_size, outliers=outliers, clip_ratio=clip_ratio)
     x_hat = fake_quantize_activation(torch.from_numpy(np.asarray(x, dtype=np.float32)), sim, q.g_idx).numpy()
     y_ref = x_hat @ q.dequantize().numpy().T
-    scale = max(float(np.abs(y_ref).max()), 1e-30)
-    return Check(exact, float(np.abs(emulation.out.astype(np.float32) - y_ref).max()) / scale)
+    return Check(exact, _rel_error(emulation.out, y_ref))
 
 
 def transpose_planes(words: np.ndarray, bits: int) -> np.ndarray:
@@ -270,5 +273,5 @@ def check_anyprec(tensors: dict[str, torch.Tensor], q, x: np.ndarray) -> Check:
         decoded, y = emulate_anyprec(tensors, x, bits)
         exact &= bool(np.array_equal(decoded, ref.codes.numpy().astype(np.int64) + ref.qparams.code_offset))
         y_ref = np.asarray(x, dtype=np.float32) @ ref.dequantize().numpy().T
-        worst = max(worst, float(np.abs(y.astype(np.float32) - y_ref).max()) / max(float(np.abs(y_ref).max()), 1e-30))
+        worst = max(worst, _rel_error(y, y_ref))
     return Check(exact, worst)

@@ -148,9 +148,9 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
 def _deployed_block(
     source: ModelSource, index: int, shard: dict[str, torch.Tensor], packer: Packer, specs: dict[str, QuantSpec],
     targets: list[str],
-) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+) -> tuple[nn.Module, dict[str, simulate.LinearRuntime]]:
     """Block whose weights are exactly what an engine reconstructs from the shard (dequantized in model dtype),
-    and the column -> group maps of its linears that have one (grouped activation simulation)."""
+    and what its linears' kernels do beyond their weights (simulate.LinearRuntime), for those that do more."""
     adapter = source.adapter
     prefix = adapter.layer_prefix(index)
     tensors = {k[len(prefix):]: v for k, v in shard.items()}
@@ -185,8 +185,7 @@ def _quantize_by_role(
     block, names_by_role = work.block, {}
     for name, role in work.linears.items():
         names_by_role.setdefault(role, []).append(name)
-    kv_projections = (work.adapter.k_proj, work.adapter.v_proj)
-    simulate.attach([block], [], work.config, None, kv_sim, kv_projections=kv_projections)
+    simulate.attach([block], [], work.config, None, kv_sim, kv_projections=work.adapter.kv_projections)
     acc = work.hessian_accumulator()
     runtime: dict[str, simulate.LinearRuntime] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
@@ -220,10 +219,6 @@ def _quantize_by_role(
     return packed
 
 
-def _kv_projections(source: ModelSource) -> tuple[str, str]:
-    return source.adapter.k_proj, source.adapter.v_proj
-
-
 def linear_parts(tensors: dict[str, torch.Tensor], module: str, packer: Packer) -> dict[str, torch.Tensor]:
     """Pop the packed tensors of `module` from `tensors` (keys relative to the block or model), keyed
     relative to the module as the packer wrote them."""
@@ -242,11 +237,6 @@ def load_edges(source: ModelSource) -> ModelEdges:
     embed = t[a.embed + ".weight"]
     return ModelEdges(embed=embed, final_norm=t[a.final_norm + ".weight"],
                       lm_head=t.get(a.lm_head + ".weight", embed))
-
-
-def _sim_config(recipe: Recipe) -> tuple[simulate.ActivationSim | None, simulate.KVSim | None]:
-    act, kv = simulate.sims_for(recipe)
-    return act, kv
 
 
 def resolve_calibration(
@@ -409,7 +399,7 @@ def _run_layers(
     recipe, adapter = job.recipe, source.adapter
     total = source.num_layers + 1
     runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size, job.device)
-    act_sim, kv_sim = _sim_config(recipe)
+    act_sim, kv_sim = simulate.sims_for(recipe)
     if not recipe.engine.simulate_activations:
         act_sim = kv_sim = None
     *prep, quantizer = passes
@@ -462,7 +452,7 @@ def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor)
                                      recipe.targets)
     block.to(ctx.job.device)
     simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
-                    kv_projections=_kv_projections(ctx.source))
+                    kv_projections=ctx.source.adapter.kv_projections)
     ctx.runner.run(block, x, out=x)
 
 
@@ -525,7 +515,7 @@ def _quantize_layer(
         block, runtime = _deployed_block(source, i, shard, packer, specs, recipe.targets)
         block.to(job.device)
         simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
-                        kv_projections=_kv_projections(source))
+                        kv_projections=source.adapter.kv_projections)
         if recipe.engine.propagate == "quantized":
             y_q = runner.run(block, x, out=x)[:n_err]
         else:

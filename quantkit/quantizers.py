@@ -225,9 +225,7 @@ def _progressive_qparams(
     )
 
 
-def outlier_spec(spec: QuantSpec) -> QuantSpec:
-    """How the outlier columns of an Atom spec are quantized: INT8 symmetric per row, unclipped."""
-    return QuantSpec(bits=8, symmetric=True, granularity="channel")
+OUTLIER_SPEC = QuantSpec(bits=8, symmetric=True, granularity="channel")  # Atom's outlier columns: INT8 per row
 
 
 def normal_spec(spec: QuantSpec) -> QuantSpec:
@@ -250,9 +248,8 @@ def ordered_quantize(w: torch.Tensor, spec: QuantSpec, order: torch.Tensor, scal
     groups = [torch.arange(kn, device=w.device) // gs]
     scales = [qn.scale.expand(n, -1)]
     if spec.outliers:
-        ospec = outlier_spec(spec)
-        qo = compute_qparams(wp[:, kn:], ospec, scale_dtype)
-        codes_p.append(quantize(wp[:, kn:], qo, ospec))
+        qo = compute_qparams(wp[:, kn:], OUTLIER_SPEC, scale_dtype)
+        codes_p.append(quantize(wp[:, kn:], qo, OUTLIER_SPEC))
         groups.append(torch.full((spec.outliers,), kn // gs, device=w.device))
         scales.append(qo.scale)
     codes = torch.empty(n, k, dtype=torch.int8, device=w.device)

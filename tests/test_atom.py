@@ -115,7 +115,7 @@ def test_pre_rope_kv_quantizes_the_projection_outputs_per_head(tmp_path):
     k_proj = block.get_submodule(source.adapter.k_proj)
     probe = k_proj.register_forward_hook(lambda m, a, out: seen.setdefault("k", out))
     handles = simulate.attach([block], [], source.config, None, sim,
-                              kv_projections=(source.adapter.k_proj, source.adapter.v_proj))
+                              kv_projections=source.adapter.kv_projections)
     x = torch.randn(1, 5, 128)
     quantized = k_proj(x)  # the attached hook runs after the probe: probe saw the raw output
     heads = seen["k"].unflatten(-1, (2, 32))

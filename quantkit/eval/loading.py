@@ -70,17 +70,27 @@ def _quant_method(config: Any) -> str | None:
     return None if method is None else str(getattr(method, "value", method))
 
 
+def artifact_recipe(path: Path) -> Recipe:
+    """The resolved recipe an artifact was made with."""
+    return parse_recipe(yaml.safe_load((path / RECIPE).read_text()), where=RECIPE)
+
+
+def artifact_specs(manifest: dict) -> dict[str, QuantSpec]:
+    """The weight spec of each quantized role, from an artifact's manifest."""
+    return {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
+            for role, w in manifest["weights"].items()}
+
+
 def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
     manifest = load_manifest(path)
-    recipe = parse_recipe(yaml.safe_load((path / RECIPE).read_text()), where=RECIPE)
+    recipe = artifact_recipe(path)
     config_data = json.loads((path / "config.json").read_text())
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
     model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
     adapter = adapter_for(config.model_type)
     packer = get_packer(manifest["format"])(recipe, model_dtype)
-    specs = {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
-             for role, w in manifest["weights"].items()}
+    specs = artifact_specs(manifest)
     for role, spec in specs.items():
         low = spec.min_bits or spec.bits
         if bits is not None and not (low <= bits <= spec.bits if spec.codebook else bits == spec.bits):
@@ -119,7 +129,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     linear_names = [name for _, name in adapter.linear_names(list(specs))]
     blocks = list(model.get_submodule(adapter.layers_prefix))
     simulate.attach(blocks, linear_names, model.config, act, kv, runtime=runtime,
-                    kv_projections=(adapter.k_proj, adapter.v_proj))
+                    kv_projections=adapter.kv_projections)
     tokenizer = AutoTokenizer.from_pretrained(path)
     sim = ", ".join(s for s in (_describe_act(act), f"KV{kv.bits} per-head{' pre-RoPE' if kv.pre_rope else ''}"
                                 if kv else "") if s)

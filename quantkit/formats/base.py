@@ -43,6 +43,12 @@ class Packer:
     def check_recipe(self) -> None:
         """Raise ExportError if the recipe asks for something this format cannot express."""
 
+    def require_fp16(self, why: str) -> None:
+        """Raise ExportError unless the model is float16 (`why`: who requires it)."""
+        if self.dtype != torch.float16:
+            raise ExportError(f"{self.name} checkpoints must be float16 ({why}); the model dtype is "
+                              f"{str(self.dtype).removeprefix('torch.')}")
+
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """Raise ExportError if `module` of `shape` cannot be stored with `spec`."""
 

@@ -136,9 +136,7 @@ class QQQPacker(Packer):
 
     def check_recipe(self) -> None:
         """QQQ kernels take fp16 models and per-token symmetric INT8 activations."""
-        if self.dtype != torch.float16:
-            raise ExportError(f"qqq checkpoints must be float16 (vLLM's QQQ method takes fp16 only); the model dtype "
-                              f"is {str(self.dtype).removeprefix('torch.')}")
+        self.require_fp16("vLLM's QQQ method takes fp16 only")
         act = self.recipe.activations
         if act is None or act.bits != 8 or not act.symmetric:
             raise ExportError("qqq is a W4A8 format: its engines quantize activations per token to symmetric INT8, "

@@ -96,9 +96,7 @@ class QServePacker(Packer):
 
     def check_recipe(self) -> None:
         """QServe (OmniServe and SGLang's qoq path) asserts fp16 models."""
-        if self.dtype != torch.float16:
-            raise ExportError(f"qserve checkpoints must be float16 (QServe asserts it); the model dtype is "
-                              f"{str(self.dtype).removeprefix('torch.')}")
+        self.require_fp16("QServe asserts it")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """A QServe variant spec, N and K multiples of 32, and (per group) K a multiple of the group size."""

@@ -76,6 +76,11 @@ class ArchAdapter:
         return self.linears["gate_up"][1]
 
     @property
+    def kv_projections(self) -> tuple[str, str]:
+        """(k_proj, v_proj): where a pre-RoPE KV cache simulation quantizes keys and values."""
+        return self.k_proj, self.v_proj
+
+    @property
     def o_proj(self) -> str:
         return self.linears["o"][0]
 

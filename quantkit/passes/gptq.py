@@ -17,11 +17,11 @@ import torch
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass, QuantizedLinear
 from quantkit.quantizers import (
+    OUTLIER_SPEC,
     QParams,
     QuantSpec,
     compute_qparams,
     normal_spec,
-    outlier_spec,
     quantize_column,
     search_qparams,
 )
@@ -260,7 +260,7 @@ def gptq_with_factor(
     else:  # groups that begin at a visited column: width and spec (Atom's along the layer's order)
         starts = {c: (gs, replace(normal_spec(spec), granularity="channel")) for c in range(0, kn, gs)}
         if spec.outliers:
-            starts[kn] = (spec.outliers, outlier_spec(spec))
+            starts[kn] = (spec.outliers, OUTLIER_SPEC)
 
     perm, hinv = factor.perm, factor.upper
     dev = w.device
