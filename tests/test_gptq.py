@@ -86,9 +86,12 @@ def test_lapack_factor_in_place_matches_torch():
     factor = factor_hessian(h.clone(), GPTQConfig(), consume=True)
     damped = h[factor.perm][:, factor.perm].clone()
     damped.diagonal().add_(0.01 * damped.diagonal().mean())
+    exact = _attempt_torch(damped.double())  # float64: the answer both float32 routes approximate
     reference = _attempt_torch(damped)
     assert torch.equal(factor.upper, factor.upper.triu())
-    torch.testing.assert_close(factor.upper, reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))
+    ours, torchs = (float((u.double() - exact).abs().max()) for u in (factor.upper, reference))
+    # both carry float32 rounding (the BLAS decides how much); the in-place route must be as accurate as torch's
+    assert ours <= 2 * torchs + 1e-6 * float(exact.abs().max())
 
 
 def test_escalated_damping_restores_the_hessian_exactly():
