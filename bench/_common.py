@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +28,7 @@ class SmolLM2Job:
     data: Path  # shared/data (eval data and calibration text)
     c4: Path
     work: Path
+    ledger: Ledger
 
 
 def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
@@ -38,6 +40,11 @@ def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser]
                         "(default: a fresh temp dir)")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--only", nargs="*", help="run only the rows with these labels")
+    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results" / f"{Path(sys.argv[0]).stem}.json",
+                        help="the ledger of measured rows, kept in the repository (default: %(default)s)")
+    parser.add_argument("--remeasure", choices=["none", "stale", "all"], default="none",
+                        help="which rows already in the ledger to measure again: none, those measured with other "
+                        "quantkit code (stale), or all")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
@@ -46,7 +53,7 @@ def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser]
     c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
     work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
-    return SmolLM2Job(args, model, data, c4, work)
+    return SmolLM2Job(args, model, data, c4, work, Ledger(args.results, work, args.remeasure))
 
 
 def need(path: Path) -> Path:
@@ -81,6 +88,11 @@ def _code_digest() -> str:
     for path in sorted((REPO / "quantkit").rglob("*.py")):
         h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+def slug(label: str) -> str:
+    """A table row's label as a file name: every non-alphanumeric character becomes _."""
+    return "".join(c if c.isalnum() else "_" for c in label).strip("_")
 
 
 def quantize_cached(model: Path, out: Path, *args: str) -> float:
@@ -121,6 +133,87 @@ def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path:
     quantkit("eval", str(model), "--tasks", "wikitext", "--limit", str(windows), "--seq-len", str(seq_len),
              "--data-dir", str(data_dir), "--output-json", str(json_path), *extra)
     return json.loads(json_path.read_text())["results"]["wikitext"]["perplexity"]
+
+
+@dataclass
+class Ledger:
+    """The measured rows of one benchmark, kept in the repository (bench/results/) so that a table that takes
+    longer than a session to measure on a CPU is built over several. A row is keyed by its label and the exact
+    commands it ran (shared/ and work paths written as $SHARED and $WORK) with the recipe files they read;
+    it records the quantkit code digest, commit, date and CPU probe it was measured with, and a table shows
+    which rows were measured with code other than the current."""
+
+    path: Path
+    work: Path
+    remeasure: str = "none"  # none | stale | all
+    rows: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def _portable(self, args: list[str]) -> list[str]:
+        return [a.replace(str(self.work), "$WORK").replace(str(SHARED), "$SHARED") for a in args]
+
+    def measure(self, label: str, commands: list[list[str]], run: Callable[[], dict]) -> dict:
+        """`run()`'s result for row `label`, from the ledger when it holds this row for the same commands (and
+        the --remeasure policy keeps it), else measured now and saved at once (atomically)."""
+        key = {"commands": [self._portable(c) for c in commands],
+               "recipes": [_recipe_digest(tuple(c)) for c in commands]}
+        row = self.rows.get(label)
+        if row is not None and row["key"] == key and not (
+                self.remeasure == "all" or (self.remeasure == "stale" and row["code_sha256"] != _code_digest())):
+            return row["result"]
+        code, probe = _code_digest(), cpu_probe()
+        result = run()
+        self.rows[label] = {"key": key, "result": result, "code_sha256": code, "commit": _commit(),
+                            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu_gflops": round(probe),
+                            "cpus": os.cpu_count()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.rows, indent=1, sort_keys=True) + "\n")
+        tmp.replace(self.path)
+        return result
+
+    def provenance(self, label: str) -> str:
+        """'current' when row `label` was measured with today's quantkit code, else the commit and date it was."""
+        row = self.rows[label]
+        if row["code_sha256"] == _code_digest():
+            return "current"
+        return f"{row['commit']} {row['date']}"
+
+    def note(self, labels: list[str]) -> str:
+        """One line that says with what code and on what CPU the `labels` rows were measured."""
+        marks = sorted({self.provenance(label) for label in labels if label in self.rows})
+        probes = sorted({self.rows[label]["cpu_gflops"] for label in labels if label in self.rows})
+        return (f"rows measured with quantkit code: {', '.join(marks) or '-'}; CPU probe at each row's start "
+                f"{min(probes, default=0)}-{max(probes, default=0)} GFLOP/s (fp32 matmul)")
+
+
+def _commit() -> str:
+    """HEAD's short hash, with '+' when the quantkit package differs from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+" if git("status", "--porcelain", "--", "quantkit") else "")
+
+
+def smollm2_row(job: SmolLM2Job, label: str, quantize_args: list[str], eval_args: tuple[str, ...] = (),
+                out: Path | None = None) -> dict:
+    """Quantize SmolLM2 with `quantize_args` (unless empty: the FP16 model itself) and measure WikiText-2
+    perplexity (`eval_args`, e.g. --bits 3), through the ledger; returns {"ppl", "wall"} (wall None for FP16).
+    Rows that share `out` (one artifact read at several widths) quantize it once."""
+    out = out or job.work / slug(label)
+    windows = job.args.windows
+    evaluated = out if quantize_args else job.model
+    eval_cmd = ["eval", str(evaluated), "--limit", str(windows), *eval_args]
+    quant_cmd = ["quantize", str(job.model), "-o", str(out), *quantize_args] if quantize_args else []
+
+    def run() -> dict:
+        wall = quantize_cached(job.model, out, *quantize_args) if quantize_args else None
+        ppl = eval_ppl(evaluated, job.data, windows, 2048, job.work / f"{slug(label)}.json", *eval_args)
+        return {"ppl": ppl, "wall": wall}
+
+    return job.ledger.measure(label, [c for c in (quant_cmd, eval_cmd) if c], run)
 
 
 def cpu_probe(seconds: float = 3.0) -> float:

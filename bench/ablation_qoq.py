@@ -2,15 +2,15 @@
 
 Protocol (issue #3): WikiText-2 perplexity over the first 40 windows of 2048 tokens; calibration on the first
 128 windows of 1024 tokens of shared/data/c4. Width 576 is not a multiple of 128, so the group rows use group
-64 and are simulation only (exported in quantkit's own format). Every artifact and result is kept under
---work, and a rerun reuses them, so the table can be built over several sessions.
+64 and are simulation only (exported in quantkit's own format). Each measured row is kept in the ledger
+bench/results/ablation_qoq.json (see _common.Ledger), so the table is built over several sessions.
 
-    python bench/ablation_qoq.py [--work DIR] [--windows 40] [--only LABEL ...]
+    python bench/ablation_qoq.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
 """
 
 from __future__ import annotations
 
-from _common import eval_ppl, quantize_cached, smollm2_job, table
+from _common import smollm2_job, smollm2_row, table
 
 W4_CHANNEL = ["--set", "weights={bits: 4, symmetric: false, granularity: channel, zero_form: scaled}"]
 W4_G64 = ["--set", "weights={bits: 4, symmetric: false, granularity: group, group_size: 64, progressive: true}"]
@@ -54,38 +54,35 @@ GAP: list[tuple[str, str, list[str]]] = [
 
 def main() -> None:
     job = smollm2_job(__doc__, "quantkit-ablation-")
-    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
-    common = ["--calib", str(c4), "--num-samples", "128", "--seq-len", "1024",
+    common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "1024",
               "--set", "calibration.sampling=first", "--overwrite"]
-
-    fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
-    results: dict[str, tuple[float, float]] = {}
+    fp = smollm2_row(job, "FP16", [])["ppl"]
+    results: dict[str, dict] = {}
     for label, recipe, extra in STEPS + GAP:
-        if args.only and label not in args.only:
+        if job.args.only and label not in job.args.only:
             continue
-        slug = "".join(c if c.isalnum() else "_" for c in label).strip("_")
-        out = work / slug
-        wall = quantize_cached(model, out, "--recipe", recipe, *extra, *common)
-        results[label] = (eval_ppl(out, data, args.windows, 2048, work / f"{slug}.json"), wall)
+        results[label] = smollm2_row(job, label, ["--recipe", recipe, *extra, *common])
 
-    rows = [["FP16", f"{fp:.2f}", "-", "-"]]
+    rows = [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")]]
     previous = None
     for label, _, _ in STEPS:
         if label in results:
-            ppl, wall = results[label]
+            ppl, wall = results[label]["ppl"], results[label]["wall"]
             delta = "-" if previous is None else f"{ppl - previous:+.2f}"
-            rows.append([label, f"{ppl:.2f}", delta, f"{wall:.0f} s"])
+            rows.append([label, f"{ppl:.2f}", delta, f"{wall:.0f} s", job.ledger.provenance(label)])
             previous = ppl
-    print(f"\nSmolLM2-135M W4A8KV4 ablation (cumulative), WikiText-2 ppl, first {args.windows} x 2048; "
+    print(f"\nSmolLM2-135M W4A8KV4 ablation (cumulative), WikiText-2 ppl, first {job.args.windows} x 2048; "
           "calib 128 x 1024 c4")
-    print(table(["step", "wikitext2 ppl", "vs previous", "quantize wall"], rows))
+    print(table(["step", "wikitext2 ppl", "vs previous", "quantize wall", "measured with"], rows))
     pairs = [("per channel", "RTN W4A8KV4 (per channel)", "QoQ W4A8KV4 (per channel)"),
+             ("per channel, plain GPTQ", "RTN W4A8KV4 (per channel)", "QoQ W4A8KV4 (per channel), plain GPTQ"),
              ("g64", "RTN W4A8KV4 (g64, sim.)", "+ GPTQ (QoQ g64)")]
     for name, rtn, qoq in pairs:
         if rtn in results and qoq in results:
-            closed = (results[rtn][0] - results[qoq][0]) / (results[rtn][0] - fp)
-            print(f"{name}: RTN W4A8KV4 {results[rtn][0]:.2f} -> QoQ {results[qoq][0]:.2f} "
-                  f"(FP16 {fp:.2f}): closes {closed:.0%} of the gap")
+            r, q = results[rtn]["ppl"], results[qoq]["ppl"]
+            print(f"{name}: RTN W4A8KV4 {r:.2f} -> QoQ {q:.2f} (FP16 {fp:.2f}): closes {(r - q) / (r - fp):.0%} "
+                  f"of the gap")
+    print(job.ledger.note(["FP16", *results]))
 
 
 if __name__ == "__main__":

@@ -9,17 +9,18 @@ Fisher information comes from 100 random windows of 512 tokens of c4 (the author
 and cached ($QUANTKIT_CACHE/fisher), so the direct SqueezeLLM runs reuse it. The issue's bar: every upscaled
 width within 5% of the directly quantized SqueezeLLM perplexity.
 
-Protocol (issue #5): WikiText-2 perplexity over the first 40 windows of 2048 tokens. Artifacts and results are
-kept under --work and reused by a rerun of the same command, recipe and quantkit code.
+Protocol (issue #5): WikiText-2 perplexity over the first 40 windows of 2048 tokens. Each measured row is kept in
+the ledger bench/results/atom_anyprec.json (see _common.Ledger), so the tables are built over several sessions.
+The artifact-size line needs all the artifacts in one --work dir.
 
-    python bench/atom_anyprec.py [--work DIR] [--windows 40] [--only LABEL ...]
+    python bench/atom_anyprec.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import cpu_probe, eval_ppl, quantize_cached, smollm2_job, table
+from _common import smollm2_job, smollm2_row, table
 
 WIDTHS = range(3, 9)
 SIM = ["--set", "export.format=quantkit"]
@@ -37,69 +38,66 @@ def _bytes(path: Path) -> int:
 
 def main() -> None:
     job = smollm2_job(__doc__, "quantkit-anyprec-")
-    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
-    calib = ["--calib", str(c4), "--overwrite"]
-    probe = cpu_probe()
-    fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
+    args, work = job.args, job.work
+    calib = ["--calib", str(job.c4), "--overwrite"]
+    fp = smollm2_row(job, "FP16", [])["ppl"]
+    measured = ["FP16"]
 
-    def wanted(label: str) -> bool:
-        return not args.only or label in args.only
+    def row(label: str, quantize_args: list[str], *eval_args: str, out: Path | None = None) -> dict | None:
+        if args.only and label not in args.only:
+            return None
+        measured.append(label)
+        return smollm2_row(job, label, quantize_args, eval_args, out=out)
 
     atom_rows = []
     for label, extra in ATOM_ROWS:
-        if wanted(label):
-            out = work / "".join(c if c.isalnum() else "_" for c in label).strip("_")
-            wall = quantize_cached(model, out, "--recipe", "atom-w4a4", "--num-samples", "32", "--seq-len", "2048",
-                                   "--set", "calibration.sampling=first", *extra, *calib)
-            ppl = eval_ppl(out, data, args.windows, 2048, out.with_suffix(".json"))
-            atom_rows.append([label, f"{ppl:.2f}", f"{ppl - fp:+.2f}", f"{wall:.0f} s"])
+        r = row(label, ["--recipe", "atom-w4a4", "--num-samples", "32", "--seq-len", "2048",
+                        "--set", "calibration.sampling=first", *extra, *calib])
+        if r:
+            atom_rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] - fp:+.2f}", f"{r['wall']:.0f} s",
+                              job.ledger.provenance(label)])
 
     anyprec = work / "anyprec-3to8"
-    results: dict[tuple[str, int], float] = {}
-    walls: dict[str, float] = {}
-    if any(wanted(f"Any-Precision {b}-bit") for b in WIDTHS):
-        walls["Any-Precision"] = quantize_cached(model, anyprec, "--recipe", "anyprec-3to8", *calib)
+    results: dict[tuple[str, int], dict] = {}
     for b in WIDTHS:
-        if wanted(f"Any-Precision {b}-bit"):
-            results["Any-Precision", b] = eval_ppl(anyprec, data, args.windows, 2048, work / f"anyprec-{b}.json",
-                                                   "--bits", str(b))
-        if wanted(f"SqueezeLLM {b}-bit"):
-            out = work / f"squeezellm-{b}"
-            walls[f"SqueezeLLM {b}"] = quantize_cached(model, out, "--recipe", "squeezellm-w3", "--set",
-                                                       f"weights.bits={b}", "--set", f"weights.min_bits={b}", *calib)
-            results["SqueezeLLM", b] = eval_ppl(out, data, args.windows, 2048, work / f"squeezellm-{b}.json")
-        if wanted(f"RTN {b}-bit"):
-            out = work / f"rtn-{b}"
-            quantize_cached(model, out, "--recipe", "rtn-w4a16-g128", "--set",
-                            f"weights={{bits: {b}, symmetric: false, granularity: channel}}",
-                            "--num-samples", "16", "--seq-len", "512", *calib)
-            results["RTN", b] = eval_ppl(out, data, args.windows, 2048, work / f"rtn-{b}.json")
+        r = row(f"Any-Precision {b}-bit", ["--recipe", "anyprec-3to8", *calib], "--bits", str(b), out=anyprec)
+        if r:
+            results["Any-Precision", b] = r
+        r = row(f"SqueezeLLM {b}-bit", ["--recipe", "squeezellm-w3", "--set", f"weights.bits={b}",
+                                        "--set", f"weights.min_bits={b}", *calib], out=work / f"squeezellm-{b}")
+        if r:
+            results["SqueezeLLM", b] = r
+        r = row(f"RTN {b}-bit", ["--recipe", "rtn-w4a16-g128", "--set",
+                                 f"weights={{bits: {b}, symmetric: false, granularity: channel}}",
+                                 "--num-samples", "16", "--seq-len", "512", *calib], out=work / f"rtn-{b}")
+        if r:
+            results["RTN", b] = r
 
     if atom_rows:
         print(f"\nSmolLM2-135M W4A4, WikiText-2 ppl (first {args.windows} x 2048); calib 32 x 2048 c4")
-        print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall"], [["FP16", f"{fp:.2f}", "-", "-"],
-                                                                             *atom_rows]))
+        print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "measured with"],
+                    [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")], *atom_rows]))
     rows = []
     for b in WIDTHS:
         cells = [f"{b}"]
         for method in ("Any-Precision", "SqueezeLLM", "RTN"):
-            cells.append(f"{results[method, b]:.2f}" if (method, b) in results else "-")
+            cells.append(f"{results[method, b]['ppl']:.2f}" if (method, b) in results else "-")
         if ("Any-Precision", b) in results and ("SqueezeLLM", b) in results:
-            cells.append(f"{results['Any-Precision', b] / results['SqueezeLLM', b] - 1:+.1%}")
+            cells.append(f"{results['Any-Precision', b]['ppl'] / results['SqueezeLLM', b]['ppl'] - 1:+.1%}")
         else:
             cells.append("-")
         rows.append(cells)
-    print(f"\nSmolLM2-135M, WikiText-2 ppl (first {args.windows} x 2048; FP16 {fp:.2f}); Fisher on 100 x 512 c4; "
-          f"CPU probe {probe:.0f} GFLOP/s (fp32 matmul) at the start")
+    print(f"\nSmolLM2-135M, WikiText-2 ppl (first {args.windows} x 2048; FP16 {fp:.2f}); Fisher on 100 x 512 c4")
     print(table(["bits", "Any-Precision (one artifact)", "SqueezeLLM (direct)", "RTN per channel",
                  "upscaled vs direct"], rows))
     direct = [work / f"squeezellm-{b}" for b in WIDTHS]
     if anyprec.exists() and all(d.exists() for d in direct):
         one, six = _bytes(anyprec), sum(_bytes(d) for d in direct)
         print(f"artifact bytes: Any-Precision {one:,} vs six SqueezeLLM models {six:,} ({one / six:.0%})")
-    for label, wall in walls.items():
-        print(f"quantize wall {label}: {wall:.0f} s")
-
+    for (method, b), r in sorted(results.items()):
+        if method != "RTN" and (method == "SqueezeLLM" or b == WIDTHS[0]):
+            print(f"quantize wall {method}{'' if method == 'Any-Precision' else f' {b}-bit'}: {r['wall']:.0f} s")
+    print(job.ledger.note(measured))
 
 
 if __name__ == "__main__":

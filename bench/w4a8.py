@@ -4,15 +4,16 @@ Protocol (issue #4): WikiText-2 perplexity over the first 40 windows of 2048 tok
 windows of 2048 tokens of shared/data/c4. Every row runs per-token INT8 activations. SmolLM2's width 576 is not a
 multiple of 128, so the QQQ rows cannot use the qqq layout (K % 128) and QQQ's groups are simulated at 64; they
 export quantkit's simulation artifact, as do the RTN and SmoothQuant rows. LiquidQuant exports its own layout.
-QoQ runs without its KV4 cache here, so every row is the same W4A8 problem. Artifacts and results are kept
-under --work and reused by a rerun of the same command, recipe and quantkit code.
+QoQ runs without its KV4 cache here, so every row is the same W4A8 problem. Each measured row is kept in the
+ledger bench/results/w4a8.json (see _common.Ledger), so the table is built over several sessions; artifacts
+are kept under --work.
 
-    python bench/w4a8.py [--work DIR] [--windows 40] [--only LABEL ...]
+    python bench/w4a8.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
 """
 
 from __future__ import annotations
 
-from _common import cpu_probe, eval_ppl, quantize_cached, smollm2_job, table
+from _common import smollm2_job, smollm2_row, table
 
 A8 = ["--set", "activations={bits: 8, symmetric: true, granularity: token}"]
 QQQ_CHANNEL = ["--set", "weights={bits: 4, symmetric: true, granularity: channel, narrow_range: true}"]
@@ -38,23 +39,20 @@ ROWS: list[tuple[str, str, list[str]]] = [
 
 def main() -> None:
     job = smollm2_job(__doc__, "quantkit-w4a8-")
-    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
-    common = ["--calib", str(c4), "--num-samples", "128", "--seq-len", "2048",
+    common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "2048",
               "--set", "calibration.sampling=first", "--overwrite"]
-    probe = cpu_probe()
-    fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
-    rows = [["FP16", f"{fp:.2f}", "-", "-"]]
+    fp = smollm2_row(job, "FP16", [])["ppl"]
+    rows, labels = [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")]], ["FP16"]
     for label, recipe, extra in ROWS:
-        if args.only and label not in args.only:
+        if job.args.only and label not in job.args.only:
             continue
-        slug = "".join(c if c.isalnum() else "_" for c in label).strip("_")
-        out = work / slug
-        wall = quantize_cached(model, out, "--recipe", recipe, *extra, *common)
-        ppl = eval_ppl(out, data, args.windows, 2048, work / f"{slug}.json")
-        rows.append([label, f"{ppl:.2f}", f"{ppl - fp:+.2f}", f"{wall:.0f} s"])
-    print(f"\nSmolLM2-135M W4A8, WikiText-2 ppl, first {args.windows} x 2048; calib 128 x 2048 c4; "
-          f"CPU probe {probe:.0f} GFLOP/s (fp32 matmul) at the start")
-    print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall"], rows))
+        r = smollm2_row(job, label, ["--recipe", recipe, *extra, *common])
+        rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] - fp:+.2f}", f"{r['wall']:.0f} s",
+                     job.ledger.provenance(label)])
+        labels.append(label)
+    print(f"\nSmolLM2-135M W4A8, WikiText-2 ppl, first {job.args.windows} x 2048; calib 128 x 2048 c4")
+    print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "measured with"], rows))
+    print(job.ledger.note(labels))
 
 
 if __name__ == "__main__":
