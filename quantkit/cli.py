@@ -140,11 +140,18 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     table.add_row("time", f"{summary.seconds:.1f} s")
     table.add_row("peak RSS", f"{summary.peak_rss_bytes / 2**30:.2f} GiB")
     table.add_row("output size", f"{summary.output_bytes / 2**20:.1f} MiB")
-    table.add_row("calibration", f"{summary.calibration['num_samples']} x {summary.calibration['seq_len']} tokens "
-                  f"from {summary.calibration['source']} (sha256 {summary.calibration['sha256'][:12]})")
+    table.add_row("calibration", _describe_calibration(summary.calibration)
+                  + f" (sha256 {summary.calibration['sha256'][:12]})")
     table.add_row("layer rel. error", f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f} "
                   f"(layer {errors.index(max(errors))})")
     console.print(table)
+
+
+def _describe_calibration(cal: dict) -> str:
+    text = f"{cal['num_samples']} x {cal['seq_len']} tokens from {cal['source']}"
+    if "used_samples" in cal:  # no pass read the data: only the per-layer error's sequences ran
+        text += f"; no pass reads them, the first {cal['used_samples']} measured the layer error"
+    return text
 
 
 @main.command(name="eval")
@@ -240,7 +247,7 @@ def inspect(output: Path) -> None:
     table.add_row("activations", f"{m['activations']['bits']}-bit per token" if m["activations"] else "fp")
     table.add_row("kv cache", f"{m['kv_cache']['bits']}-bit per head" if m["kv_cache"] else "fp")
     cal = m["calibration"]
-    table.add_row("calibration", f"{cal['num_samples']} x {cal['seq_len']} tokens from {cal['source']}")
+    table.add_row("calibration", _describe_calibration(cal))
     table.add_row("bytes", f"{sum(f['bytes'] for f in m['files'].values()):,}")
     table.add_row("quantization time", f"{m['timings']['total_seconds']:.1f} s")
     Console().print(table)

@@ -348,8 +348,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             edges = load_edges(source)
             for p in passes:
                 p.prepare(edges, source.config)
+        tokens = calib.tokens
+        if not any(p.reads_activations for p in passes) and recipe.engine.error_samples is not None:
+            tokens = tokens[:recipe.engine.error_samples]  # only the per-layer error reads them
+            calib_info["used_samples"] = int(tokens.shape[0])
         embed = edges.embed if edges else source.read([source.adapter.embed + ".weight"]).popitem()[1]
-        cache = embed[calib.tokens].to(CACHE_DTYPES[recipe.engine.cache_dtype])
+        cache = embed[tokens].to(CACHE_DTYPES[recipe.engine.cache_dtype])
         del embed
         fisher = None
         if passes[-1].needs_fisher:

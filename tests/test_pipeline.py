@@ -114,6 +114,26 @@ def test_w8a8_simulates_activations(synthetic, calib_txt, tmp_path):
     assert "A8 per-token" in loaded.description
 
 
+def test_data_free_recipe_runs_only_the_error_sequences(synthetic, calib_txt, tmp_path):
+    """RTN reads no calibration data: 16 windows give the artifact and layer errors of their first 2 (the error
+    samples) alone, and the manifest says so; a recipe whose passes read activations runs all of them."""
+    base = ["calibration.seq_len=64", "engine.error_samples=2"]
+    runs = {}
+    for n in (16, 2):
+        recipe = load_recipe("rtn-w8a8", [*base, f"calibration.num_samples={n}", "calibration.sampling=first"])
+        runs[n] = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / f"rtn{n}",
+                                           calib=str(calib_txt)))
+    assert runs[16].calibration["used_samples"] == 2 and runs[16].calibration["num_samples"] == 16
+    assert [r.rel_error for r in runs[16].layers] == [r.rel_error for r in runs[2].layers]
+    weights = [{k: v for k, v in artifact_digest(tmp_path / f"rtn{n}").items() if k.endswith(".safetensors")}
+               for n in (16, 2)]
+    assert weights[0] == weights[1] and len(weights[0]) == 4
+    recipe = load_recipe("gptq-w4a16-g128", [*base, "calibration.num_samples=4"])
+    gptq = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "gptq",
+                                    calib=str(calib_txt)))
+    assert "used_samples" not in gptq.calibration
+
+
 class _InterruptAfter(Reporter):
     def __init__(self, layers: int):
         self.layers = layers

@@ -257,6 +257,7 @@ class Pass:
     transforms: ClassVar[bool] = False  # rewrites weights, function-preserving in FP
     needs_hessian: ClassVar[bool] = False
     needs_fisher: ClassVar[bool] = False  # the engine computes each linear's diagonal Fisher first (quantkit.fisher)
+    reads_activations: ClassVar[bool] = True  # false: the pass never looks at calibration data
     requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):

@@ -19,6 +19,7 @@ class RTNConfig:
 @register
 class RTN(Pass):
     name = "rtn"
+    reads_activations = False
     Config = RTNConfig
     quantizes = True
 

@@ -37,6 +37,7 @@ class FoldNorms(Pass):
     """Fold every RMSNorm weight into the linears that read its output; the norms become all-ones."""
 
     name = "fold_norms"
+    reads_activations = False
     Config = FoldNormsConfig
     transforms = True
 
@@ -68,6 +69,7 @@ class Rotate(Pass):
     """Rotate the residual stream by the scaled Hadamard of the hidden size, fused offline into the weights."""
 
     name = "rotate"
+    reads_activations = False
     Config = RotateConfig
     transforms = True
     requires = ("fold_norms",)
