@@ -1,0 +1,66 @@
+// quantkit's warp simulator: runs the kernels' own lane functions (the .cu files, built with QK_HOST) on the CPU,
+// one simulated warp at a time, with the tensor-core MMA computed from the lanes' fragments exactly as the PTX ISA
+// defines them. The GPU-only parts (launch, the mma.sync instruction itself) are what it cannot check.
+//   g++ -O2 -std=c++17 -ffp-contract=off -fPIC -shared host_sim.cpp -o libqk_host.so
+#define QK_HOST
+#include "qserve_w4a8.cu"
+
+namespace {
+
+int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
+
+// D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
+// A element a_i (i = 0..15, byte i % 4 of register i / 4): row = group (+8 when 4 <= i < 8 or i >= 12),
+// col = 4 * quad + (i & 3) (+16 when i >= 8); B element b_i (i = 0..7): row = 4 * quad + (i & 3) (+16 when
+// i >= 4), col = group; C element c_i: row = group (+8 when i >= 2), col = 2 * quad + (i & 1). The int32 sums wrap.
+void mma_warp(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+  int8_t A[16][32], B[32][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 16; ++i) {
+      const int row = g + (((i >= 4 && i < 8) || i >= 12) ? 8 : 0), col = 4 * q + (i & 3) + (i >= 8 ? 16 : 0);
+      A[row][col] = byte_of(a[lane][i / 4], i % 4);
+    }
+    for (int i = 0; i < 8; ++i) B[4 * q + (i & 3) + (i >= 4 ? 16 : 0)][g] = byte_of(b[lane][i / 4], i % 4);
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+      uint32_t sum = (uint32_t)c[lane][i];
+      for (int k = 0; k < 32; ++k) sum += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
+      c[lane][i] = (int32_t)sum;
+    }
+  }
+}
+
+}  // namespace
+
+// The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp.
+extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                      const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                      qk_half* out, int m, int n, int k, int group) {
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  static thread_local int32_t acc[4][32][4];
+  uint32_t fa[32][4], fb[32][4][2], bn[32][2];
+  for (int mt = 0; mt < (m + 15) / 16; ++mt) {
+    for (int nt = 0; nt < n / 32; ++nt) {
+      std::memset(acc, 0, sizeof(acc));
+      for (int kt = 0; kt < k / 32; ++kt) {
+        for (int lane = 0; lane < 32; ++lane) {
+          qk::load_a(args, mt, kt, lane, fa[lane]);
+          qk::load_b(args, nt, kt, lane, fb[lane]);
+        }
+        for (int nb = 0; nb < 4; ++nb) {
+          for (int lane = 0; lane < 32; ++lane) {
+            bn[lane][0] = fb[lane][nb][0];
+            bn[lane][1] = fb[lane][nb][1];
+          }
+          mma_warp(acc[nb], fa, bn);
+        }
+      }
+      for (int nb = 0; nb < 4; ++nb)
+        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc[nb][lane]);
+    }
+  }
+}

@@ -1,0 +1,130 @@
+// Shared by every quantkit kernel: the integer lane operations and epilogue of the packed layouts, written once
+// as __host__ __device__ functions so that the same source runs on the GPU (nvcc / NVRTC through CuPy) and, built
+// with a host C++ compiler (QK_HOST), under quantkit's warp simulator on the CPU (kernels/host_sim.cpp), where the
+// tests check it bit for bit against the numpy emulation (quantkit/emulate.py).
+#pragma once
+
+#ifdef QK_HOST
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define QK_FN inline
+#define __global__
+#define __restrict__
+typedef uint16_t qk_half;  // fp16 bits; the host build never does arithmetic on it
+#else
+#include <cuda_fp16.h>
+#define QK_FN __host__ __device__ __forceinline__
+typedef unsigned short qk_half;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+#endif
+
+namespace qk {
+
+// The m16n8k32 s8 fragment coordinates (PTX ISA, "Matrix Fragments for mma.m16n8k32"): lane = 4 * group + quad.
+QK_FN int frag_group(int lane) { return lane >> 2; }
+QK_FN int frag_quad(int lane) { return lane & 3; }
+
+// Per-byte add modulo 256 of two words of four bytes, no carries between bytes (CUDA __vadd4).
+QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vadd4(a, b);
+#else
+  uint32_t low7 = (a & 0x7F7F7F7Fu) + (b & 0x7F7F7F7Fu);
+  return low7 ^ ((a ^ b) & 0x80808080u);
+#endif
+}
+
+QK_FN uint32_t lo_nibbles(uint32_t v) { return v & 0x0F0F0F0Fu; }
+QK_FN uint32_t hi_nibbles(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
+
+// Float32 operations the compiler must not contract into FMAs: the epilogue order is part of the contract.
+QK_FN float fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  volatile float r = a * b;
+  return r;
+#endif
+}
+QK_FN float fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  volatile float r = a - b;
+  return r;
+#endif
+}
+QK_FN float fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  volatile float r = a / b;
+  return r;
+#endif
+}
+
+// fp16 bits -> float (exact) and float -> fp16 bits, round to nearest even (__float2half_rn).
+QK_FN float half_to_float(qk_half h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+QK_FN qk_half float_to_half(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return (qk_half)(sign | 0x7E00u);  // NaN
+  if (ax >= 0x477FF000u) return (qk_half)(sign | 0x7C00u);  // rounds to inf
+  if (ax < 0x38800000u) {  // subnormal half (or zero): round |f| * 2^24 to an integer, ties to even
+    float scaled = std::fabs(f) * 16777216.0f;  // exact: a power-of-two scaling of a small float
+    float r = std::nearbyint(scaled);
+    return (qk_half)(sign | (uint32_t)r);
+  }
+  uint32_t mant = ax + 0xC8000000u;  // rebias exponent from 127 to 15 (-112 << 23)
+  uint32_t rounded = mant + 0x0FFFu + ((mant >> 13) & 1u);  // round to nearest even at bit 13
+  return (qk_half)(sign | (rounded >> 13));
+#endif
+}
+
+// Per-token symmetric INT8 of one activation (vLLM's scaled_int8_quant): round half to even of x / s, clamped.
+QK_FN int8_t quantize_int8(float x, float s) {
+  float q = fdiv(x, s);
+#if defined(__CUDA_ARCH__)
+  int r = __float2int_rn(q);
+#else
+  int r = (int)std::nearbyint(q);
+#endif
+  return (int8_t)(r < -128 ? -128 : (r > 127 ? 127 : r));
+}
+
+// The W4A8 epilogue: fp16((float(acc) * s_w) * s_x), and minus szero * t_x for QServe per channel.
+QK_FN qk_half epilogue(int32_t acc, float s_w, float s_x) { return float_to_half(fmul(fmul((float)acc, s_w), s_x)); }
+QK_FN qk_half epilogue_zero(int32_t acc, float s_w, float s_x, float szero, float t_x) {
+  return float_to_half(fsub(fmul(fmul((float)acc, s_w), s_x), fmul(szero, t_x)));
+}
+
+}  // namespace qk

@@ -1,0 +1,113 @@
+// QServe / QoQ W4A8 GEMM on quantkit's `qserve` layout (quantkit/formats/qserve_layout.py, digest-qserve §3.2-3.4):
+// out[M, N] (fp16) = epilogue(x_int8[M, K] @ W8[N, K]^T), with INT8 tensor-core MMAs (mma.m16n8k32 s8, sm_80+).
+//
+// One warp computes a 16 x 32 output tile and walks K in 32-wide steps. Per step, each lane
+//  - loads its A fragment (4 words of row-major int8 activations: rows g and g + 8, columns 4q.. and 16 + 4q..);
+//  - makes one 128-bit load of its 16 bytes of the 32 x 32 weight tile, stored in exactly the order the B
+//    fragments need: word j = 2p + b holds, per byte e, the codes of channels 32t + 8b + g (low nibble) and
+//    32t + 16 + 8b + g (high nibble) at k = 32kt + 16p + 4q + e;
+//  - per channel: feeds the UINT4 codes to the MMA as they are (the zero point goes to the epilogue, Eq. 13);
+//    per group: turns each word of four codes into INT8 with one 32-bit multiply by the zero-extended s2 byte and
+//    one vadd4 of the replicated -(z * s2) byte (subtraction after multiplication, §3.4).
+// The epilogue is float32 in a fixed order, rounded once to fp16: (acc * s1[n]) * s_x[m] (- s1_szeros[n] * t_x[m]).
+// This is a correct, straightforward kernel (no shared-memory staging or split-K yet); quantkit's warp simulator
+// runs the same functions on the CPU.
+#include "qk_common.cuh"
+
+namespace qk {
+
+struct QServeArgs {
+  const int8_t* x;         // [M, K] per-token INT8 activations
+  const float* s_x;        // [M] their scales
+  const float* t_x;        // [M] per-token sums of the unquantized activations (per channel only)
+  const uint8_t* qweight;  // [N, K/2] compute-aware order
+  const qk_half* s1;       // [N] s1_scales
+  const qk_half* szero;    // [N] s1_szeros (per channel) or nullptr
+  const int8_t* s2;        // [K/G, N] s2_scales in the tile order (per group) or nullptr
+  const int8_t* z2;        // [K/G, N] s2_zeros = -(z * s2), same order
+  qk_half* out;            // [M, N]
+  int m, n, k, group;
+};
+
+// The lane's A fragment at k-tile kt of row tile mt: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
+QK_FN void load_a(const QServeArgs& a, int mt, int kt, int lane, uint32_t frag[4]) {
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int i = 0; i < 4; ++i) {
+    const int row = 16 * mt + g + 8 * (i & 1), col = 32 * kt + 16 * (i >> 1) + 4 * q;
+    uint32_t v = 0;
+    if (row < a.m) {
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col;
+      v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+    }
+    frag[i] = v;
+  }
+}
+
+// The lane's 4 words of weight tile (nt, kt) -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2a + b.
+QK_FN void load_b(const QServeArgs& a, int nt, int kt, int lane, uint32_t frag[4][2]) {
+  const uint8_t* base = a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16;
+  uint32_t w[4];  // word j = 2p + b (one 128-bit load on the GPU)
+#if defined(__CUDA_ARCH__)
+  const uint4 v = *reinterpret_cast<const uint4*>(base);
+  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+#else
+  std::memcpy(w, base, 16);  // little-endian, as the GPU
+#endif
+  for (int b = 0; b < 2; ++b) {
+    for (int p = 0; p < 2; ++p) {
+      const uint32_t word = w[2 * p + b];
+      uint32_t lo = lo_nibbles(word), hi = hi_nibbles(word);
+      if (a.s2 != nullptr) {  // progressive group: q * s2 + (-(z * s2)) per byte lane, wrapping
+        const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt + 4 * frag_group(lane);
+        const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s2) + row;
+        const uint8_t* z = reinterpret_cast<const uint8_t*>(a.z2) + row;
+        lo = vadd4(lo * (uint32_t)s[b], (uint32_t)z[b] * 0x01010101u);
+        hi = vadd4(hi * (uint32_t)s[2 + b], (uint32_t)z[2 + b] * 0x01010101u);
+      }
+      frag[b][p] = lo;      // channels 32t + 8b + g
+      frag[2 + b][p] = hi;  // channels 32t + 16 + 8b + g
+    }
+  }
+}
+
+// Write the lane's accumulators of n8 block nb: c0, c1 at row g, columns 2q, 2q + 1; c2, c3 at row g + 8.
+QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const int32_t acc[4]) {
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int i = 0; i < 4; ++i) {
+    const int row = 16 * mt + g + 8 * (i >> 1), col = 32 * nt + 8 * nb + 2 * q + (i & 1);
+    if (row >= a.m) continue;
+    const float s_w = half_to_float(a.s1[col]);
+    a.out[(size_t)row * a.n + col] = a.szero != nullptr
+        ? epilogue_zero(acc[i], s_w, a.s_x[row], half_to_float(a.szero[col]), a.t_x[row])
+        : epilogue(acc[i], s_w, a.s_x[row]);
+  }
+}
+
+}  // namespace qk
+
+#ifndef QK_HOST
+__device__ __forceinline__ void mma_s8(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// grid (N / 32, ceil(M / 16)), block 32: one warp per 16 x 32 output tile. s1_szeros null: per group.
+extern "C" __global__ void qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x,
+                                            const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                            const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                                            int group) {
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  const int lane = threadIdx.x, nt = blockIdx.x, mt = blockIdx.y;
+  int32_t acc[4][4] = {};
+  for (int kt = 0; kt < args.k / 32; ++kt) {
+    uint32_t fa[4], fb[4][2];
+    qk::load_a(args, mt, kt, lane, fa);
+    qk::load_b(args, nt, kt, lane, fb);
+    for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], fa, fb[nb]);
+  }
+  for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+}
+#endif

@@ -1,0 +1,112 @@
+"""The CUDA kernels of kernels/: their lane arithmetic run by the warp simulator on the CPU against the numpy
+emulation (bit for bit), and, on a machine with a CUDA device and CuPy, the GPU kernels against the same."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit import kernels
+from quantkit.emulate import emulate
+from quantkit.formats import qserve_layout
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="the warp simulator compiles the kernels with a host C++ compiler "
+                                    "(g++ or c++), and none is on PATH")
+needs_gpu = pytest.mark.skipif(not kernels.cuda_available(),
+                               reason="needs a CUDA device and CuPy (pip install 'quantkit[cuda]')")
+
+
+def qserve_tensors(n: int, k: int, group: int | None, seed: int = 0, extreme: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """Random stored QServe tensors; `extreme`: codes and scales at the ends of their ranges (z * s2 = 128)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    s1 = (torch.rand(n, generator=g) * 0.02 + 1e-4).half()
+    tensors = {"qweight": qserve_layout.pack_qweight(codes), "s1_scales": s1}
+    if group is None:
+        tensors["s1_szeros"] = (torch.rand(n, generator=g) * 8 * s1.float()).half()
+        return tensors
+    s2 = torch.randint(1, 18, (n, k // group), generator=g)
+    zero = torch.minimum(torch.randint(0, 16, (n, k // group), generator=g), 128 // s2)
+    if extreme:
+        codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15)
+        tensors["qweight"] = qserve_layout.pack_qweight(codes)
+        s2, zero = torch.full_like(s2, 8), torch.full_like(zero, 16).clamp(max=15)  # q*s2 up to 120, -z*s2 = -120
+        s2[0], zero[0] = 127, 1  # (15 - 1) * 127 wraps in the byte lane exactly as the reference
+    tensors["s2_scales"], tensors["s2_zeros"] = qserve_layout.pack_group_params(s2, zero)
+    return tensors
+
+
+def activations(m: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, rng.integers(0, k, 3)] *= 20  # outlier channels
+    if m > 2:
+        x[1] = 0.0  # an all-zero token (scale 1)
+    return x
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [None, 128, 64, 32])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 128), (5, 64, 256), (16, 96, 128), (33, 32, 384)])
+def test_qserve_kernel_matches_the_emulation(m, n, k, group):
+    tensors = qserve_tensors(n, k, group, seed=m + n + k)
+    x = activations(m, k, seed=k)
+    reference = emulate("qserve", tensors, x)
+    t_x = x.sum(axis=1, dtype=np.float32)
+    out = kernels.qserve_gemm_host(tensors, reference.x_int8, reference.s_x, t_x)
+    assert out.dtype == np.float16 and out.shape == (m, n)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_compiler
+def test_qserve_group_kernel_wraps_bytes_as_the_reference():
+    """Codes at 0 and 15 with the largest scales and zeros: every byte lane of q * s2 - z * s2 at its extremes."""
+    tensors = qserve_tensors(64, 256, 128, seed=7, extreme=True)
+    x = activations(4, 256, seed=1)
+    reference = emulate("qserve", tensors, x)
+    out = kernels.qserve_gemm_host(tensors, reference.x_int8, reference.s_x)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_compiler
+def test_simulator_fp16_rounding_is_round_to_nearest_even():
+    """The simulator's float -> fp16 conversion (the epilogue's last step) agrees with numpy's on hard cases."""
+    tensors = qserve_tensors(32, 128, None, seed=3)
+    tensors["s1_scales"] = torch.full((32,), 1.0).half()
+    tensors["s1_szeros"] = torch.zeros(32).half()
+    x_int8 = np.zeros((3, 128), dtype=np.int8)
+    x_int8[:, 0] = 1  # acc = code of column 0 of each channel: s_x then sets the product exactly
+    s_x = np.array([2049.0 / 15, 65519.0 / 15, 6e-8], dtype=np.float32)  # ties, overflow edge, subnormals
+    codes = qserve_layout.unpack_qweight(tensors["qweight"]).numpy().astype(np.float32)
+    expected = ((codes[:, 0][None, :] * np.float32(1.0)) * s_x[:, None]).astype(np.float16)
+    out = kernels.qserve_gemm_host(tensors, x_int8, s_x, np.zeros(3, dtype=np.float32))
+    np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("group", [None, 128])
+def test_qserve_gpu_kernel_matches_the_emulation(group):
+    tensors = qserve_tensors(256, 512, group, seed=11)
+    x = activations(24, 512, seed=2)
+    reference = emulate("qserve", tensors, x)
+    out = kernels.qserve_gemm_cuda(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32))
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code to PTX")
+@pytest.mark.parametrize("name", ["qserve_w4a8"])
+def test_device_code_compiles_for_sm80(name, tmp_path):
+    """The GPU half of each kernel (what the warp simulator does not build) compiles, with its MMAs."""
+    import subprocess
+
+    src = kernels.source_dir()
+    ptx = tmp_path / f"{name}.ptx"
+    done = subprocess.run(["nvcc", "-arch=sm_80", "-std=c++17", "-ptx", str(src / f"{name}.cu"), "-o", str(ptx)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in ptx.read_text()
