@@ -3,6 +3,7 @@
 // defines them. The GPU-only parts (launch, the mma.sync instruction itself) are what it cannot check.
 //   g++ -O2 -std=c++17 -ffp-contract=off -fPIC -shared host_sim.cpp -o libqk_host.so
 #define QK_HOST
+#include "liquidquant_w4a8.cu"
 #include "qserve_w4a8.cu"
 
 namespace {
@@ -61,6 +62,35 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
       }
       for (int nb = 0; nb < 4; ++nb)
         for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc[nb][lane]);
+    }
+  }
+}
+
+// The host twin of liquidquant_w4a8_gemm: block (nt, y) is four independent warps.
+extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                           const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
+  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+  static thread_local int32_t acc[4][32][4];
+  uint32_t fa[32][2][4], fb[32][2], aj[32][4];
+  for (int nt = 0; nt < n / 64; ++nt) {
+    for (int by = 0; by < (m + 31) / 32; ++by) {
+      for (int w = 0; w < 4; ++w) {
+        std::memset(acc, 0, sizeof(acc));
+        for (int kt = 0; kt < k / 64; ++kt) {
+          for (int lane = 0; lane < 32; ++lane) qk::load_weights(args, nt, kt, 32 * w + lane, fa[lane]);
+          for (int tb = 0; tb < 4; ++tb) {
+            for (int j = 0; j < 2; ++j) {
+              for (int lane = 0; lane < 32; ++lane) {
+                qk::load_tokens(args, 4 * by + tb, kt, j, lane, fb[lane]);
+                std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
+              }
+              mma_warp(acc[tb], aj, fb);
+            }
+          }
+        }
+        for (int tb = 0; tb < 4; ++tb)
+          for (int lane = 0; lane < 32; ++lane) qk::store(args, nt, 4 * by + tb, 32 * w + lane, acc[tb][lane]);
+      }
     }
   }
 }

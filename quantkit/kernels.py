@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,6 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.models.source import default_cache_dir
 from quantkit.resources import data_path
-
-HOST_SOURCES = ("host_sim.cpp", "qk_common.cuh", "qserve_w4a8.cu")
 
 
 class KernelUnavailable(QuantkitError):
@@ -45,7 +44,8 @@ def host_library() -> ctypes.CDLL:
     if compiler is None:
         raise KernelUnavailable("the warp simulator needs a C++ compiler (g++ or c++) on PATH")
     src = source_dir()
-    digest = hashlib.sha256(b"".join((src / name).read_bytes() for name in HOST_SOURCES)).hexdigest()[:16]
+    sources = sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".cpp"))
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
     lib = default_cache_dir() / "kernels" / f"libqk_host-{digest}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -60,44 +60,89 @@ def host_library() -> ctypes.CDLL:
     return _HOST
 
 
-def _ptr(a: np.ndarray | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if a is None else a.ctypes.data)
+@dataclass
+class Launch:
+    """One kernel call: the extern "C" kernel `name` of kernels/`module`.cu (its warp-simulator twin is
+    `name`_host), its arguments in order (arrays, None for a null pointer, ints), its launch shape, and `out`, the
+    argument the kernel writes."""
+
+    module: str
+    name: str
+    args: list[np.ndarray | int | None]
+    grid: tuple[int, int]
+    block: int
+    out: np.ndarray
 
 
-def _qserve_operands(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray | int | None]:
-    """The stored QServe tensors as the kernel reads them (contiguous, bit patterns kept)."""
-    qweight = tensors["qweight"].contiguous().view(torch.uint8).numpy()
-    n, k = qweight.shape[0], qweight.shape[1] * 2
+def run(launch: Launch, device: str = "cpu") -> np.ndarray:
+    """Run `launch` on the GPU (`device` "cuda") or in the warp simulator ("cpu"); returns its output array."""
+    if device == "cpu":
+        def c_arg(a):
+            if a is None or isinstance(a, np.ndarray):
+                return ctypes.c_void_p(None if a is None else a.ctypes.data)
+            return ctypes.c_int(a)
+
+        getattr(host_library(), launch.name + "_host")(*(c_arg(a) for a in launch.args))
+        return launch.out
+    import cupy
+
+    def d_arg(a):
+        if a is None:
+            return np.uint64(0)  # a null pointer
+        return cupy.asarray(a) if isinstance(a, np.ndarray) else np.int32(a)
+
+    args = [d_arg(a) for a in launch.args]
+    out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
+    _module(launch.module).get_function(launch.name)(launch.grid, (launch.block,), tuple(args))
+    return cupy.asnumpy(out)
+
+
+def _c(a: np.ndarray, dtype: type) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _half_bits(t: torch.Tensor) -> np.ndarray:
+    return _c(t.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16), np.uint16)
+
+
+def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
+                  t_x: np.ndarray | None = None) -> Launch:
+    """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
+    activations, needed per channel)."""
+    qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
+    n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
-
-    def half_bits(t: torch.Tensor) -> np.ndarray:
-        return np.ascontiguousarray(t.to(torch.float16).view(torch.int16).numpy().view(np.uint16))
-
-    return {
-        "qweight": np.ascontiguousarray(qweight), "s1": half_bits(tensors["s1_scales"]),
-        "szero": None if grouped else half_bits(tensors["s1_szeros"]),
-        "s2": np.ascontiguousarray(tensors["s2_scales"].numpy()) if grouped else None,
-        "z2": np.ascontiguousarray(tensors["s2_zeros"].numpy()) if grouped else None,
-        "n": n, "k": k, "group": k // tensors["s2_scales"].shape[0] if grouped else 0,
-    }
+    if not grouped and t_x is None:
+        raise ValueError("the per-channel QServe kernel needs t_x, the per-token sums of the activations")
+    out = np.zeros((m, n), dtype=np.uint16)
+    args = [_c(x_int8, np.int8), _c(s_x, np.float32), None if grouped else _c(t_x, np.float32), qweight,
+            _half_bits(tensors["s1_scales"]), None if grouped else _half_bits(tensors["s1_szeros"]),
+            _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
+            _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
+            out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
+    return Launch("qserve_w4a8", "qserve_w4a8_gemm", args, (n // 32, -(-m // 16)), 32, out)
 
 
-def qserve_gemm_host(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                     t_x: np.ndarray | None = None) -> np.ndarray:
-    """The QServe W4A8 kernel (kernels/qserve_w4a8.cu) run by the warp simulator: fp16 out [M, N]."""
-    ops = _qserve_operands(tensors)
-    x = np.ascontiguousarray(x_int8, dtype=np.int8)
-    m = x.shape[0]
-    if x.shape[1] != ops["k"]:
-        raise ValueError(f"activations have {x.shape[1]} columns, the weight {ops['k']}")
-    s_x = np.ascontiguousarray(s_x, dtype=np.float32)
-    t_x = None if ops["szero"] is None else np.ascontiguousarray(t_x, dtype=np.float32)
-    out = np.zeros((m, ops["n"]), dtype=np.uint16)
-    host_library().qserve_w4a8_gemm_host(
-        _ptr(x), _ptr(s_x), _ptr(t_x), _ptr(ops["qweight"]), _ptr(ops["s1"]), _ptr(ops["szero"]), _ptr(ops["s2"]),
-        _ptr(ops["z2"]), _ptr(out), ctypes.c_int(m), ctypes.c_int(ops["n"]), ctypes.c_int(ops["k"]),
-        ctypes.c_int(ops["group"]))
-    return out.view(np.float16)
+def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
+                       t_x: np.ndarray | None = None) -> Launch:
+    """kernels/liquidquant_w4a8.cu on one linear's stored tensors."""
+    qweight = _c(tensors["qweight"].numpy(), np.uint8)
+    n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
+    out = np.zeros((m, n), dtype=np.uint16)
+    args = [_c(x_int8, np.int8), _c(s_x, np.float32), qweight, _c(tensors["s2a"].numpy(), np.uint8),
+            _half_bits(tensors["s1_scales"]), out, m, n, k]
+    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm", args, (n // 64, -(-m // 32)), 128, out)
+
+
+LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch}
+
+
+def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
+         t_x: np.ndarray | None = None, device: str = "cpu") -> np.ndarray:
+    """The W4A8 kernel of layout `fmt` on one linear: fp16 out [M, N] from INT8 activations and their scales."""
+    if fmt not in LAUNCHES:
+        raise KernelUnavailable(f"no kernel for format {fmt!r} yet (kernels: {', '.join(sorted(LAUNCHES))})")
+    return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x), device).view(np.float16)
 
 
 def cuda_available() -> bool:
@@ -120,27 +165,3 @@ def _module(name: str):
 
     src = source_dir()
     return cupy.RawModule(code=(src / f"{name}.cu").read_text(), options=("-std=c++17", f"-I{src}"))
-
-
-NULL = np.uint64(0)  # a null pointer argument for a CuPy kernel
-
-
-def qserve_gemm_cuda(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                     t_x: np.ndarray | None = None) -> np.ndarray:
-    """The QServe W4A8 kernel on the GPU: fp16 out [M, N] (copied back to the host)."""
-    import cupy
-
-    ops = _qserve_operands(tensors)
-    m, n, k = x_int8.shape[0], ops["n"], ops["k"]
-    t_x = None if ops["szero"] is None else np.ascontiguousarray(t_x, dtype=np.float32)
-
-    def dev(a: np.ndarray | None):
-        return NULL if a is None else cupy.asarray(a)
-
-    out = cupy.zeros((m, n), dtype=cupy.uint16)
-    kernel = _module("qserve_w4a8").get_function("qserve_w4a8_gemm")
-    kernel((n // 32, (m + 15) // 16), (32,),
-           (dev(np.ascontiguousarray(x_int8, dtype=np.int8)), dev(np.ascontiguousarray(s_x, dtype=np.float32)),
-            dev(t_x), dev(ops["qweight"]), dev(ops["s1"]), dev(ops["szero"]), dev(ops["s2"]), dev(ops["z2"]), out,
-            np.int32(m), np.int32(n), np.int32(k), np.int32(ops["group"])))
-    return cupy.asnumpy(out).view(np.float16)

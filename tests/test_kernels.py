@@ -58,7 +58,7 @@ def test_qserve_kernel_matches_the_emulation(m, n, k, group):
     x = activations(m, k, seed=k)
     reference = emulate("qserve", tensors, x)
     t_x = x.sum(axis=1, dtype=np.float32)
-    out = kernels.qserve_gemm_host(tensors, reference.x_int8, reference.s_x, t_x)
+    out = kernels.gemm("qserve", tensors, reference.x_int8, reference.s_x, t_x)
     assert out.dtype == np.float16 and out.shape == (m, n)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
@@ -69,7 +69,7 @@ def test_qserve_group_kernel_wraps_bytes_as_the_reference():
     tensors = qserve_tensors(64, 256, 128, seed=7, extreme=True)
     x = activations(4, 256, seed=1)
     reference = emulate("qserve", tensors, x)
-    out = kernels.qserve_gemm_host(tensors, reference.x_int8, reference.s_x)
+    out = kernels.gemm("qserve", tensors, reference.x_int8, reference.s_x)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
@@ -84,8 +84,35 @@ def test_simulator_fp16_rounding_is_round_to_nearest_even():
     s_x = np.array([2049.0 / 15, 65519.0 / 15, 6e-8], dtype=np.float32)  # ties, overflow edge, subnormals
     codes = qserve_layout.unpack_qweight(tensors["qweight"]).numpy().astype(np.float32)
     expected = ((codes[:, 0][None, :] * np.float32(1.0)) * s_x[:, None]).astype(np.float16)
-    out = kernels.qserve_gemm_host(tensors, x_int8, s_x, np.zeros(3, dtype=np.float32))
+    out = kernels.gemm("qserve", tensors, x_int8, s_x, np.zeros(3, dtype=np.float32))
     np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+
+def liquidquant_tensors(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random stored LiquidQuant tensors: every group's (min, step) drawn over the whole range, its codes up to
+    the largest that keeps u * s + 128 + min in the byte (the quantizer's bound)."""
+    from quantkit.formats import liquidquant
+
+    rng = np.random.default_rng(seed)
+    mins = rng.integers(-128, 128, (n, k // 64))
+    steps = rng.integers(1, 17, (n, k // 64))
+    bound = np.minimum(15, (127 - mins) // steps)
+    u = (rng.random((n, k)) * (np.repeat(bound, 64, axis=1) + 1)).astype(np.int64)
+    u[:, ::64] = np.repeat(bound, 1, axis=1)  # every group reaches its bound
+    sa = np.stack([steps, 128 + mins], axis=-1).astype(np.uint8).reshape(n // 64, 64, k // 64, 2)
+    return {"qweight": torch.from_numpy(liquidquant.pack_codes(u)),
+            "s2a": torch.from_numpy(np.ascontiguousarray(sa.transpose(0, 2, 1, 3))),
+            "s1_scales": torch.from_numpy(rng.random(n).astype(np.float32) * 0.01 + 1e-4).half()}
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (7, 128, 192), (40, 64, 128)])
+def test_liquidquant_kernel_matches_the_emulation(m, n, k):
+    tensors = liquidquant_tensors(n, k, seed=m + n + k)
+    x = activations(m, k, seed=m)
+    reference = emulate("liquidquant", tensors, x)
+    out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
 @needs_gpu
@@ -94,12 +121,13 @@ def test_qserve_gpu_kernel_matches_the_emulation(group):
     tensors = qserve_tensors(256, 512, group, seed=11)
     x = activations(24, 512, seed=2)
     reference = emulate("qserve", tensors, x)
-    out = kernels.qserve_gemm_cuda(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32))
+    out = kernels.gemm("qserve", tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                       device="cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code to PTX")
-@pytest.mark.parametrize("name", ["qserve_w4a8"])
+@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8"])
 def test_device_code_compiles_for_sm80(name, tmp_path):
     """The GPU half of each kernel (what the warp simulator does not build) compiles, with its MMAs."""
     import subprocess
@@ -110,3 +138,12 @@ def test_device_code_compiles_for_sm80(name, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in ptx.read_text()
+
+
+@needs_gpu
+def test_liquidquant_gpu_kernel_matches_the_emulation():
+    tensors = liquidquant_tensors(256, 512, seed=5)
+    x = activations(40, 512, seed=3)
+    reference = emulate("liquidquant", tensors, x)
+    out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x, device="cuda")
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
