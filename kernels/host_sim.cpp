@@ -4,6 +4,7 @@
 //   g++ -O2 -std=c++17 -ffp-contract=off -fPIC -shared host_sim.cpp -o libqk_host.so
 #define QK_HOST
 #include "liquidquant_w4a8.cu"
+#include "qqq_w4a8.cu"
 #include "qserve_w4a8.cu"
 
 namespace {
@@ -30,6 +31,27 @@ void mma_warp(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]
       const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
       uint32_t sum = (uint32_t)c[lane][i];
       for (int k = 0; k < 32; ++k) sum += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
+      c[lane][i] = (int32_t)sum;
+    }
+  }
+}
+
+// D = A B + C for one warp's mma.m16n8k16.row.col.s32.s8.s8.s32 (PTX ISA fragments): A element a_i (i = 0..7):
+// row = group (+8 when i >= 4), col = 4 * quad + (i & 3); B element b_i (i = 0..3): row = 4 * quad + i,
+// col = group; C as for m16n8k32.
+void mma_warp_k16(int32_t c[32][4], const uint32_t a[32][2], const uint32_t b[32]) {
+  int8_t A[16][16], B[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 8; ++i) A[g + (i >= 4 ? 8 : 0)][4 * q + (i & 3)] = byte_of(a[lane][i / 4], i % 4);
+    for (int i = 0; i < 4; ++i) B[4 * q + i][g] = byte_of(b[lane], i);
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+      uint32_t sum = (uint32_t)c[lane][i];
+      for (int k = 0; k < 16; ++k) sum += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
       c[lane][i] = (int32_t)sum;
     }
   }
@@ -91,6 +113,31 @@ extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, co
         for (int tb = 0; tb < 4; ++tb)
           for (int lane = 0; lane < 32; ++lane) qk::store(args, nt, 4 * by + tb, 32 * w + lane, acc[tb][lane]);
       }
+    }
+  }
+}
+
+// The host twin of qqq_w4a8_gemm.
+extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  static thread_local int32_t acc[8][32][4];
+  uint32_t fa[32][2], fb[32][8], bn[32];
+  for (int c = 0; c < n / 64; ++c) {
+    for (int mt = 0; mt < (m + 15) / 16; ++mt) {
+      std::memset(acc, 0, sizeof(acc));
+      for (int i = 0; i < k / 16; ++i) {
+        for (int lane = 0; lane < 32; ++lane) {
+          qk::load_a(args, mt, i, lane, fa[lane]);
+          qk::load_b(args, c, i, lane, fb[lane]);
+        }
+        for (int nb = 0; nb < 8; ++nb) {
+          for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
+          mma_warp_k16(acc[nb], fa, bn);
+        }
+      }
+      for (int nb = 0; nb < 8; ++nb)
+        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, c, nb, lane, acc[nb][lane]);
     }
   }
 }

@@ -134,7 +134,20 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
     return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm", args, (n // 64, -(-m // 32)), 128, out)
 
 
-LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch}
+def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
+               t_x: np.ndarray | None = None) -> Launch:
+    """kernels/qqq_w4a8.cu on one linear's stored tensors."""
+    b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
+    n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
+    out = np.zeros((m, n), dtype=np.uint16)
+    grouped = "s_group" in tensors
+    args = [_c(x_int8, np.int8), _c(s_x, np.float32), b, _c(tensors["s_channel"].float().numpy().reshape(-1),
+                                                                np.float32),
+            _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
+    return Launch("qqq_w4a8", "qqq_w4a8_gemm", args, (n // 64, -(-m // 16)), 32, out)
+
+
+LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": qqq_launch}
 
 
 def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,

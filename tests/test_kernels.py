@@ -115,6 +115,34 @@ def test_liquidquant_kernel_matches_the_emulation(m, n, k):
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+def qqq_tensors(n: int, k: int, grouped: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random stored QQQ tensors: codes over their whole range; group ratios up to 127/8, so round(q * r) spans
+    the INT8 range, with exact halves (ties) among them."""
+    from quantkit.formats import qqq
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (k, n)) if grouped else rng.integers(-7, 8, (k, n))
+    s_channel = (rng.random((1, n)) * 1e-3 + 1e-5).astype(np.float32)
+    tensors = {"B": torch.from_numpy(qqq.pack_b(codes, per_group=grouped)),
+               "s_channel": torch.from_numpy(qqq.permute_columns(s_channel, qqq.SCALE_PERM_SINGLE))}
+    if grouped:
+        r = (rng.random((k // 128, n)) * 127 / 8).astype(np.float16)
+        r[0, :8] = [0.5, 1.5, 2.5, 15.875, 0.0625, 3.25, 7.5, 0.125]  # q * r lands on .5 for odd q
+        tensors["s_group"] = torch.from_numpy(qqq.permute_columns(r, qqq.SCALE_PERM))
+    return tensors
+
+
+@needs_compiler
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (9, 128, 256), (20, 64, 384)])
+def test_qqq_kernel_matches_the_emulation(m, n, k, grouped):
+    tensors = qqq_tensors(n, k, grouped, seed=m + n + k)
+    x = activations(m, k, seed=m)
+    reference = emulate("qqq", tensors, x)
+    out = kernels.gemm("qqq", tensors, reference.x_int8, reference.s_x)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
 @needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
@@ -127,8 +155,9 @@ def test_qserve_gpu_kernel_matches_the_emulation(group):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code to PTX")
-@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8"])
-def test_device_code_compiles_for_sm80(name, tmp_path):
+@pytest.mark.parametrize("name,mma", [("qserve_w4a8", "m16n8k32"), ("liquidquant_w4a8", "m16n8k32"),
+                                      ("qqq_w4a8", "m16n8k16")])
+def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     """The GPU half of each kernel (what the warp simulator does not build) compiles, with its MMAs."""
     import subprocess
 
@@ -137,7 +166,7 @@ def test_device_code_compiles_for_sm80(name, tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_80", "-std=c++17", "-ptx", str(src / f"{name}.cu"), "-o", str(ptx)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in ptx.read_text()
+    assert f"mma.sync.aligned.{mma}.row.col.s32.s8.s8.s32" in ptx.read_text()
 
 
 @needs_gpu
@@ -146,4 +175,14 @@ def test_liquidquant_gpu_kernel_matches_the_emulation():
     x = activations(40, 512, seed=3)
     reference = emulate("liquidquant", tensors, x)
     out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x, device="cuda")
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("grouped", [False, True])
+def test_qqq_gpu_kernel_matches_the_emulation(grouped):
+    tensors = qqq_tensors(256, 512, grouped, seed=9)
+    x = activations(24, 512, seed=4)
+    reference = emulate("qqq", tensors, x)
+    out = kernels.gemm("qqq", tensors, reference.x_int8, reference.s_x, device="cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))

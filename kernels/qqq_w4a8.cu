@@ -1,0 +1,135 @@
+// QQQ W4A8 GEMM on the `qqq` layout (quantkit/formats/qqq.py; vLLM's QQQ method, Marlin-derived tiles):
+// out[M, N] (fp16) = fp16((acc * s_channel[n]) * s_x[m]), acc = sum_k x_int8[m, k] W8[k, n], INT8 mma.m16n8k16.
+//
+// `B` int32 [K/16, 2N]: row i is the k tile 16 i .. 16 i + 15; its words come in chunks of 128 covering 64 output
+// channels (four 16 x 16 tiles), and lane l = 4 col + r of a warp holds words 4 l .. 4 l + 3 of a chunk (one 128-bit
+// load), word `tile` with the eight codes of rows 4r .. 4r + 3 of columns col (elements 0-3) and col + 8 (elements
+// 4-7) of tile `tile`: exactly the B fragments of two m16n8k16 MMAs.
+//  - per channel: codes are two's complement in [-7, 7]; w & 0xF0F0F0F0 gives elements 0-3 as INT8 16 q and
+//    (w << 4) & 0xF0F0F0F0 elements 4-7 (s_channel holds the scale / 16);
+//  - per group (128): codes are q + 8; each is expanded with the 0x6400 fp16 trick to q and turned into the INT8
+//    round(q * r) by one fp16 FMA q * r + 1152 (the sum lies where the fp16 ulp is 1) and the low byte XOR 0x80,
+//    r the fp16 ratio of the group scale to the channel's INT8 scale (`s_group`).
+// One warp computes 16 tokens x 64 channels; grid (N / 64, ceil(M / 16)). A straightforward correct kernel (no
+// shared-memory staging or pipelining yet); quantkit's warp simulator runs the same functions.
+#include "qk_common.cuh"
+
+namespace qk {
+
+struct QQQArgs {
+  const int8_t* x;         // [M, K]
+  const float* s_x;        // [M]
+  const uint32_t* b;       // [K/16, 2N]
+  const float* s_channel;  // [N], in scale_perm_single order within each 32
+  const qk_half* s_group;  // [K/128, N] in scale_perm order within each 64, or nullptr (per channel)
+  qk_half* out;            // [M, N]
+  int m, n, k;
+};
+
+// Where channel n's per-channel scale is stored (scale_perm_single: position 8 i + j holds 2 i + (0,1,8,9,...)[j]).
+QK_FN int channel_scale_slot(int n) {
+  const int c = n & 31;
+  return (n - c) + 8 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1);
+}
+
+// Where channel n's group ratio is stored (scale_perm: position 8 i + j holds i + 8 j within each 64).
+QK_FN int group_scale_slot(int n) {
+  const int c = n & 63;
+  return (n - c) + 8 * (c & 7) + (c >> 3);
+}
+
+// One code of a per-group word -> INT8: fp16 (1024 + nibble) - 1032 = q exactly, then q * r + 1152 rounded once
+// (fp16 FMA, round to nearest even), whose low byte XOR 0x80 is round(q * r) as two's complement.
+QK_FN uint32_t group_lane(uint32_t nibble, qk_half r) {
+#if defined(__CUDA_ARCH__)
+  const __half q = __hsub(__ushort_as_half((unsigned short)(0x6400u | nibble)), __ushort_as_half(0x6408u));
+  const __half v = __hfma(q, __ushort_as_half(r), __ushort_as_half(0x6480u));  // 1032 = 0x6408, 1152 = 0x6480
+  return (__half_as_ushort(v) & 0xFFu) ^ 0x80u;
+#else
+  const double exact = ((double)nibble - 8.0) * (double)half_to_float(r) + 1152.0;  // exact in double
+  const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);  // fp16 has 10 fraction bits
+  const double rounded = std::nearbyint(exact / ulp) * ulp;
+  return (float_to_half((float)rounded) & 0xFFu) ^ 0x80u;
+#endif
+}
+
+// The lane's B fragments of chunk c (channels 64 c ..) at k tile i: frag[2 tile + half] for n8 block 2 tile + half.
+QK_FN void load_b(const QQQArgs& a, int c, int i, int lane, uint32_t frag[8]) {
+  const uint32_t* words = a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane;
+  uint32_t w[4];
+#if defined(__CUDA_ARCH__)
+  const uint4 v = *reinterpret_cast<const uint4*>(words);
+  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+#else
+  std::memcpy(w, words, 16);
+#endif
+  for (int tile = 0; tile < 4; ++tile) {
+    if (a.s_group == nullptr) {
+      frag[2 * tile] = w[tile] & 0xF0F0F0F0u;              // elements 0-3: column col
+      frag[2 * tile + 1] = (w[tile] << 4) & 0xF0F0F0F0u;   // elements 4-7: column col + 8
+      continue;
+    }
+    const int col = 64 * c + 16 * tile + frag_group(lane);
+    const size_t row = (size_t)(16 * i / 128) * a.n;
+    for (int half = 0; half < 2; ++half) {
+      const qk_half r = a.s_group[row + group_scale_slot(col + 8 * half)];
+      uint32_t reg = 0;
+      for (int e = 0; e < 4; ++e) {  // element 4 half + e sits in nibble (e % 2) * 4 + (e / 2) + 2 half of word
+        const int element = 4 * half + e;
+        // interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j is in nibble (j % 2) * 4 + j / 2
+        const uint32_t nibble = (w[tile] >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
+        reg |= group_lane(nibble, r) << (8 * e);
+      }
+      frag[2 * tile + half] = reg;
+    }
+  }
+}
+
+// The lane's A fragment at k tile i: rows g and g + 8 of token tile mt, k 16 i + 4 q ...
+QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int h = 0; h < 2; ++h) {
+    const int row = 16 * mt + g + 8 * h;
+    uint32_t v = 0;
+    if (row < a.m) {
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q;
+      v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+    }
+    frag[h] = v;
+  }
+}
+
+// The lane's accumulators of n8 block nb of chunk c: c0, c1 at token g, channels 2q, 2q + 1; c2, c3 at token g + 8.
+QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4]) {
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int i = 0; i < 4; ++i) {
+    const int row = 16 * mt + g + 8 * (i >> 1), col = 64 * c + 8 * nb + 2 * q + (i & 1);
+    if (row < a.m) a.out[(size_t)row * a.n + col] = epilogue(acc[i], a.s_channel[channel_scale_slot(col)], a.s_x[row]);
+  }
+}
+
+}  // namespace qk
+
+#ifndef QK_HOST
+__device__ __forceinline__ void mma_s8_k16(int32_t c[4], const uint32_t a[2], uint32_t b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+// grid (N / 64, ceil(M / 16)), block 32. s_group null: per channel.
+extern "C" __global__ void qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                         const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  const int lane = threadIdx.x, c = blockIdx.x, mt = blockIdx.y;
+  int32_t acc[8][4] = {};
+  for (int i = 0; i < k / 16; ++i) {
+    uint32_t fa[2], fb[8];
+    qk::load_a(args, mt, i, lane, fa);
+    qk::load_b(args, c, i, lane, fb);
+    for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], fa, fb[nb]);
+  }
+  for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+}
+#endif
