@@ -3,6 +3,7 @@
 // defines them. The GPU-only parts (launch, the mma.sync instruction itself) are what it cannot check.
 //   g++ -O2 -std=c++17 -ffp-contract=off -fPIC -shared host_sim.cpp -o libqk_host.so
 #define QK_HOST
+#include "atom_w4a4.cu"
 #include "liquidquant_w4a8.cu"
 #include "qqq_w4a8.cu"
 #include "qserve_w4a8.cu"
@@ -52,6 +53,35 @@ void mma_warp_k16(int32_t c[32][4], const uint32_t a[32][2], const uint32_t b[32
       const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
       uint32_t sum = (uint32_t)c[lane][i];
       for (int k = 0; k < 16; ++k) sum += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
+      c[lane][i] = (int32_t)sum;
+    }
+  }
+}
+
+int nibble_of(uint32_t word, int e) {  // two's-complement INT4, element e in bits 4e .. 4e + 3
+  const int v = (int)((word >> (4 * e)) & 0xFu);
+  return v >= 8 ? v - 16 : v;
+}
+
+// D = A B + C for one warp's mma.m16n8k64.row.col.s32.s4.s4.s32 (PTX ISA fragments): A element a_i (i = 0..31,
+// nibble i % 8 of register i / 8): row = group (+8 when 8 <= i < 16 or i >= 24), col = 8 * quad + (i & 7) (+32 when
+// i >= 16); B element b_i (i = 0..15): row = 8 * quad + (i & 7) (+32 when i >= 8), col = group; C as for k32.
+void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+  int A[16][64], B[64][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 32; ++i) {
+      const int row = g + (((i >= 8 && i < 16) || i >= 24) ? 8 : 0), col = 8 * q + (i & 7) + (i >= 16 ? 32 : 0);
+      A[row][col] = nibble_of(a[lane][i / 8], i % 8);
+    }
+    for (int i = 0; i < 16; ++i) B[8 * q + (i & 7) + (i >= 8 ? 32 : 0)][g] = nibble_of(b[lane][i / 8], i % 8);
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+      uint32_t sum = (uint32_t)c[lane][i];
+      for (int k = 0; k < 64; ++k) sum += (uint32_t)(A[row][k] * B[k][col]);
       c[lane][i] = (int32_t)sum;
     }
   }
@@ -138,6 +168,41 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
       }
       for (int nb = 0; nb < 8; ++nb)
         for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, c, nb, lane, acc[nb][lane]);
+    }
+  }
+}
+
+// The host twin of atom_w4a4_gemm.
+extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
+                                    const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
+                                    qk_half* out, int m, int n, int k) {
+  const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
+  const int groups = (k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
+  static thread_local int32_t partial[2][32][4];
+  static thread_local float acc_f[2][32][4];
+  uint32_t fa[32][4], fb[32][2];
+  for (int nt = 0; nt < n / 16; ++nt) {
+    for (int mt = 0; mt < (m + 15) / 16; ++mt) {
+      std::memset(acc_f, 0, sizeof(acc_f));
+      for (int g = 0; g <= groups; ++g) {
+        std::memset(partial, 0, sizeof(partial));
+        for (int step = 0; step < (g < groups ? 2 : 4); ++step) {
+          for (int lane = 0; lane < 32; ++lane) {
+            if (g < groups) qk::load_a4(args, mt, g, step, lane, fa[lane]); else qk::load_a8(args, mt, step, lane, fa[lane]);
+          }
+          for (int nb = 0; nb < 2; ++nb) {
+            for (int lane = 0; lane < 32; ++lane) {
+              if (g < groups) qk::load_b4(args, nt, nb, g, step, lane, fb[lane]);
+              else qk::load_b8(args, nt, nb, step, lane, fb[lane]);
+            }
+            if (g < groups) mma_warp_s4(partial[nb], fa, fb); else mma_warp(partial[nb], fa, fb);
+          }
+        }
+        for (int nb = 0; nb < 2; ++nb)
+          for (int lane = 0; lane < 32; ++lane) qk::fold(args, mt, nt, nb, g, lane, partial[nb][lane], acc_f[nb][lane]);
+      }
+      for (int nb = 0; nb < 2; ++nb)
+        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc_f[nb][lane]);
     }
   }
 }

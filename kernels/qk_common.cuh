@@ -50,6 +50,14 @@ QK_FN float fmul(float a, float b) {
   return r;
 #endif
 }
+QK_FN float fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  volatile float r = a + b;
+  return r;
+#endif
+}
 QK_FN float fsub(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fsub_rn(a, b);

@@ -149,6 +149,7 @@ class AtomEmulation:
     out: np.ndarray
     x_codes: np.ndarray
     order: np.ndarray
+    s_x: np.ndarray  # [M, G + 1] float32: the activation scale of each (token, group), the outliers last
 
 
 def emulate_atom(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0
@@ -174,15 +175,17 @@ def emulate_atom(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int = 4,
     codes = np.empty((m, k), dtype=np.int64)
     partials = np.empty((groups + 1, m, w.shape[0]), dtype=np.int64)
     acc = np.zeros((m, w.shape[0]), dtype=np.float32)
+    scales = np.empty((m, groups + 1), dtype=np.float32)
     for g in range(groups + 1):
         cols = slice(g * GROUP, (g + 1) * GROUP) if g < groups else slice(k - OUTLIERS, k)
         top, lo, clip = (qmax, -qmax - 1, np.float32(clip_ratio)) if g < groups else (127, -128, np.float32(1))
         s_x = np.abs(xr[:, cols]).max(axis=1) * clip / np.float32(top)
         s_x = np.where(s_x > 0, s_x, np.float32(1)).astype(np.float32)
         codes[:, cols] = np.clip(np.round(xr[:, cols] / s_x[:, None]), lo, top)
+        scales[:, g] = s_x
         partials[g] = int8_gemm(codes[:, cols], w[:, cols])
         acc += partials[g].astype(np.float32) * (s_x[:, None] * s_w[g][None, :])
-    return AtomEmulation(partials, acc.astype(np.float16), codes, order)
+    return AtomEmulation(partials, acc.astype(np.float16), codes, order, scales)
 
 
 def check_atom(emulation: AtomEmulation, q, x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0) -> Check:

@@ -147,6 +147,29 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     return Launch("qqq_w4a8", "qqq_w4a8_gemm", args, (n // 64, -(-m // 16)), 32, out)
 
 
+def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray) -> Launch:
+    """kernels/atom_w4a4.cu on one linear's stored tensors, from the activations as the producing kernel leaves
+    them: codes [M, K] in `reorder_index` order (INT4 normal columns, INT8 outliers last) and scales [M, G + 1]."""
+    from quantkit.formats.atom import OUTLIERS
+
+    x_codes = np.asarray(x_codes, dtype=np.int64)
+    m, k = x_codes.shape
+    n = tensors["weight_int4"].shape[0]
+    nibbles = (x_codes[:, :k - OUTLIERS] & 0xF).astype(np.uint8)
+    out = np.zeros((m, n), dtype=np.uint16)
+    args = [_c(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), np.uint8), _c(x_codes[:, k - OUTLIERS:], np.int8),
+            _c(s_x, np.float32), _c(tensors["weight_int4"].numpy(), np.uint8),
+            _c(tensors["weight_int8"].numpy(), np.int8), _half_bits(tensors["scale_int4"]),
+            _half_bits(tensors["scale_int8"]), out, m, n, k]
+    return Launch("atom_w4a4", "atom_w4a4_gemm", args, (n // 16, -(-m // 16)), 32, out)
+
+
+def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, device: str = "cpu"
+              ) -> np.ndarray:
+    """Atom's W4A4 kernel on one linear: fp16 out [M, N]."""
+    return run(atom_launch(tensors, x_codes, s_x), device).view(np.float16)
+
+
 LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": qqq_launch}
 
 

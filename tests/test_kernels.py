@@ -143,6 +143,33 @@ def test_qqq_kernel_matches_the_emulation(m, n, k, grouped):
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+def atom_tensors(n: int, groups: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random stored Atom tensors: INT4 codes over [-8, 7], INT8 outliers over [-128, 127], a random reorder."""
+    from quantkit.formats import atom
+
+    rng = np.random.default_rng(seed)
+    k = 128 * groups + 128
+    s4 = (rng.random((groups, n)) * 0.05 + 1e-3).astype(np.float16)
+    s8 = (rng.random(n) * 0.01 + 1e-4).astype(np.float16)
+    return {"reorder_index": torch.from_numpy(rng.permutation(k)),
+            "weight_int4": torch.from_numpy(rng.integers(0, 256, (n, 64 * groups)).astype(np.uint8)),
+            "weight_int8": torch.from_numpy(rng.integers(-128, 128, (n, 128)).astype(np.int8)),
+            "scale_int4": torch.from_numpy(atom.scatter_scales(s4)),
+            "scale_int8": torch.from_numpy(atom.scatter_scales(s8))}
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,n,groups", [(1, 16, 1), (6, 32, 2), (19, 48, 3)])
+def test_atom_kernel_matches_the_emulation(m, n, groups):
+    from quantkit.emulate import emulate_atom
+
+    tensors = atom_tensors(n, groups, seed=m + n)
+    x = activations(m, 128 * groups + 128, seed=n)
+    reference = emulate_atom(tensors, x, 4, 0.9)
+    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
 @needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
@@ -156,7 +183,7 @@ def test_qserve_gpu_kernel_matches_the_emulation(group):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code to PTX")
 @pytest.mark.parametrize("name,mma", [("qserve_w4a8", "m16n8k32"), ("liquidquant_w4a8", "m16n8k32"),
-                                      ("qqq_w4a8", "m16n8k16")])
+                                      ("qqq_w4a8", "m16n8k16"), ("atom_w4a4", "m16n8k64")])
 def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     """The GPU half of each kernel (what the warp simulator does not build) compiles, with its MMAs."""
     import subprocess
@@ -166,7 +193,8 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_80", "-std=c++17", "-ptx", str(src / f"{name}.cu"), "-o", str(ptx)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert f"mma.sync.aligned.{mma}.row.col.s32.s8.s8.s32" in ptx.read_text()
+    kind = "s4.s4" if mma == "m16n8k64" else "s8.s8"
+    assert f"mma.sync.aligned.{mma}.row.col.s32.{kind}.s32" in ptx.read_text()
 
 
 @needs_gpu
@@ -185,4 +213,15 @@ def test_qqq_gpu_kernel_matches_the_emulation(grouped):
     x = activations(24, 512, seed=4)
     reference = emulate("qqq", tensors, x)
     out = kernels.gemm("qqq", tensors, reference.x_int8, reference.s_x, device="cuda")
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_gpu
+def test_atom_gpu_kernel_matches_the_emulation():
+    from quantkit.emulate import emulate_atom
+
+    tensors = atom_tensors(64, 3, seed=1)
+    x = activations(20, 512, seed=6)
+    reference = emulate_atom(tensors, x, 4, 0.9)
+    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
