@@ -3,6 +3,7 @@
 // defines them. The GPU-only parts (launch, the mma.sync instruction itself) are what it cannot check.
 //   g++ -O2 -std=c++17 -ffp-contract=off -fPIC -shared host_sim.cpp -o libqk_host.so
 #define QK_HOST
+#include "anyprec_gemv.cu"
 #include "atom_w4a4.cu"
 #include "liquidquant_w4a8.cu"
 #include "qqq_w4a8.cu"
@@ -203,6 +204,28 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
       }
       for (int nb = 0; nb < 2; ++nb)
         for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc_f[nb][lane]);
+    }
+  }
+}
+
+// The host twin of anyprec_gemv, the xor-shuffle tree included (each lane adds its partner's value).
+extern "C" void anyprec_gemv_host(const float* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,
+                                  int n, int k, int bits) {
+  const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
+  float v[32][qk::AP_TOKENS], next[32][qk::AP_TOKENS];
+  for (int channel = 0; channel < n; ++channel) {
+    for (int m0 = 0; m0 < m; m0 += qk::AP_TOKENS) {
+      float sum[qk::AP_TOKENS] = {};
+      for (int c = 0; c < (k + qk::AP_CHUNK - 1) / qk::AP_CHUNK; ++c) {
+        for (int lane = 0; lane < 32; ++lane) qk::thread_partials(args, channel, c, m0, lane, v[lane]);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          for (int lane = 0; lane < 32; ++lane)
+            for (int i = 0; i < qk::AP_TOKENS; ++i) next[lane][i] = qk::fadd(v[lane][i], v[lane ^ offset][i]);
+          std::memcpy(v, next, sizeof(v));
+        }
+        for (int i = 0; i < qk::AP_TOKENS; ++i) sum[i] = qk::fadd(sum[i], v[0][i]);
+      }
+      for (int i = 0; i < qk::AP_TOKENS && m0 + i < m; ++i) out[(size_t)(m0 + i) * n + channel] = qk::float_to_half(sum[i]);
     }
   }
 }

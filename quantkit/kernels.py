@@ -170,6 +170,24 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
     return run(atom_launch(tensors, x_codes, s_x), device).view(np.float16)
 
 
+def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -> Launch:
+    """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`."""
+    planes = _c(tensors["qweight"].numpy().view(np.uint32), np.uint32)
+    if not 1 <= bits <= planes.shape[0] or f"lut{bits}" not in tensors:
+        raise ValueError(f"this artifact serves widths up to {planes.shape[0]} with tables "
+                         f"{sorted(k for k in tensors if k.startswith('lut'))}; asked for {bits}")
+    x = _c(x, np.float32)
+    m, n, k = x.shape[0], planes.shape[1], planes.shape[2] * 32
+    out = np.zeros((m, n), dtype=np.uint16)
+    args = [x, planes, _half_bits(tensors[f"lut{bits}"]), out, m, n, k, bits]
+    return Launch("anyprec_gemv", "anyprec_gemv", args, (n, -(-m // 8)), 32, out)
+
+
+def anyprec_gemv(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str = "cpu") -> np.ndarray:
+    """The Any-Precision LUT GEMV at width `bits`: fp16 out [M, N] from float32 activations."""
+    return run(anyprec_launch(tensors, x, bits), device).view(np.float16)
+
+
 LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": qqq_launch}
 
 

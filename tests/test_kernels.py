@@ -170,6 +170,31 @@ def test_atom_kernel_matches_the_emulation(m, n, groups):
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+def anyprec_tensors(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random 8-plane bitplanes with a table for every width 3..8."""
+    from quantkit.formats.anyprec_layout import pack_planes
+
+    rng = np.random.default_rng(seed)
+    tensors = {"qweight": torch.from_numpy(pack_planes(rng.integers(0, 256, (n, k)), 8))}
+    for bits in range(3, 9):
+        tensors[f"lut{bits}"] = torch.from_numpy(np.sort(rng.standard_normal((n, 1 << bits)), axis=1)
+                                                 .astype(np.float16))
+    return tensors
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,k", [(1, 96), (3, 1024), (9, 2080), (2, 576)])
+def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
+    from quantkit.emulate import emulate_anyprec
+
+    tensors = anyprec_tensors(8, k, seed=k)
+    x = activations(m, k, seed=m)
+    for bits in range(3, 9):
+        _, reference = emulate_anyprec(tensors, x, bits)
+        out = kernels.anyprec_gemv(tensors, x, bits)
+        np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
+
+
 @needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
@@ -183,7 +208,7 @@ def test_qserve_gpu_kernel_matches_the_emulation(group):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code to PTX")
 @pytest.mark.parametrize("name,mma", [("qserve_w4a8", "m16n8k32"), ("liquidquant_w4a8", "m16n8k32"),
-                                      ("qqq_w4a8", "m16n8k16"), ("atom_w4a4", "m16n8k64")])
+                                      ("qqq_w4a8", "m16n8k16"), ("atom_w4a4", "m16n8k64"), ("anyprec_gemv", None)])
 def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     """The GPU half of each kernel (what the warp simulator does not build) compiles, with its MMAs."""
     import subprocess
@@ -193,6 +218,9 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_80", "-std=c++17", "-ptx", str(src / f"{name}.cu"), "-o", str(ptx)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    if mma is None:  # a CUDA-core kernel: its warp reduction instead
+        assert "shfl.sync.bfly" in ptx.read_text()
+        return
     kind = "s4.s4" if mma == "m16n8k64" else "s8.s8"
     assert f"mma.sync.aligned.{mma}.row.col.s32.{kind}.s32" in ptx.read_text()
 
@@ -225,3 +253,15 @@ def test_atom_gpu_kernel_matches_the_emulation():
     reference = emulate_atom(tensors, x, 4, 0.9)
     out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_gpu
+def test_anyprec_gpu_kernel_matches_the_emulation():
+    from quantkit.emulate import emulate_anyprec
+
+    tensors = anyprec_tensors(64, 2080, seed=2)
+    x = activations(11, 2080, seed=8)
+    for bits in range(3, 9):
+        _, reference = emulate_anyprec(tensors, x, bits)
+        out = kernels.anyprec_gemv(tensors, x, bits, device="cuda")
+        np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
