@@ -269,12 +269,19 @@ def inspect(output: Path) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random activations.")
 @click.option("--tolerance", type=float, default=4e-3, show_default=True,
               help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs.")
-def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
+@click.option("--kernel", type=click.Choice(["auto", "cuda", "sim", "none"]), default="auto", show_default=True,
+              help="Also run each linear's CUDA kernel (kernels/) and require its fp16 output to equal the "
+              "emulation's bit for bit: on the GPU (cuda), in quantkit's warp simulator on the CPU (sim, needs "
+              "g++), or not (none); auto takes the GPU if there is one, else the simulator if it can be built.")
+def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str) -> None:
     """Check every packed linear of OUTPUT through its kernel's bit-exact CPU emulation: the int32 accumulators
-    must equal the reference integer product exactly and the fp16 outputs match the dequantized reference.
-    Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Exits 1 on any mismatch."""
+    must equal the reference integer product exactly and the fp16 outputs match the dequantized reference; and
+    run the CUDA kernel itself (on the GPU, or its lane code in the warp simulator), whose output must equal the
+    emulation's bit for bit. Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Exits 1
+    on any mismatch."""
     import numpy as np
 
+    from quantkit import kernels
     from quantkit.artifact import load_manifest, read_safetensors
     from quantkit.emulate import (
         EMULATED,
@@ -300,8 +307,12 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
     adapter = adapter_for(config["model_type"])
     specs = artifact_specs(m)
     rng = np.random.default_rng(seed)
-    table = Table(title=f"{output} ({fmt}): kernel emulation against the reference dequantization")
-    for column in ("layer", "linear", "int32 exact", "max rel. err (plain)", "max rel. err (outliers)"):
+    device = kernels.resolve_device(kernel)
+    where = {"cuda": "GPU", "cpu": "warp simulator", None: "not run"}[device]
+    table = Table(title=f"{output} ({fmt}): kernel emulation against the reference dequantization; kernel "
+                  f"({where}) against the emulation")
+    columns = ["layer", "linear", "int32 exact", "max rel. err (plain)", "max rel. err (outliers)"]
+    for column in columns + ([f"kernel = emulation ({where})"] if device else []):
         table.add_column(column, justify="right" if column != "linear" else "left")
     failures = 0
     weight_map = json.loads((output / "model.safetensors.index.json").read_text())["weight_map"]
@@ -319,19 +330,22 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float) -> None:
             plain = rng.standard_normal((tokens, k)).astype(np.float32)
             heavy = plain.copy()
             heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
+            act = recipe.activations
+            bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
             if fmt == "atom":
-                act = recipe.activations
-                bits, clip = (act.bits, act.clip_ratio) if act else (4, 1.0)
                 checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
             elif fmt == "anyprec":  # every width the artifact serves
                 checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
             else:
                 checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
-            ok = all(c.exact and c.rel_error <= tolerance for c in checks)
+            same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
+                                         for x in (plain, heavy))
+            ok = same and all(c.exact and c.rel_error <= tolerance for c in checks)
             failures += not ok
             style = "" if ok else "[bold red]"
             table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
-                          *(f"{style}{c.rel_error:.2e}" for c in checks))
+                          *(f"{style}{c.rel_error:.2e}" for c in checks),
+                          *([style + ("yes" if same else "NO")] if device else []))
     Console().print(table)
     if failures:
         console.print(f"[bold red]{failures} linear(s) do not match their reference[/]")

@@ -199,6 +199,47 @@ def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np
     return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x), device).view(np.float16)
 
 
+def compiler_available() -> bool:
+    """True when a host C++ compiler for the warp simulator is on PATH."""
+    return (shutil.which("g++") or shutil.which("c++")) is not None
+
+
+def resolve_device(kernel: str) -> str | None:
+    """Where `quantkit validate --kernel` runs the kernels: "cuda", "cpu" (the warp simulator) or None (not at all).
+    "auto" takes the GPU when there is one, else the simulator when a compiler is there."""
+    if kernel == "none":
+        return None
+    if kernel == "cuda" or (kernel == "auto" and cuda_available()):
+        if not cuda_available():
+            raise KernelUnavailable("--kernel cuda: needs CuPy (pip install 'quantkit[cuda]') and a CUDA device")
+        return "cuda"
+    if kernel == "sim" or (kernel == "auto" and compiler_available()):
+        if not compiler_available():
+            raise KernelUnavailable("--kernel sim: the warp simulator needs a C++ compiler (g++ or c++) on PATH")
+        return "cpu"
+    return None
+
+
+def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
+                      clip_ratio: float = 1.0) -> bool:
+    """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
+    bit for bit (Any-Precision: at every width the artifact serves)."""
+    from quantkit import emulate
+
+    if fmt == "atom":
+        reference = emulate.emulate_atom(tensors, x, act_bits, clip_ratio)
+        out = atom_gemm(tensors, reference.x_codes, reference.s_x, device)
+        return bool(np.array_equal(out.view(np.uint16), reference.out.view(np.uint16)))
+    if fmt == "anyprec":
+        widths = sorted(int(k[3:]) for k in tensors if k.startswith("lut"))
+        return all(np.array_equal(anyprec_gemv(tensors, x, b, device).view(np.uint16),
+                                  emulate.emulate_anyprec(tensors, x, b)[1].view(np.uint16)) for b in widths)
+    reference = emulate.emulate(fmt, tensors, x)
+    t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
+    out = gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device)
+    return bool(np.array_equal(out.view(np.uint16), reference.out.view(np.uint16)))
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and sees a CUDA device."""
     try:

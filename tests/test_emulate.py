@@ -9,6 +9,7 @@ from helpers import cli, cli_ok
 from safetensors.torch import load_file, save_file
 
 from quantkit.emulate import INT32, check_against_reference, emulate, int8_gemm, quantize_tokens
+from quantkit.kernels import compiler_available
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
 
@@ -61,8 +62,10 @@ def test_emulation_matches_the_reference_dequant(artifacts, recipe):
 
 @pytest.mark.parametrize("recipe", ["qqq-g128", "lqq-g64", "qoq", "qoq-g128"])
 def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path):
-    result = cli_ok("validate", artifacts[recipe])
+    result = cli_ok("validate", artifacts[recipe], "--kernel", "sim" if compiler_available() else "none")
     assert "every packed linear matches" in result.output and "yes" in result.output
+    if compiler_available():
+        assert "kernel (warp simulator) against the emulation" in " ".join(result.output.split())
     if recipe != "lqq-g64":
         return
     # a step that makes u * s + a leave the byte: the IMAD lanes wrap, the reference does not
@@ -80,6 +83,15 @@ def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path
     save_file(shard, str(shard_path))
     result = cli("validate", broken)
     assert result.exit_code == 1 and "NO" in result.output
+
+
+def test_validate_fails_when_the_kernel_differs_from_the_emulation(artifacts, monkeypatch):
+    from quantkit import kernels
+
+    monkeypatch.setattr(kernels, "resolve_device", lambda kernel: "cpu")
+    monkeypatch.setattr(kernels, "matches_emulation", lambda *args, **kwargs: False)
+    result = cli("validate", artifacts["qoq"])
+    assert result.exit_code == 1 and "NO" in result.output and "do not match" in result.output
 
 
 def test_validate_names_formats_without_emulation(tmp_path, calib_txt):
