@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -19,7 +20,7 @@ console = Console(stderr=True)
 
 
 def _fail(exc: QuantkitError) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     sys.exit(2)
 
 
@@ -78,7 +79,7 @@ class _RichReporter:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
 
     def warn(self, message: str) -> None:
-        console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+        console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self.task is not None or self.phases:
@@ -351,6 +352,39 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
         console.print(f"[bold red]{failures} linear(s) do not match their reference[/]")
         sys.exit(1)
     console.print("every packed linear matches its reference")
+
+
+@main.command(name="bench")
+@click.option("--shapes", "shape_set", type=click.Choice(["llama3-8b"]), default="llama3-8b", show_default=True,
+              help="The (N, K) shapes to time: Llama-3-8B's fused qkv, o, fused gate_up and down projections.")
+@click.option("--m", "ms", default="1,4,16,1024", show_default=True,
+              help="Comma-separated token counts (the GEMM's M); the Any-Precision GEMV runs only for M <= 16.")
+@click.option("--formats", default=None, help="Comma-separated layouts to time (qserve, liquidquant, qqq, atom, "
+              "anyprec); default: all.")
+@click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
+@click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
+def bench_cmd(shape_set: str, ms: str, formats: str | None, warmup: int, iters: int) -> None:
+    """Time every packed-layout kernel on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
+    (torch._int_mm) on the same shapes, in one run: CUDA events, warm-up, medians; prints time, TOPS, achieved
+    GB/s against the device's measured copy bandwidth, and the speedups. Needs a CUDA device and CuPy
+    (pip install 'quantkit[cuda]'); the baselines need a CUDA build of torch."""
+    from quantkit import kernel_bench, kernels
+
+    if not kernels.cuda_available():
+        raise QuantkitError("quantkit bench needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); on a CPU, "
+                            "`quantkit validate` checks the kernels in the warp simulator instead")
+    wanted = set(formats.split(",")) if formats else None
+    variants = tuple(v for v in kernel_bench.VARIANTS if wanted is None or v.fmt in wanted)
+    if not variants:
+        raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
+                            f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
+    import cupy
+
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    bandwidth = kernel_bench.copy_bandwidth()
+    rows = kernel_bench.run_bench(kernel_bench.SHAPE_SETS[shape_set], tuple(int(m) for m in ms.split(",")),
+                                  variants, warmup, iters)
+    Console().print(kernel_bench.render(rows, bandwidth, device))
 
 
 def _describe_weights(w: dict) -> str:

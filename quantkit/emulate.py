@@ -106,12 +106,19 @@ def emulate(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray) -> Emulat
     """The kernel's GEMM of layout `fmt` on one linear's stored tensors and activations x [M, K]."""
     if fmt not in WEIGHTS:
         raise KeyError(f"no kernel emulation for format {fmt!r} (emulated: {', '.join(sorted(WEIGHTS))})")
-    w_int8, s_w, szero = WEIGHTS[fmt](tensors)
     x_int8, s_x = quantize_tokens(x)
-    acc = int8_gemm(x_int8, w_int8)
-    t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
-    out = _epilogue(acc, s_w, s_x, szero, t_x)
-    return Emulation(acc, out, x_int8, s_x, s_w.astype(np.float32), szero)
+    return emulate_quantized(fmt, tensors, x_int8, s_x, np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32))
+
+
+def emulate_quantized(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
+                      t_x: np.ndarray | None = None) -> Emulation:
+    """The GEMM from activations already quantized (codes, per-token scales, and for QServe per channel the sums
+    t_x of the unquantized activations), as the kernels receive them."""
+    w_int8, s_w, szero = WEIGHTS[fmt](tensors)
+    s_x = np.asarray(s_x, dtype=np.float32)
+    acc = int8_gemm(np.asarray(x_int8, dtype=np.int64), w_int8)
+    out = _epilogue(acc, s_w, s_x, szero, None if szero is None else np.asarray(t_x, dtype=np.float32))
+    return Emulation(acc, out, np.asarray(x_int8, dtype=np.int64), s_x, s_w.astype(np.float32), szero)
 
 
 def _rel_error(out: np.ndarray, y_ref: np.ndarray) -> float:
@@ -152,15 +159,41 @@ class AtomEmulation:
     s_x: np.ndarray  # [M, G + 1] float32: the activation scale of each (token, group), the outliers last
 
 
+def _atom_groups(k: int) -> list[slice]:
+    """The reordered columns of each Atom group: INT4 groups of 128, then the outliers."""
+    from quantkit.formats.atom import GROUP, OUTLIERS
+
+    groups = (k - OUTLIERS) // GROUP
+    return [slice(g * GROUP, (g + 1) * GROUP) for g in range(groups)] + [slice(k - OUTLIERS, k)]
+
+
 def emulate_atom(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0
                  ) -> AtomEmulation:
     """The W4A4 kernel on Atom's stored tensors: activations reordered by `reorder_index`, quantized per (token,
     group of 128) to `bits` with scale clip * max|x| / qmax (float32) and per token to INT8 over the outliers;
-    one integer MMA per group; acc += float(partial) * (s_x * s_w) in float32, groups in order, outliers last;
-    fp16 out."""
-    from quantkit.formats.atom import GROUP, OUTLIERS, gather_scales
-
+    then `emulate_atom_quantized`."""
     order = tensors["reorder_index"].numpy()
+    xr = np.asarray(x, dtype=np.float32)[:, order]
+    m, k = xr.shape
+    qmax = (1 << (bits - 1)) - 1
+    groups = _atom_groups(k)
+    codes = np.empty((m, k), dtype=np.int64)
+    scales = np.empty((m, len(groups)), dtype=np.float32)
+    for g, cols in enumerate(groups):
+        outliers = g == len(groups) - 1
+        top, lo, clip = (127, -128, np.float32(1)) if outliers else (qmax, -qmax - 1, np.float32(clip_ratio))
+        s_x = np.abs(xr[:, cols]).max(axis=1) * clip / np.float32(top)
+        scales[:, g] = np.where(s_x > 0, s_x, np.float32(1)).astype(np.float32)
+        codes[:, cols] = np.clip(np.round(xr[:, cols] / scales[:, g, None]), lo, top)
+    return emulate_atom_quantized(tensors, codes, scales)
+
+
+def emulate_atom_quantized(tensors: dict[str, torch.Tensor], codes: np.ndarray, s_x: np.ndarray) -> AtomEmulation:
+    """Atom's GEMM from activations already quantized (reordered codes [M, K], scales [M, G + 1]), as the kernel
+    receives them: one integer MMA per group; acc += float(partial) * (s_x * s_w) in float32, groups in order,
+    outliers last; fp16 out."""
+    from quantkit.formats.atom import gather_scales
+
     packed = tensors["weight_int4"].numpy()
     nibbles = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.int64)
     nibbles[:, 0::2], nibbles[:, 1::2] = packed & 0xF, packed >> 4
@@ -168,24 +201,14 @@ def emulate_atom(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int = 4,
                         tensors["weight_int8"].numpy().astype(np.int64)], axis=1)  # [N, K] reordered
     s_w = np.concatenate([gather_scales(tensors["scale_int4"].numpy()),
                           gather_scales(tensors["scale_int8"].numpy())[None]]).astype(np.float32)  # [G + 1, N]
-    xr = np.asarray(x, dtype=np.float32)[:, order]
-    m, k = xr.shape
-    groups = (k - OUTLIERS) // GROUP
-    qmax = (1 << (bits - 1)) - 1
-    codes = np.empty((m, k), dtype=np.int64)
-    partials = np.empty((groups + 1, m, w.shape[0]), dtype=np.int64)
-    acc = np.zeros((m, w.shape[0]), dtype=np.float32)
-    scales = np.empty((m, groups + 1), dtype=np.float32)
-    for g in range(groups + 1):
-        cols = slice(g * GROUP, (g + 1) * GROUP) if g < groups else slice(k - OUTLIERS, k)
-        top, lo, clip = (qmax, -qmax - 1, np.float32(clip_ratio)) if g < groups else (127, -128, np.float32(1))
-        s_x = np.abs(xr[:, cols]).max(axis=1) * clip / np.float32(top)
-        s_x = np.where(s_x > 0, s_x, np.float32(1)).astype(np.float32)
-        codes[:, cols] = np.clip(np.round(xr[:, cols] / s_x[:, None]), lo, top)
-        scales[:, g] = s_x
+    codes, s_x = np.asarray(codes, dtype=np.int64), np.asarray(s_x, dtype=np.float32)
+    groups = _atom_groups(codes.shape[1])
+    partials = np.empty((len(groups), codes.shape[0], w.shape[0]), dtype=np.int64)
+    acc = np.zeros((codes.shape[0], w.shape[0]), dtype=np.float32)
+    for g, cols in enumerate(groups):
         partials[g] = int8_gemm(codes[:, cols], w[:, cols])
-        acc += partials[g].astype(np.float32) * (s_x[:, None] * s_w[g][None, :])
-    return AtomEmulation(partials, acc.astype(np.float16), codes, order, scales)
+        acc += partials[g].astype(np.float32) * (s_x[:, g, None] * s_w[g][None, :])
+    return AtomEmulation(partials, acc.astype(np.float16), codes, tensors["reorder_index"].numpy(), s_x)
 
 
 def check_atom(emulation: AtomEmulation, q, x: np.ndarray, bits: int = 4, clip_ratio: float = 1.0) -> Check:

@@ -12,6 +12,7 @@ import torch
 from quantkit import kernels
 from quantkit.emulate import emulate
 from quantkit.formats import qserve_layout
+from quantkit.kernel_bench import synthetic
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="the warp simulator compiles the kernels with a host C++ compiler "
@@ -20,23 +21,14 @@ needs_gpu = pytest.mark.skipif(not kernels.cuda_available(),
                                reason="needs a CUDA device and CuPy (pip install 'quantkit[cuda]')")
 
 
-def qserve_tensors(n: int, k: int, group: int | None, seed: int = 0, extreme: bool = False
-                   ) -> dict[str, torch.Tensor]:
-    """Random stored QServe tensors; `extreme`: codes and scales at the ends of their ranges (z * s2 = 128)."""
+def extreme_qserve_group(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    """Stored QServe g128 tensors at the ends of their ranges: codes 0 and 15, -z * s2 = -120, and a group whose
+    (15 - 1) * 127 wraps in its byte lane (as the reference models)."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g)
-    s1 = (torch.rand(n, generator=g) * 0.02 + 1e-4).half()
-    tensors = {"qweight": qserve_layout.pack_qweight(codes), "s1_scales": s1}
-    if group is None:
-        tensors["s1_szeros"] = (torch.rand(n, generator=g) * 8 * s1.float()).half()
-        return tensors
-    s2 = torch.randint(1, 18, (n, k // group), generator=g)
-    zero = torch.minimum(torch.randint(0, 16, (n, k // group), generator=g), 128 // s2)
-    if extreme:
-        codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15)
-        tensors["qweight"] = qserve_layout.pack_qweight(codes)
-        s2, zero = torch.full_like(s2, 8), torch.full_like(zero, 16).clamp(max=15)  # q*s2 up to 120, -z*s2 = -120
-        s2[0], zero[0] = 127, 1  # (15 - 1) * 127 wraps in the byte lane exactly as the reference
+    codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15)
+    s2, zero = torch.full((n, k // 128), 8), torch.full((n, k // 128), 15)
+    s2[0], zero[0] = 127, 1
+    tensors = {"qweight": qserve_layout.pack_qweight(codes), "s1_scales": (torch.rand(n, generator=g) * 0.02).half()}
     tensors["s2_scales"], tensors["s2_zeros"] = qserve_layout.pack_group_params(s2, zero)
     return tensors
 
@@ -54,7 +46,7 @@ def activations(m: int, k: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("group", [None, 128, 64, 32])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 128), (5, 64, 256), (16, 96, 128), (33, 32, 384)])
 def test_qserve_kernel_matches_the_emulation(m, n, k, group):
-    tensors = qserve_tensors(n, k, group, seed=m + n + k)
+    tensors = synthetic("qserve", n, k, seed=m + n + k, group=group)
     x = activations(m, k, seed=k)
     reference = emulate("qserve", tensors, x)
     t_x = x.sum(axis=1, dtype=np.float32)
@@ -66,7 +58,7 @@ def test_qserve_kernel_matches_the_emulation(m, n, k, group):
 @needs_compiler
 def test_qserve_group_kernel_wraps_bytes_as_the_reference():
     """Codes at 0 and 15 with the largest scales and zeros: every byte lane of q * s2 - z * s2 at its extremes."""
-    tensors = qserve_tensors(64, 256, 128, seed=7, extreme=True)
+    tensors = extreme_qserve_group(64, 256, seed=7)
     x = activations(4, 256, seed=1)
     reference = emulate("qserve", tensors, x)
     out = kernels.gemm("qserve", tensors, reference.x_int8, reference.s_x)
@@ -76,7 +68,7 @@ def test_qserve_group_kernel_wraps_bytes_as_the_reference():
 @needs_compiler
 def test_simulator_fp16_rounding_is_round_to_nearest_even():
     """The simulator's float -> fp16 conversion (the epilogue's last step) agrees with numpy's on hard cases."""
-    tensors = qserve_tensors(32, 128, None, seed=3)
+    tensors = synthetic("qserve", 32, 128, seed=3)
     tensors["s1_scales"] = torch.full((32,), 1.0).half()
     tensors["s1_szeros"] = torch.zeros(32).half()
     x_int8 = np.zeros((3, 128), dtype=np.int8)
@@ -88,74 +80,25 @@ def test_simulator_fp16_rounding_is_round_to_nearest_even():
     np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
 
 
-def liquidquant_tensors(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random stored LiquidQuant tensors: every group's (min, step) drawn over the whole range, its codes up to
-    the largest that keeps u * s + 128 + min in the byte (the quantizer's bound)."""
-    from quantkit.formats import liquidquant
-
-    rng = np.random.default_rng(seed)
-    mins = rng.integers(-128, 128, (n, k // 64))
-    steps = rng.integers(1, 17, (n, k // 64))
-    bound = np.minimum(15, (127 - mins) // steps)
-    u = (rng.random((n, k)) * (np.repeat(bound, 64, axis=1) + 1)).astype(np.int64)
-    u[:, ::64] = np.repeat(bound, 1, axis=1)  # every group reaches its bound
-    sa = np.stack([steps, 128 + mins], axis=-1).astype(np.uint8).reshape(n // 64, 64, k // 64, 2)
-    return {"qweight": torch.from_numpy(liquidquant.pack_codes(u)),
-            "s2a": torch.from_numpy(np.ascontiguousarray(sa.transpose(0, 2, 1, 3))),
-            "s1_scales": torch.from_numpy(rng.random(n).astype(np.float32) * 0.01 + 1e-4).half()}
-
-
 @needs_compiler
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (7, 128, 192), (40, 64, 128)])
 def test_liquidquant_kernel_matches_the_emulation(m, n, k):
-    tensors = liquidquant_tensors(n, k, seed=m + n + k)
+    tensors = synthetic("liquidquant", n, k, seed=m + n + k)
     x = activations(m, k, seed=m)
     reference = emulate("liquidquant", tensors, x)
     out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
-def qqq_tensors(n: int, k: int, grouped: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random stored QQQ tensors: codes over their whole range; group ratios up to 127/8, so round(q * r) spans
-    the INT8 range, with exact halves (ties) among them."""
-    from quantkit.formats import qqq
-
-    rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 16, (k, n)) if grouped else rng.integers(-7, 8, (k, n))
-    s_channel = (rng.random((1, n)) * 1e-3 + 1e-5).astype(np.float32)
-    tensors = {"B": torch.from_numpy(qqq.pack_b(codes, per_group=grouped)),
-               "s_channel": torch.from_numpy(qqq.permute_columns(s_channel, qqq.SCALE_PERM_SINGLE))}
-    if grouped:
-        r = (rng.random((k // 128, n)) * 127 / 8).astype(np.float16)
-        r[0, :8] = [0.5, 1.5, 2.5, 15.875, 0.0625, 3.25, 7.5, 0.125]  # q * r lands on .5 for odd q
-        tensors["s_group"] = torch.from_numpy(qqq.permute_columns(r, qqq.SCALE_PERM))
-    return tensors
-
-
 @needs_compiler
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 128), (9, 128, 256), (20, 64, 384)])
 def test_qqq_kernel_matches_the_emulation(m, n, k, grouped):
-    tensors = qqq_tensors(n, k, grouped, seed=m + n + k)
+    tensors = synthetic("qqq", n, k, seed=m + n + k, group=128 if grouped else None)
     x = activations(m, k, seed=m)
     reference = emulate("qqq", tensors, x)
     out = kernels.gemm("qqq", tensors, reference.x_int8, reference.s_x)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
-
-
-def atom_tensors(n: int, groups: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random stored Atom tensors: INT4 codes over [-8, 7], INT8 outliers over [-128, 127], a random reorder."""
-    from quantkit.formats import atom
-
-    rng = np.random.default_rng(seed)
-    k = 128 * groups + 128
-    s4 = (rng.random((groups, n)) * 0.05 + 1e-3).astype(np.float16)
-    s8 = (rng.random(n) * 0.01 + 1e-4).astype(np.float16)
-    return {"reorder_index": torch.from_numpy(rng.permutation(k)),
-            "weight_int4": torch.from_numpy(rng.integers(0, 256, (n, 64 * groups)).astype(np.uint8)),
-            "weight_int8": torch.from_numpy(rng.integers(-128, 128, (n, 128)).astype(np.int8)),
-            "scale_int4": torch.from_numpy(atom.scatter_scales(s4)),
-            "scale_int8": torch.from_numpy(atom.scatter_scales(s8))}
 
 
 @needs_compiler
@@ -163,23 +106,11 @@ def atom_tensors(n: int, groups: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_atom_kernel_matches_the_emulation(m, n, groups):
     from quantkit.emulate import emulate_atom
 
-    tensors = atom_tensors(n, groups, seed=m + n)
+    tensors = synthetic("atom", n, 128 * groups + 128, seed=m + n)
     x = activations(m, 128 * groups + 128, seed=n)
     reference = emulate_atom(tensors, x, 4, 0.9)
     out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
-
-
-def anyprec_tensors(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random 8-plane bitplanes with a table for every width 3..8."""
-    from quantkit.formats.anyprec_layout import pack_planes
-
-    rng = np.random.default_rng(seed)
-    tensors = {"qweight": torch.from_numpy(pack_planes(rng.integers(0, 256, (n, k)), 8))}
-    for bits in range(3, 9):
-        tensors[f"lut{bits}"] = torch.from_numpy(np.sort(rng.standard_normal((n, 1 << bits)), axis=1)
-                                                 .astype(np.float16))
-    return tensors
 
 
 @needs_compiler
@@ -187,7 +118,7 @@ def anyprec_tensors(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
     from quantkit.emulate import emulate_anyprec
 
-    tensors = anyprec_tensors(8, k, seed=k)
+    tensors = synthetic("anyprec", 8, k, seed=k)
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
         _, reference = emulate_anyprec(tensors, x, bits)
@@ -198,7 +129,7 @@ def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
 @needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
-    tensors = qserve_tensors(256, 512, group, seed=11)
+    tensors = synthetic("qserve", 256, 512, seed=11, group=group)
     x = activations(24, 512, seed=2)
     reference = emulate("qserve", tensors, x)
     out = kernels.gemm("qserve", tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
@@ -227,7 +158,7 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
 
 @needs_gpu
 def test_liquidquant_gpu_kernel_matches_the_emulation():
-    tensors = liquidquant_tensors(256, 512, seed=5)
+    tensors = synthetic("liquidquant", 256, 512, seed=5)
     x = activations(40, 512, seed=3)
     reference = emulate("liquidquant", tensors, x)
     out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x, device="cuda")
@@ -237,7 +168,7 @@ def test_liquidquant_gpu_kernel_matches_the_emulation():
 @needs_gpu
 @pytest.mark.parametrize("grouped", [False, True])
 def test_qqq_gpu_kernel_matches_the_emulation(grouped):
-    tensors = qqq_tensors(256, 512, grouped, seed=9)
+    tensors = synthetic("qqq", 256, 512, seed=9, group=128 if grouped else None)
     x = activations(24, 512, seed=4)
     reference = emulate("qqq", tensors, x)
     out = kernels.gemm("qqq", tensors, reference.x_int8, reference.s_x, device="cuda")
@@ -248,7 +179,7 @@ def test_qqq_gpu_kernel_matches_the_emulation(grouped):
 def test_atom_gpu_kernel_matches_the_emulation():
     from quantkit.emulate import emulate_atom
 
-    tensors = atom_tensors(64, 3, seed=1)
+    tensors = synthetic("atom", 64, 512, seed=1)
     x = activations(20, 512, seed=6)
     reference = emulate_atom(tensors, x, 4, 0.9)
     out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda")
@@ -259,9 +190,63 @@ def test_atom_gpu_kernel_matches_the_emulation():
 def test_anyprec_gpu_kernel_matches_the_emulation():
     from quantkit.emulate import emulate_anyprec
 
-    tensors = anyprec_tensors(64, 2080, seed=2)
+    tensors = synthetic("anyprec", 64, 2080, seed=2)
     x = activations(11, 2080, seed=8)
     for bits in range(3, 9):
         _, reference = emulate_anyprec(tensors, x, bits)
         out = kernels.anyprec_gemv(tensors, x, bits, device="cuda")
         np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
+
+
+@needs_compiler
+@pytest.mark.parametrize("variant", __import__("quantkit.kernel_bench", fromlist=["VARIANTS"]).VARIANTS,
+                         ids=lambda v: v.label)
+def test_every_bench_variant_launches_and_matches_the_emulation(variant):
+    """What `quantkit bench` times is the kernel the tests check: each variant's launch, on a small shape, gives
+    the emulation's output in the warp simulator."""
+    from quantkit.emulate import emulate_anyprec, emulate_atom_quantized, emulate_quantized
+    from quantkit.kernel_bench import variant_launch
+
+    n, k, m = 64, 256, 5
+    tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
+    launch = variant_launch(variant, tensors, m, k, seed=2)
+    out = kernels.run(launch, "cpu").view(np.float16)
+    assert out.shape == (m, n) and np.isfinite(out).all()
+    if variant.fmt == "anyprec":
+        np.testing.assert_array_equal(out, emulate_anyprec(tensors, launch.args[0], variant.bits)[1])
+    elif variant.fmt == "atom":  # from the same reordered codes and scales
+        x4, x8, s_x = launch.args[:3]
+        nibbles = np.stack([x4 & 0xF, x4 >> 4], axis=-1).reshape(m, -1).astype(np.int64)
+        codes = np.concatenate([np.where(nibbles >= 8, nibbles - 16, nibbles), x8.astype(np.int64)], axis=1)
+        reference = emulate_atom_quantized(tensors, codes, s_x)
+        np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+    else:  # the W4A8 launches: the emulation from the same INT8 activations, scales (and sums, QServe)
+        x_int8, s_x = launch.args[0], launch.args[1]
+        reference = emulate_quantized(variant.fmt, tensors, x_int8, s_x,
+                                      launch.args[2] if variant.fmt == "qserve" else None)
+        np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+def test_bench_needs_a_gpu_and_says_so():
+    if kernels.cuda_available():
+        pytest.skip("this machine has a GPU: the refusal is what a CPU-only machine sees")
+    from helpers import cli
+
+    result = cli("bench")
+    assert result.exit_code == 2
+    assert "needs a CUDA device and CuPy (pip install 'quantkit[cuda]')" in " ".join(result.output.split())
+
+
+def test_bench_table_computes_rates_and_speedups():
+    from rich.console import Console
+
+    from quantkit.kernel_bench import Row, render
+
+    rows = [Row(4096, 4096, 16, "cuBLAS FP16 (torch.matmul)", 100e-6, 2 * 4096 * 4096),
+            Row(4096, 4096, 16, "QServe W4A8 per channel", 25e-6, 4096 * 4096 // 2)]
+    assert rows[1].tops == pytest.approx(2 * 16 * 4096 * 4096 / 25e-6 / 1e12)
+    assert rows[1].gbps == pytest.approx(4096 * 4096 / 2 / 25e-6 / 1e9)
+    console = Console(width=200, record=True)
+    console.print(render(rows, bandwidth=3000.0, device="test GPU"))
+    text = console.export_text()
+    assert "4.00x" in text and "1.00x" in text and "test GPU" in text

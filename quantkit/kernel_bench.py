@@ -1,0 +1,236 @@
+"""`quantkit bench`: time every packed-layout kernel against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
+(torch._int_mm) on the same shapes in the same run, with CUDA events, warm-up and medians, and report time, TOPS,
+achieved GB/s against the device's measured copy bandwidth, and the speedups.
+
+The kernels time the GEMM alone, from INT8 (INT4 for Atom) activations already quantized, as the engines run them
+(the activation quantization is fused into the producing kernel). Also here: synthetic stored tensors of every
+layout at any shape (random codes over each layout's whole range), shared with the kernel tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch
+
+SHAPE_SETS: dict[str, tuple[tuple[int, int], ...]] = {
+    # (N, K) of Llama-3-8B's linears: fused qkv, o, fused gate_up, down
+    "llama3-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel configuration: its label, layout and options (group, width)."""
+
+    label: str
+    fmt: str
+    group: int | None = None
+    bits: int | None = None
+
+
+VARIANTS = (
+    Variant("QServe W4A8 per channel", "qserve"),
+    Variant("QServe W4A8 g128", "qserve", group=128),
+    Variant("LiquidQuant W4A8 g64", "liquidquant", group=64),
+    Variant("QQQ W4A8 per channel", "qqq"),
+    Variant("QQQ W4A8 g128", "qqq", group=128),
+    Variant("Atom W4A4 g128 + 128 INT8", "atom", group=128),
+    Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3),
+)
+
+
+def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None) -> dict[str, torch.Tensor]:
+    """Random stored tensors of layout `fmt` for an [N, K] linear: every code and scale over its whole range
+    (QServe groups up to z * s2 = 128, LiquidQuant codes up to each group's byte bound, QQQ ratios up to 127/8 with
+    exact ties among their products)."""
+    rng = np.random.default_rng(seed)
+    if fmt == "qserve":
+        from quantkit.formats import qserve_layout
+
+        codes = torch.from_numpy(rng.integers(0, 16, (n, k)))
+        s1 = torch.from_numpy(rng.random(n).astype(np.float32) * 0.02 + 1e-4).half()
+        tensors = {"qweight": qserve_layout.pack_qweight(codes), "s1_scales": s1}
+        if group is None:
+            tensors["s1_szeros"] = (torch.from_numpy(rng.random(n).astype(np.float32)) * 8 * s1.float()).half()
+            return tensors
+        s2 = torch.from_numpy(rng.integers(1, 18, (n, k // group)))
+        zero = torch.minimum(torch.from_numpy(rng.integers(0, 16, (n, k // group))), 128 // s2)
+        tensors["s2_scales"], tensors["s2_zeros"] = qserve_layout.pack_group_params(s2, zero)
+        return tensors
+    if fmt == "liquidquant":
+        from quantkit.formats import liquidquant
+
+        mins = rng.integers(-128, 128, (n, k // 64))
+        steps = rng.integers(1, 17, (n, k // 64))
+        bound = np.minimum(15, (127 - mins) // steps)
+        u = (rng.random((n, k)) * (np.repeat(bound, 64, axis=1) + 1)).astype(np.int64)
+        u[:, ::64] = bound  # every group reaches its bound
+        sa = np.stack([steps, 128 + mins], axis=-1).astype(np.uint8).reshape(n // 64, 64, k // 64, 2)
+        return {"qweight": torch.from_numpy(liquidquant.pack_codes(u)),
+                "s2a": torch.from_numpy(np.ascontiguousarray(sa.transpose(0, 2, 1, 3))),
+                "s1_scales": torch.from_numpy(rng.random(n).astype(np.float32) * 0.01 + 1e-4).half()}
+    if fmt == "qqq":
+        from quantkit.formats import qqq
+
+        codes = rng.integers(0, 16, (k, n)) if group else rng.integers(-7, 8, (k, n))
+        s_channel = (rng.random((1, n)) * 1e-3 + 1e-5).astype(np.float32)
+        tensors = {"B": torch.from_numpy(qqq.pack_b(codes, per_group=bool(group))),
+                   "s_channel": torch.from_numpy(qqq.permute_columns(s_channel, qqq.SCALE_PERM_SINGLE))}
+        if group:
+            r = (rng.random((k // group, n)) * 127 / 8).astype(np.float16)
+            r[0, :8] = [0.5, 1.5, 2.5, 15.875, 0.0625, 3.25, 7.5, 0.125][:min(8, n)]  # q * r lands on .5: ties
+            tensors["s_group"] = torch.from_numpy(qqq.permute_columns(r, qqq.SCALE_PERM))
+        return tensors
+    if fmt == "atom":
+        from quantkit.formats import atom
+
+        groups = (k - atom.OUTLIERS) // atom.GROUP
+        s4 = (rng.random((groups, n)) * 0.05 + 1e-3).astype(np.float16)
+        s8 = (rng.random(n) * 0.01 + 1e-4).astype(np.float16)
+        return {"reorder_index": torch.from_numpy(rng.permutation(k)),
+                "weight_int4": torch.from_numpy(rng.integers(0, 256, (n, (k - atom.OUTLIERS) // 2)).astype(np.uint8)),
+                "weight_int8": torch.from_numpy(rng.integers(-128, 128, (n, atom.OUTLIERS)).astype(np.int8)),
+                "scale_int4": torch.from_numpy(atom.scatter_scales(s4)),
+                "scale_int8": torch.from_numpy(atom.scatter_scales(s8))}
+    if fmt == "anyprec":
+        from quantkit.formats.anyprec_layout import pack_planes
+
+        tensors = {"qweight": torch.from_numpy(pack_planes(rng.integers(0, 256, (n, k)), 8))}
+        for bits in range(3, 9):
+            tensors[f"lut{bits}"] = torch.from_numpy(np.sort(rng.standard_normal((n, 1 << bits)), axis=1)
+                                                     .astype(np.float16))
+        return tensors
+    raise ValueError(f"no synthetic tensors for format {fmt!r}")
+
+
+def variant_launch(variant: Variant, tensors: dict[str, torch.Tensor], m: int, k: int, seed: int = 0) -> Launch:
+    """The kernel call of `variant` on `tensors` with random activations of M tokens."""
+    rng = np.random.default_rng(seed)
+    if variant.fmt == "anyprec":
+        return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3)
+    if variant.fmt == "atom":
+        codes = np.concatenate([rng.integers(-8, 8, (m, k - 128)), rng.integers(-128, 128, (m, 128))], axis=1)
+        return atom_launch(tensors, codes, rng.random((m, (k - 128) // 128 + 1)).astype(np.float32))
+    x = rng.integers(-128, 128, (m, k)).astype(np.int8)
+    s_x = rng.random(m).astype(np.float32)
+    return LAUNCHES[variant.fmt](tensors, x, s_x, rng.standard_normal(m).astype(np.float32))
+
+
+def weight_bytes(tensors: dict[str, torch.Tensor], variant: Variant) -> int:
+    """Bytes of stored weight data the kernel reads (Any-Precision: only the planes and table of its width)."""
+    if variant.fmt == "anyprec":
+        planes = tensors["qweight"]
+        per_plane = planes[0].numel() * planes.element_size()
+        table = tensors[f"lut{variant.bits}"]
+        return per_plane * (variant.bits or 3) + table.numel() * table.element_size()
+    return sum(t.numel() * t.element_size() for key, t in tensors.items() if key != "reorder_index")
+
+
+@dataclass
+class Row:
+    """One timed (shape, M, kernel or baseline)."""
+
+    n: int
+    k: int
+    m: int
+    label: str
+    seconds: float  # median
+    bytes_moved: int  # weights + activations + outputs
+
+    @property
+    def tops(self) -> float:
+        return 2 * self.m * self.n * self.k / self.seconds / 1e12
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9
+
+
+def median_time(fn: Callable[[], None], warmup: int, iters: int) -> float:
+    """Median seconds of `fn` on the current CUDA stream, each call between its own pair of CUDA events."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(size: int = 1 << 30, warmup: int = 3, iters: int = 20) -> float:
+    """The device's measured copy bandwidth, GB/s: a device-to-device copy of `size` bytes reads and writes it."""
+    import cupy
+
+    src, dst = cupy.empty(size, dtype=cupy.uint8), cupy.empty(size, dtype=cupy.uint8)
+    seconds = median_time(lambda: dst.__setitem__(slice(None), src), warmup, iters)
+    return 2 * size / seconds / 1e9
+
+
+def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
+    """cuBLAS FP16 (torch.matmul) and, where torch takes the shape, cuBLAS INT8 (torch._int_mm) on [M, K] x [K, N]."""
+    rows = []
+    if not torch.cuda.is_available():
+        return rows
+    a, b = torch.randn(m, k, device="cuda", dtype=torch.float16), torch.randn(k, n, device="cuda", dtype=torch.float16)
+    rows.append(Row(n, k, m, "cuBLAS FP16 (torch.matmul)", median_time(lambda: torch.matmul(a, b), warmup, iters),
+                    2 * (m * k + k * n + m * n)))
+    if m > 16 and m % 8 == 0 and k % 8 == 0 and n % 8 == 0:  # torch._int_mm's shape rules
+        ai = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
+        bi = torch.randint(-128, 128, (k, n), device="cuda", dtype=torch.int8)
+        rows.append(Row(n, k, m, "cuBLAS INT8 (torch._int_mm)",
+                        median_time(lambda: torch._int_mm(ai, bi), warmup, iters), m * k + k * n + 4 * m * n))
+    return rows
+
+
+def run_bench(shapes: tuple[tuple[int, int], ...], ms: tuple[int, ...], variants: tuple[Variant, ...] = VARIANTS,
+              warmup: int = 10, iters: int = 50) -> list[Row]:
+    """Time every variant and the cuBLAS baselines at every (N, K) and M, side by side."""
+    from quantkit.kernels import upload
+
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            rows += baselines(m, n, k, warmup, iters)
+            for v in variants:
+                if v.fmt == "anyprec" and m > 16:
+                    continue  # a GEMV kernel: batch sizes of a few tokens only
+                tensors = synthetic(v.fmt, n, k, group=v.group)
+                call = upload(variant_launch(v, tensors, m, k))
+                act = m * k * (4 if v.fmt == "anyprec" else 1)
+                rows.append(Row(n, k, m, v.label, median_time(call, warmup, iters),
+                                weight_bytes(tensors, v) + act + 2 * m * n))
+    return rows
+
+
+def render(rows: list[Row], bandwidth: float, device: str):
+    """A rich Table of the rows with TOPS, GB/s, share of the copy bandwidth, and speedups over the baselines."""
+    from rich.table import Table
+
+    table = Table(title=f"{device}: kernels against cuBLAS (median of CUDA-event timings); copy bandwidth "
+                  f"{bandwidth:.0f} GB/s")
+    for column in ("N x K", "M", "kernel", "time (us)", "TOPS", "GB/s", "% copy BW", "vs FP16", "vs INT8"):
+        table.add_column(column, justify="left" if column in ("kernel", "N x K") else "right")
+    by_case: dict[tuple[int, int, int], dict[str, Row]] = {}
+    for r in rows:
+        by_case.setdefault((r.n, r.k, r.m), {})[r.label] = r
+    for (n, k, m), case in by_case.items():
+        fp16 = case.get("cuBLAS FP16 (torch.matmul)")
+        int8 = case.get("cuBLAS INT8 (torch._int_mm)")
+        for r in case.values():
+            table.add_row(f"{n} x {k}", str(m), r.label, f"{r.seconds * 1e6:.1f}", f"{r.tops:.1f}", f"{r.gbps:.0f}",
+                          f"{100 * r.gbps / bandwidth:.0f}%", f"{fp16.seconds / r.seconds:.2f}x" if fp16 else "-",
+                          f"{int8.seconds / r.seconds:.2f}x" if int8 else "-")
+    return table
