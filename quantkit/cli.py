@@ -283,7 +283,7 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     import numpy as np
 
     from quantkit import kernels
-    from quantkit.artifact import load_manifest, read_safetensors
+    from quantkit.artifact import load_manifest
     from quantkit.emulate import (
         EMULATED,
         check_against_reference,
@@ -292,21 +292,13 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
         emulate,
         emulate_atom,
     )
-    from quantkit.eval.loading import artifact_recipe, artifact_specs
-    from quantkit.formats import get_packer
-    from quantkit.models.adapters import adapter_for
-    from quantkit.pipeline import linear_parts
+    from quantkit.eval.loading import artifact_recipe, packed_linears
 
-    m = load_manifest(output)
-    fmt = m["format"]
+    fmt = load_manifest(output)["format"]
     if fmt not in EMULATED:
         raise QuantkitError(f"validate: no kernel emulation for format {fmt!r} yet (emulated: "
                             f"{', '.join(sorted(EMULATED))})")
     recipe = artifact_recipe(output)
-    packer = get_packer(fmt)(recipe, None)
-    config = json.loads((output / "config.json").read_text())
-    adapter = adapter_for(config["model_type"])
-    specs = artifact_specs(m)
     rng = np.random.default_rng(seed)
     device = kernels.resolve_device(kernel)
     where = {"cuda": "GPU", "cpu": "warp simulator", None: "not run"}[device]
@@ -316,37 +308,29 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     for column in columns + ([f"kernel = emulation ({where})"] if device else []):
         table.add_column(column, justify="right" if column != "linear" else "left")
     failures = 0
-    weight_map = json.loads((output / "model.safetensors.index.json").read_text())["weight_map"]
-    for i in range(config["num_hidden_layers"]):
-        prefix = adapter.layer_prefix(i)
-        tensors = {}
-        for shard in sorted({f for key, f in weight_map.items() if key.startswith(prefix)}):
-            tensors.update({k[len(prefix):]: v for k, v in read_safetensors(output / shard).items()
-                            if k.startswith(prefix)})
-        for role, name in adapter.linear_names(list(specs)):
-            parts = linear_parts(tensors, name, packer)
-            q = packer.unpack(dict(parts), specs[role])
-            weight = q.dequantize()
-            k = weight.shape[1]
-            plain = rng.standard_normal((tokens, k)).astype(np.float32)
-            heavy = plain.copy()
-            heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
-            act = recipe.activations
-            bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
-            if fmt == "atom":
-                checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
-            elif fmt == "anyprec":  # every width the artifact serves
-                checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
-            else:
-                checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
-            same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
-                                         for x in (plain, heavy))
-            ok = same and all(c.exact and c.rel_error <= tolerance for c in checks)
-            failures += not ok
-            style = "" if ok else "[bold red]"
-            table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
-                          *(f"{style}{c.rel_error:.2e}" for c in checks),
-                          *([style + ("yes" if same else "NO")] if device else []))
+    for linear in packed_linears(output):
+        i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
+        weight = q.dequantize()
+        k = weight.shape[1]
+        plain = rng.standard_normal((tokens, k)).astype(np.float32)
+        heavy = plain.copy()
+        heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
+        act = recipe.activations
+        bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
+        if fmt == "atom":
+            checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
+        elif fmt == "anyprec":  # every width the artifact serves
+            checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
+        else:
+            checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
+        same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
+                                     for x in (plain, heavy))
+        ok = same and all(c.exact and c.rel_error <= tolerance for c in checks)
+        failures += not ok
+        style = "" if ok else "[bold red]"
+        table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
+                      *(f"{style}{c.rel_error:.2e}" for c in checks),
+                      *([style + ("yes" if same else "NO")] if device else []))
     Console().print(table)
     if failures:
         console.print(f"[bold red]{failures} linear(s) do not match their reference[/]")
@@ -355,35 +339,43 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
 
 
 @main.command(name="bench")
+@click.argument("output", type=click.Path(path_type=Path), required=False)
 @click.option("--shapes", "shape_set", type=click.Choice(["llama3-8b"]), default="llama3-8b", show_default=True,
-              help="The (N, K) shapes to time: Llama-3-8B's fused qkv, o, fused gate_up and down projections.")
+              help="Without OUTPUT, the (N, K) shapes to time: Llama-3-8B's fused qkv, o, fused gate_up and down "
+              "projections, on synthetic tensors of every layout.")
+@click.option("--layer", type=int, default=0, show_default=True, help="With OUTPUT, the layer whose linears to time.")
 @click.option("--m", "ms", default="1,4,16,1024", show_default=True,
               help="Comma-separated token counts (the GEMM's M); the Any-Precision GEMV runs only for M <= 16.")
 @click.option("--formats", default=None, help="Comma-separated layouts to time (qserve, liquidquant, qqq, atom, "
               "anyprec); default: all.")
 @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
-def bench_cmd(shape_set: str, ms: str, formats: str | None, warmup: int, iters: int) -> None:
-    """Time every packed-layout kernel on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
+def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, warmup: int,
+              iters: int) -> None:
+    """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm) on the same shapes, in one run: CUDA events, warm-up, medians; prints time, TOPS, achieved
-    GB/s against the device's measured copy bandwidth, and the speedups. Needs a CUDA device and CuPy
-    (pip install 'quantkit[cuda]'); the baselines need a CUDA build of torch."""
+    GB/s against the device's measured copy bandwidth, and the speedups. OUTPUT: the linears of one layer of that
+    artifact, with its own stored tensors; otherwise every layout on synthetic tensors of the --shapes set.
+    Needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); the baselines need a CUDA build of torch."""
     from quantkit import kernel_bench, kernels
 
     if not kernels.cuda_available():
         raise QuantkitError("quantkit bench needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); on a CPU, "
                             "`quantkit validate` checks the kernels in the warp simulator instead")
-    wanted = set(formats.split(",")) if formats else None
-    variants = tuple(v for v in kernel_bench.VARIANTS if wanted is None or v.fmt in wanted)
-    if not variants:
-        raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
-                            f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
+    if output is not None:
+        cases = kernel_bench.artifact_cases(output, layer)
+    else:
+        wanted = set(formats.split(",")) if formats else None
+        variants = tuple(v for v in kernel_bench.VARIANTS if wanted is None or v.fmt in wanted)
+        if not variants:
+            raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
+                                f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
+        cases = kernel_bench.shape_cases(kernel_bench.SHAPE_SETS[shape_set], variants)
     import cupy
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     bandwidth = kernel_bench.copy_bandwidth()
-    rows = kernel_bench.run_bench(kernel_bench.SHAPE_SETS[shape_set], tuple(int(m) for m in ms.split(",")),
-                                  variants, warmup, iters)
+    rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters)
     Console().print(kernel_bench.render(rows, bandwidth, device))
 
 

@@ -195,23 +195,59 @@ def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
     return rows
 
 
-def run_bench(shapes: tuple[tuple[int, int], ...], ms: tuple[int, ...], variants: tuple[Variant, ...] = VARIANTS,
-              warmup: int = 10, iters: int = 50) -> list[Row]:
-    """Time every variant and the cuBLAS baselines at every (N, K) and M, side by side."""
+@dataclass
+class Case:
+    """One linear to time: its label, shape, kernel variant and stored tensors (made on demand)."""
+
+    label: str
+    n: int
+    k: int
+    variant: Variant
+    tensors: Callable[[], dict[str, torch.Tensor]]
+
+
+def shape_cases(shapes: tuple[tuple[int, int], ...], variants: tuple[Variant, ...] = VARIANTS) -> list[Case]:
+    """Every variant at every (N, K), on synthetic stored tensors."""
+    return [Case(v.label, n, k, v, lambda v=v, n=n, k=k: synthetic(v.fmt, n, k, group=v.group))
+            for n, k in shapes for v in variants]
+
+
+def artifact_cases(path, layer: int = 0) -> list[Case]:
+    """The packed linears of one layer of artifact `path`, each with its own format's kernel (Any-Precision: at
+    every width it serves)."""
+    from quantkit.artifact import load_manifest
+    from quantkit.eval.loading import packed_linears
+
+    fmt = load_manifest(path)["format"]
+    cases = []
+    for linear in packed_linears(path, [layer]):
+        n, k = linear.q.codes.shape
+        spec = linear.q.spec
+        widths = range(spec.min_bits or spec.bits, spec.bits + 1) if fmt == "anyprec" else [None]
+        for bits in widths:
+            label = f"{linear.name} ({fmt}{f', {bits}-bit' if bits else ''})"
+            cases.append(Case(label, n, k, Variant(label, fmt, bits=bits), lambda parts=linear.parts: parts))
+    return cases
+
+
+def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: int = 50) -> list[Row]:
+    """Time every case and, once per (N, K, M), the cuBLAS baselines, side by side in one run."""
     from quantkit.kernels import upload
 
-    rows = []
-    for n, k in shapes:
+    rows, timed = [], set()
+    for case in cases:
+        tensors = None
         for m in ms:
-            rows += baselines(m, n, k, warmup, iters)
-            for v in variants:
-                if v.fmt == "anyprec" and m > 16:
-                    continue  # a GEMV kernel: batch sizes of a few tokens only
-                tensors = synthetic(v.fmt, n, k, group=v.group)
-                call = upload(variant_launch(v, tensors, m, k))
-                act = m * k * (4 if v.fmt == "anyprec" else 1)
-                rows.append(Row(n, k, m, v.label, median_time(call, warmup, iters),
-                                weight_bytes(tensors, v) + act + 2 * m * n))
+            if (case.n, case.k, m) not in timed:
+                rows += baselines(m, case.n, case.k, warmup, iters)
+                timed.add((case.n, case.k, m))
+            if case.variant.fmt == "anyprec" and m > 16:
+                continue  # a GEMV kernel: batches of a few tokens only
+            tensors = tensors if tensors is not None else case.tensors()
+            call = upload(variant_launch(case.variant, tensors, m, case.k))
+            act = m * case.k * (4 if case.variant.fmt == "anyprec" else 1)
+            rows.append(Row(case.n, case.k, m, case.label, median_time(call, warmup, iters),
+                            weight_bytes(tensors, case.variant) + act + 2 * m * case.n))
     return rows
 
 

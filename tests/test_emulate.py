@@ -168,3 +168,25 @@ def test_anyprec_gemv_decodes_every_width_like_the_reference(k):
         assert np.array_equal(decoded, unpack_planes(pack_planes(codes, 8), bits))
         y_ref = x @ lut_dequantize(decoded, lut.astype(np.float32)).T
         assert np.abs(y.astype(np.float32) - y_ref).max() <= 2e-3 * np.abs(y_ref).max()
+
+
+@pytest.mark.parametrize("recipe", ["qoq-g128", "lqq-g64", "qqq"])
+def test_bench_cases_of_an_artifact_run_its_own_tensors(artifacts, recipe):
+    """`quantkit bench OUT` times the artifact's own linears: one case per linear of the layer, with its shape, and
+    each case's launch runs (here in the warp simulator) to the emulation's output."""
+    from quantkit import kernels
+    from quantkit.emulate import emulate_quantized
+    from quantkit.kernel_bench import artifact_cases, variant_launch
+
+    cases = artifact_cases(artifacts[recipe], layer=1)
+    assert len(cases) == 7 and {c.label.split(" (")[0].rsplit(".", 1)[-1] for c in cases} >= {"q_proj", "down_proj"}
+    down = next(c for c in cases if "down_proj" in c.label)
+    assert (down.n, down.k) == (256, 512)
+    if not kernels.compiler_available():
+        return
+    for case in cases[:2]:
+        launch = variant_launch(case.variant, case.tensors(), 3, case.k, seed=1)
+        out = kernels.run(launch, "cpu").view(np.float16)
+        t_x = launch.args[2] if case.variant.fmt == "qserve" else None
+        reference = emulate_quantized(case.variant.fmt, case.tensors(), launch.args[0], launch.args[1], t_x)
+        np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))

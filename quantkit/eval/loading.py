@@ -4,6 +4,7 @@ engine would reconstruct it, with the activation and KV-cache simulation its rec
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import open_model
+from quantkit.passes.base import QuantizedLinear
 from quantkit.pipeline import linear_parts
 from quantkit.quantizers import QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
@@ -79,6 +81,37 @@ def artifact_specs(manifest: dict) -> dict[str, QuantSpec]:
     """The weight spec of each quantized role, from an artifact's manifest."""
     return {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
             for role, w in manifest["weights"].items()}
+
+
+@dataclass
+class PackedLinear:
+    """One quantized linear of an artifact: where it is, its stored tensors and the packer's exact unpack."""
+
+    layer: int
+    name: str
+    role: str
+    parts: dict[str, torch.Tensor]
+    q: QuantizedLinear
+
+
+def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[PackedLinear]:
+    """The packed linears of artifact `path`, layer by layer (all layers, or those in `layers`), read one
+    layer's shards at a time."""
+    manifest = load_manifest(path)
+    packer = get_packer(manifest["format"])(artifact_recipe(path), None)
+    config = json.loads((path / "config.json").read_text())
+    adapter = adapter_for(config["model_type"])
+    specs = artifact_specs(manifest)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for i in range(config["num_hidden_layers"]) if layers is None else layers:
+        prefix = adapter.layer_prefix(i)
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted({f for key, f in weight_map.items() if key.startswith(prefix)}):
+            tensors.update({k[len(prefix):]: v for k, v in read_safetensors(path / shard).items()
+                            if k.startswith(prefix)})
+        for role, name in adapter.linear_names(list(specs)):
+            parts = linear_parts(tensors, name, packer)
+            yield PackedLinear(i, name, role, parts, packer.unpack(dict(parts), specs[role]))
 
 
 def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
