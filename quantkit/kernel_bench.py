@@ -46,9 +46,11 @@ VARIANTS = (
 
 
 def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None) -> dict[str, torch.Tensor]:
-    """Random stored tensors of layout `fmt` for an [N, K] linear: every code and scale over its whole range
+    """Random stored tensors of layout `fmt` for an [N, K] linear: every code and scale over its whole stored range
     (QServe groups up to z * s2 = 128, LiquidQuant codes up to each group's byte bound, QQQ ratios up to 127/8 with
-    exact ties among their products)."""
+    exact ties among their products). Some QServe groups are ones no quantizer makes ((q - z) * s2 wraps its byte
+    lane): kernels and emulation must agree on them too, but compare with a reference dequant only tensors a
+    quantizer could have made."""
     rng = np.random.default_rng(seed)
     if fmt == "qserve":
         from quantkit.formats import qserve_layout

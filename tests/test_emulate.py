@@ -190,3 +190,57 @@ def test_bench_cases_of_an_artifact_run_its_own_tensors(artifacts, recipe):
         t_x = launch.args[2] if case.variant.fmt == "qserve" else None
         reference = emulate_quantized(case.variant.fmt, case.tensors(), launch.args[0], launch.args[1], t_x)
         np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+def _edge_tensors(fmt: str, group: int | None) -> dict[str, torch.Tensor]:
+    """Stored tensors at their extremes: all-equal groups, the largest scales, zero points at the end of their
+    range (QServe -z*s2 = -128, LiquidQuant min -128 with step 16, QQQ ratios of 127/8)."""
+    from quantkit.formats import liquidquant, qqq, qserve_layout
+    from quantkit.kernel_bench import synthetic
+
+    tensors = synthetic(fmt, 64, 256, seed=3, group=group)
+    if fmt == "qserve" and group:  # valid groups only: (q - z) * s2 within int8, as the quantizer makes them
+        rng = np.random.default_rng(4)
+        s2 = torch.from_numpy(rng.integers(1, 18, (64, 256 // group)))
+        zero = torch.minimum(torch.from_numpy(rng.integers(0, 16, s2.shape)), 128 // s2)
+        s2[0, 0], zero[0, 0] = 16, 8  # -z * s2 = -128, the int8 minimum
+        s2[1, 0], zero[1, 0] = 127, 1  # the largest scale
+        s2[2, 0], zero[2, 0] = 1, 0  # the smallest
+        lo = torch.clamp(zero - 128 // s2, min=0)
+        hi = torch.clamp(zero + 127 // s2, max=15)
+        u = torch.from_numpy(rng.random((64, 256)))
+        codes = (lo.repeat_interleave(group, 1) + u * (hi - lo + 1).repeat_interleave(group, 1)).long()
+        codes = torch.minimum(codes, hi.repeat_interleave(group, 1))
+        codes[3, :group] = 7  # an all-equal group
+        tensors["qweight"] = qserve_layout.pack_qweight(codes)
+        tensors["s2_scales"], tensors["s2_zeros"] = qserve_layout.pack_group_params(s2, zero)
+    elif fmt == "liquidquant":
+        u = liquidquant.unpack_codes(tensors["qweight"].numpy()).astype(np.int64)
+        sa = tensors["s2a"].numpy().copy()  # [N/64, K/64, 64, 2]
+        sa[0, 0, 0] = (16, 0)  # min -128, step 16: codes up to 7
+        sa[0, 0, 1] = (1, 128)  # an all-equal group at 0
+        u[0, :64] = np.minimum(u[0, :64], 7)
+        u[1, :64] = 0
+        tensors["qweight"] = torch.from_numpy(liquidquant.pack_codes(u))
+        tensors["s2a"] = torch.from_numpy(sa)
+    elif fmt == "qqq" and group:
+        r = qqq.permute_columns(tensors["s_group"].numpy(), qqq.SCALE_PERM, inverse=True)
+        r[:, :4] = np.float16(127 / 8)
+        tensors["s_group"] = torch.from_numpy(qqq.permute_columns(r, qqq.SCALE_PERM))
+    return tensors
+
+
+@pytest.mark.parametrize(("fmt", "group", "recipe"), [("qserve", None, "qoq"), ("qserve", 128, "qoq-g128"),
+                                                      ("liquidquant", 64, "lqq-g64"), ("qqq", None, "qqq"),
+                                                      ("qqq", 128, "qqq-g128")])
+def test_emulation_matches_the_reference_dequant_at_the_extremes(fmt, group, recipe):
+    from quantkit.formats import get_packer
+    from quantkit.recipe import load_recipe
+
+    tensors = _edge_tensors(fmt, group)
+    spec = load_recipe(recipe).weights.spec()
+    weight = get_packer(fmt)(load_recipe(recipe), torch.float16).unpack(dict(tensors), spec).dequantize()
+    x = np.random.default_rng(1).standard_normal((5, 256)).astype(np.float32)
+    x[0] = 0.0
+    check = check_against_reference(emulate(fmt, tensors, x), weight, x)
+    assert check.exact and check.rel_error < 4e-3
