@@ -31,13 +31,8 @@ QK_FN uint32_t lqq_lanes(uint32_t codes, uint32_t s, uint32_t a) { return (codes
 QK_FN void load_weights(const LiquidArgs& a, int nt, int kt, int t, uint32_t frag[2][4]) {
   const size_t block = (size_t)nt * (a.k / 64) + kt;
   const uint8_t* base = a.qweight + block * 2048 + 16 * t;
-  uint32_t r[4];
-#if defined(__CUDA_ARCH__)
-  const uint4 v = *reinterpret_cast<const uint4*>(base);
-  r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
-#else
-  std::memcpy(r, base, 16);
-#endif
+  uint32_t r[4];  // one 128-bit load
+  load_u128(base, r);
   const int w = t / 32, g = frag_group(t % 32);
   const uint8_t* sa = a.s2a + block * 128;
   for (int h = 0; h < 2; ++h) {
@@ -75,14 +70,6 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
 }  // namespace qk
 
 #ifndef QK_HOST
-__device__ __forceinline__ void mma_s8(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // grid (N / 64, ceil(M / 32)), block 128: warp w computes channels 64 nt + 16 w .. + 15 for 32 tokens.
 extern "C" __global__ void liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                                  const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,

@@ -56,13 +56,8 @@ QK_FN uint32_t group_lane(uint32_t nibble, qk_half r) {
 // The lane's B fragments of chunk c (channels 64 c ..) at k tile i: frag[2 tile + half] for n8 block 2 tile + half.
 QK_FN void load_b(const QQQArgs& a, int c, int i, int lane, uint32_t frag[8]) {
   const uint32_t* words = a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane;
-  uint32_t w[4];
-#if defined(__CUDA_ARCH__)
-  const uint4 v = *reinterpret_cast<const uint4*>(words);
-  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-#else
-  std::memcpy(w, words, 16);
-#endif
+  uint32_t w[4];  // one 128-bit load
+  load_u128(words, w);
   for (int tile = 0; tile < 4; ++tile) {
     if (a.s_group == nullptr) {
       frag[2 * tile] = w[tile] & 0xF0F0F0F0u;              // elements 0-3: column col
@@ -111,13 +106,6 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
 }  // namespace qk
 
 #ifndef QK_HOST
-__device__ __forceinline__ void mma_s8_k16(int32_t c[4], const uint32_t a[2], uint32_t b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(b));
-}
-
 // grid (N / 64, ceil(M / 16)), block 32. s_group null: per channel.
 extern "C" __global__ void qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                          const qk_half* s_group, qk_half* out, int m, int n, int k) {

@@ -46,13 +46,8 @@ QK_FN void load_a(const QServeArgs& a, int mt, int kt, int lane, uint32_t frag[4
 // The lane's 4 words of weight tile (nt, kt) -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2a + b.
 QK_FN void load_b(const QServeArgs& a, int nt, int kt, int lane, uint32_t frag[4][2]) {
   const uint8_t* base = a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16;
-  uint32_t w[4];  // word j = 2p + b (one 128-bit load on the GPU)
-#if defined(__CUDA_ARCH__)
-  const uint4 v = *reinterpret_cast<const uint4*>(base);
-  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-#else
-  std::memcpy(w, base, 16);  // little-endian, as the GPU
-#endif
+  uint32_t w[4];  // one 128-bit load
+  load_u128(base, w);
   for (int b = 0; b < 2; ++b) {
     for (int p = 0; p < 2; ++p) {
       const uint32_t word = w[2 * p + b];
@@ -86,14 +81,6 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
 }  // namespace qk
 
 #ifndef QK_HOST
-__device__ __forceinline__ void mma_s8(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // grid (N / 32, ceil(M / 16)), block 32: one warp per 16 x 32 output tile. s1_szeros null: per group.
 extern "C" __global__ void qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x,
                                             const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
