@@ -2,14 +2,18 @@
 quantkit's warp simulator, which compiles the same sources with the host C++ compiler (kernels/host_sim.cpp) so
 that the kernels' own index and integer arithmetic is checked bit for bit against quantkit.emulate without a GPU.
 
-Both entry points take one linear's stored tensors exactly as the packer wrote them, plus per-token INT8
-activations and their scales (and, for QServe per channel, the per-token sums of the unquantized activations).
+Every kernel takes one linear's stored tensors exactly as the packer wrote them, plus its activations as the
+producing kernel leaves them: per-token INT8 codes and scales for the W4A8 GEMMs (`gemm`; for QServe per channel
+also the per-token sums of the unquantized activations), reordered INT4/INT8 codes and per-group scales for Atom
+(`atom_gemm`), float32 for the Any-Precision GEMV (`anyprec_gemv`). A `Launch` describes one call; `run` runs it
+on either device.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -51,7 +55,7 @@ def host_library() -> ctypes.CDLL:
     lib = default_cache_dir() / "kernels" / f"libqk_host-{digest}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{digest}.tmp")
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", str(src / "host_sim.cpp"),
                "-o", str(tmp)]
         done = subprocess.run(cmd, capture_output=True, text=True)
