@@ -140,8 +140,9 @@ class Ledger:
     """The measured rows of one benchmark, kept in the repository (bench/results/) so that a table that takes
     longer than a session to measure on a CPU is built over several. A row is keyed by its label and the exact
     commands it ran (shared/ and work paths written as $SHARED and $WORK) with the recipe files they read;
-    it records the quantkit code digest, commit, date and CPU probe it was measured with, and a table shows
-    which rows were measured with code other than the current."""
+    it records the quantkit code digest, commit, date, CPU probe and load average (before and after: a load above
+    the bench's own says other work shared the CPU) it was measured with, and a table shows which rows were
+    measured with code other than the current."""
 
     path: Path
     work: Path
@@ -163,11 +164,11 @@ class Ledger:
         if row is not None and row["key"] == key and not (
                 self.remeasure == "all" or (self.remeasure == "stale" and row["code_sha256"] != _code_digest())):
             return row["result"]
-        code, probe = _code_digest(), cpu_probe()
+        code, probe, load = _code_digest(), cpu_probe(), os.getloadavg()[0]
         result = run()
         self.rows[label] = {"key": key, "result": result, "code_sha256": code, "commit": _commit(),
                             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu_gflops": round(probe),
-                            "cpus": os.cpu_count()}
+                            "cpus": os.cpu_count(), "load_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.rows, indent=1, sort_keys=True) + "\n")
