@@ -437,15 +437,19 @@ def fake_quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = Tr
     `clip_ratio`, for symmetric)."""
     qmax = (1 << (bits - 1)) - 1
     xf = x.float()
+    # amax and amin are single fast reductions, while abs() costs a full temporary; the chain below works in
+    # place on the one quotient it allocates (eval runs this on every linear input, so it dominates the hooks).
+    lo = xf.amin(dim=-1, keepdim=True)
+    hi = xf.amax(dim=-1, keepdim=True)
     if symmetric:
-        scale = xf.abs().amax(dim=-1, keepdim=True) * clip_ratio / qmax
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return (torch.round(xf / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
-    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
-    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
+        scale = torch.maximum(hi, lo.neg_()).mul_(clip_ratio).div_(qmax)
+        scale.masked_fill_(scale <= 0, 1.0)
+        return (xf / scale).round_().clamp_(-qmax - 1, qmax).mul_(scale).to(x.dtype)
+    lo.clamp_(max=0)
+    hi.clamp_(min=0)
     levels = (1 << bits) - 1
-    scale = (hi - lo) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = (hi - lo).div_(levels)
+    scale.masked_fill_(scale <= 0, 1.0)
     zero = torch.round(-lo / scale)
-    q = (torch.round(xf / scale) + zero).clamp(0, levels)
-    return ((q - zero) * scale).to(x.dtype)
+    q = (xf / scale).round_().add_(zero).clamp_(0, levels)
+    return q.sub_(zero).mul_(scale).to(x.dtype)

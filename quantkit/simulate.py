@@ -99,10 +99,10 @@ def fake_quantize_kv(x: torch.Tensor, sim: KVSim) -> torch.Tensor:
     lo = xf.amin(dim=-1, keepdim=True)
     hi = xf.amax(dim=-1, keepdim=True)
     levels = (1 << sim.bits) - 1
-    scale = (hi - lo) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((xf - lo) / scale).clamp(0, levels)
-    return (q * scale + lo).to(x.dtype)
+    scale = (hi - lo).div_(levels)
+    scale.masked_fill_(scale <= 0, 1.0)
+    q = (xf - lo).div_(scale).round_().clamp_(0, levels)
+    return q.mul_(scale).add_(lo).to(x.dtype)
 
 
 def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):

@@ -119,3 +119,27 @@ def test_per_token_int8_matches_hand_computation():
     out = fake_quantize_per_token(x, 8)
     assert torch.equal(out[0], torch.tensor([1.0, -2.0, 0.0, 127.0]))  # scale 1: round-half-even(0.5) = 0
     assert torch.equal(out[1], torch.zeros(4))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_token_matches_the_formula_and_leaves_its_input_alone(symmetric, dtype):
+    """The in-place arithmetic equals the textbook formula exactly, and never writes into the caller's tensor."""
+    x = (torch.randn(33, 96, generator=torch.Generator().manual_seed(3)) * 7).to(dtype)
+    x[0] = 0
+    x[1] = -x[1].abs()  # a row with no positive value: the asymmetric range still includes zero
+    before = x.clone()
+    out = fake_quantize_per_token(x, 4, symmetric, 0.9 if symmetric else 1.0)
+    assert torch.equal(x, before)
+    xf = x.float()
+    if symmetric:
+        scale = xf.abs().amax(-1, keepdim=True) * 0.9 / 7
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        want = torch.round(xf / scale).clamp(-8, 7) * scale
+    else:
+        lo, hi = xf.amin(-1, keepdim=True).clamp(max=0), xf.amax(-1, keepdim=True).clamp(min=0)
+        scale = (hi - lo) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.round(-lo / scale)
+        want = ((torch.round(xf / scale) + zero).clamp(0, 15) - zero) * scale
+    assert out.dtype == dtype and torch.equal(out, want.to(dtype))
