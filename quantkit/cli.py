@@ -113,7 +113,7 @@ class _RichReporter:
 def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data_dir, device, resume, overwrite,
              trust_remote_code) -> None:
     """Quantize MODEL (local HF dir, hub id, or .gguf file) with a recipe into a packed safetensors artifact."""
-    from quantkit.pipeline import QuantizeJob, run_quantize
+    from quantkit.pipeline import QuantizeJob, run_quantize, step_totals
     from quantkit.recipe import load_recipe
 
     extra = list(overrides)
@@ -145,6 +145,10 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
                   + f" (sha256 {summary.calibration['sha256'][:12]})")
     table.add_row("layer rel. error", f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f} "
                   f"(layer {errors.index(max(errors))})")
+    steps = step_totals(summary.layers)
+    if steps:  # where the time went, so a slow recipe says which pass to tune
+        spent = sum(steps.values()) or 1.0
+        table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / spent:.0%})" for k, v in steps.items()))
     console.print(table)
 
 

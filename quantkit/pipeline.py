@@ -71,6 +71,7 @@ class LayerReport:
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     replayed: bool = False
+    step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each pass, and of packing+check
 
 
 @dataclass
@@ -418,13 +419,14 @@ def _run_layers(
         done = journal["layers"].get(str(i))
         if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
             _replay_layer(ctx, i, shard_path, x)
-            report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True)
+            report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True,
+                                 step_seconds=done.get("step_seconds", {}))
         else:
-            rel, notes, metrics = _quantize_layer(ctx, i, shard_path, x)
-            report = LayerReport(i, rel, time.time() - t_layer, notes, metrics)
+            rel, notes, metrics, steps = _quantize_layer(ctx, i, shard_path, x)
+            report = LayerReport(i, rel, time.time() - t_layer, notes, metrics, step_seconds=steps)
             journal["layers"][str(i)] = {
                 "shard": shard_path.name, "sha256": sha256_file(shard_path), "rel_error": rel,
-                "seconds": report.seconds, "notes": notes, "metrics": metrics,
+                "seconds": report.seconds, "notes": notes, "metrics": metrics, "step_seconds": steps,
             }
             out.save_journal(journal)
         reports.append(report)
@@ -462,10 +464,19 @@ def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor)
 
 def _quantize_layer(
     ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor
-) -> tuple[float, list[str], dict[str, float]]:
+) -> tuple[float, list[str], dict[str, float], dict[str, float]]:
     """Calibrate and quantize block `i` on inputs `x`, write its shard, and replace `x` by the next block's
-    inputs; returns the relative output error and the passes' notes and metrics. A function of its own so
-    that everything of this block is freed before the next one is read."""
+    inputs; returns the relative output error, the passes' notes and metrics, and the seconds each step took.
+    A function of its own so that everything of this block is freed before the next one is read."""
+    steps: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(step: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        steps[step] = steps.get(step, 0.0) + now - clock
+        clock = now
+
     job, source, packer, specs, runner = ctx.job, ctx.source, ctx.packer, ctx.specs, ctx.runner
     recipe, adapter, quantizer = job.recipe, source.adapter, ctx.quantizer
     block = build_block(source, i).to(job.device)
@@ -478,8 +489,10 @@ def _quantize_layer(
     work.specs = {name: specs[role] for name, role in work.linears.items()}
     if ctx.fisher is not None:
         work.fisher = {name: t.to(job.device, torch.float32) for name, t in read_safetensors(ctx.fisher[i]).items()}
+    lap("load")
     for p in ctx.prep:
         p.run(work)
+        lap(p.name)
         if p.transforms:
             work.hessians.clear()
     n_err = min(recipe.engine.error_samples or x.shape[0], x.shape[0])  # sequences the error is measured on
@@ -488,12 +501,15 @@ def _quantize_layer(
     if by_role:
         y_ref = runner.run(block, x[:n_err])
         packed = _quantize_by_role(work, quantizer, packer, source.dtype, x, ctx.act_sim, ctx.kv_sim)
+        lap(quantizer.name)  # Hessians, quantization and packing, role by role
     else:
         if quantizer.needs_hessian and not work.hessians:
             y_ref = work.collect_hessians()
+            lap("hessians")
         else:
             y_ref = runner.run(block, x if recipe.engine.propagate == "float" else x[:n_err])
         quantizer.run(work)
+        lap(quantizer.name)
         packed = {name: packer.pack(q.finished().to("cpu")) for name, q in work.results.items()}
     missing = set(work.linears) - set(packed)
     if missing:
@@ -527,7 +543,8 @@ def _quantize_layer(
             x.copy_(y_ref)
     y_ref = y_ref[:n_err].float()
     rel = float(torch.linalg.vector_norm(y_q.float() - y_ref) / torch.linalg.vector_norm(y_ref))
-    return rel, notes, metrics
+    lap("pack+propagate")
+    return rel, notes, metrics, steps
 
 
 def _finalize(
@@ -589,14 +606,24 @@ def _finalize(
         "activations": None if job.recipe.activations is None else {"bits": job.recipe.activations.bits},
         "kv_cache": None if job.recipe.kv_cache is None else {"bits": job.recipe.kv_cache.bits},
         "calibration": calib_info,
-        "layers": [{"index": r.index, "rel_error": r.rel_error, "seconds": r.seconds, "metrics": r.metrics}
-                   for r in layers],
+        "layers": [{"index": r.index, "rel_error": r.rel_error, "seconds": r.seconds, "metrics": r.metrics,
+                    "step_seconds": r.step_seconds} for r in layers],
         "notes": notes,
-        "timings": {"total_seconds": time.time() - t0, "layer_seconds": sum(r.seconds for r in layers)},
+        "timings": {"total_seconds": time.time() - t0, "layer_seconds": sum(r.seconds for r in layers),
+                    "step_seconds": step_totals(layers)},
         "peak_rss_bytes": _peak_rss(),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
     }
     atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def step_totals(layers: list[LayerReport]) -> dict[str, float]:
+    """Seconds per step (pass, Hessians, packing) summed over layers, largest first."""
+    totals: dict[str, float] = {}
+    for r in layers:
+        for step, seconds in r.step_seconds.items():
+            totals[step] = totals.get(step, 0.0) + seconds
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def read_safetensors_keys(path: Path) -> list[str]:

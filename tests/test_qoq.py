@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 from helpers import cli, cli_ok
 
@@ -86,6 +87,11 @@ def test_qoq_on_stories260k_needs_simulation_export(stories260k, tinystories_txt
     assert manifest["format"] == "quantkit" and any("no inference engine" in n for n in manifest["notes"])
     assert all(r["rel_error"] < 0.5 for r in manifest["layers"])
     assert "simulating A8 per-token, KV4 per-head" in load_for_eval(out).description
+    # every pass of the recipe is timed on every layer, and the manifest totals them
+    passes = {p["name"] for p in yaml.safe_load((out / "quantkit_recipe.yaml").read_text())["passes"]}
+    assert all(passes <= set(r["step_seconds"]) for r in manifest["layers"])
+    totals = manifest["timings"]["step_seconds"]
+    assert set(totals) >= passes and sum(totals.values()) <= manifest["timings"]["layer_seconds"] + 1e-6
 
 
 def test_every_qoq_step_can_be_switched_off(synthetic, calib_txt, tmp_path):
