@@ -328,9 +328,15 @@ def _round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _expand(t: torch.Tensor, k: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
-    """Broadcast per-group values [N, G] to per-column [N, K] (via g_idx when columns are permuted)."""
-    idx = g_idx if g_idx is not None else group_index(k, group_size, t.device)
-    return t[:, idx.to(t.device)]
+    """Per-group values [N, G] for every column [N, K] (via g_idx when columns are permuted); in natural order a
+    single group stays [N, 1] and broadcasts, and contiguous groups repeat without an index gather."""
+    if g_idx is not None:
+        return t[:, g_idx.to(t.device)]
+    if t.shape[1] == 1:
+        return t
+    if t.shape[1] * group_size != k:
+        raise ValueError(f"{t.shape[1]} groups of {group_size} do not cover {k} columns")
+    return t.repeat_interleave(group_size, dim=1)
 
 
 def quantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:

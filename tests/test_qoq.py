@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 from helpers import cli, cli_ok
 
 from quantkit.artifact import read_safetensors
