@@ -63,6 +63,7 @@ class _RichReporter:
     def start(self, total: int, description: str) -> None:
         self.progress.start()
         self.task = self.progress.add_task(description, total=total, last="")
+        self.total, self.done, self.fresh, self.spent = total, 0, 0, 0.0
 
     def phase(self, description: str, done: int, total: int) -> None:
         if description not in self.phases:
@@ -75,6 +76,14 @@ class _RichReporter:
         self.progress.update(
             self.task, advance=1, last=f"layer {report.index}: rel. err {report.rel_error:.4f}{tag}"
         )
+        self.done += 1
+        if not report.replayed:
+            self.fresh += 1
+            self.spent += report.seconds
+        if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
+            eta = self.spent / max(self.fresh, 1) * (self.total - self.done)
+            console.print(f"layer {report.index + 1}/{self.total}: rel. err {report.rel_error:.4f}, "
+                          f"{report.seconds:.0f} s{tag}, ETA {eta / 60:.0f} min", highlight=False)
         for note in report.notes:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
 

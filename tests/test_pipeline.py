@@ -34,8 +34,12 @@ def synthetic(tmp_path_factory) -> Path:
 
 def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data, tmp_path):
     out = tmp_path / "out"
-    cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST)
+    result = cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST)
     assert not (tmp_path / "out.partial").exists()
+    # not a terminal: one progress line per layer, and the summary says where the time went
+    assert [line.split(":")[0] for line in result.output.splitlines() if line.startswith("layer ")] == [
+        f"layer {i}/5" for i in range(1, 6)]
+    assert "time by step" in result.output and "gptq" in result.output
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     assert manifest["format"] == "compressed-tensors" and manifest["num_layers"] == 5
     assert manifest["calibration"]["num_samples"] == 4 and len(manifest["calibration"]["sha256"]) == 64
