@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class _RichReporter:
         )
         self.task = None
         self.phases: dict[str, Any] = {}
+        self.phase_started: dict[str, float] = {}
 
     def start(self, total: int, description: str) -> None:
         self.progress.start()
@@ -69,7 +71,12 @@ class _RichReporter:
         if description not in self.phases:
             self.progress.start()
             self.phases[description] = self.progress.add_task(description, total=total, last="")
+            self.phase_started[description] = time.monotonic()
         self.progress.update(self.phases[description], completed=done)
+        if not console.is_terminal and done * 10 // total != (done - 1) * 10 // total:  # each tenth, in a log
+            spent = time.monotonic() - self.phase_started[description]
+            console.print(f"{description}: {done}/{total}, {spent:.0f} s, ETA "
+                          f"{spent / max(done, 1) * (total - done) / 60:.0f} min", highlight=False)
 
     def layer_done(self, report) -> None:
         tag = " (resumed)" if report.replayed else ""
@@ -210,9 +217,14 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         window = min(seq_len, max_pos)
         if window < seq_len:
             console.print(f"note: windows of {window} tokens (the model's max_position_embeddings), not {seq_len}")
-        results["wikitext"] = wikitext_perplexity(
-            loaded.model, loaded.tokenizer, data_dir, window, limit, batch_size
-        ).as_dict()
+        reporter = _RichReporter()
+        try:
+            results["wikitext"] = wikitext_perplexity(
+                loaded.model, loaded.tokenizer, data_dir, window, limit, batch_size,
+                progress=lambda done, total: reporter.phase("wikitext windows", done, total),
+            ).as_dict()
+        finally:
+            reporter.stop()
     if lm_tasks:
         from quantkit.eval.lmeval import run_lm_eval
 

@@ -61,14 +61,27 @@ def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data
     assert "gptq-w4a16" in inspected and manifest["calibration"]["sha256"] in inspected
 
     result_json = tmp_path / "eval.json"
-    cli_ok("eval", out, "--tasks", "wikitext", "--limit", "4", "--seq-len", "256", "--data-dir", shared_data,
-           "--output-json", result_json)
+    evaluated = cli_ok("eval", out, "--tasks", "wikitext", "--limit", "4", "--seq-len", "256",
+                       "--data-dir", shared_data, "--output-json", result_json).output
+    # without a terminal, the windows' progress is a line per tenth of the work (here every window)
+    assert [line.split(",")[0] for line in evaluated.splitlines() if line.startswith("wikitext windows:")] == [
+        f"wikitext windows: {i}/4" for i in range(1, 5)]
     ppl = json.loads(result_json.read_text())["results"]["wikitext"]["perplexity"]
     assert 1 < ppl < 1000
 
 
 def _ppl(model, ids, seq_len=128):
     return perplexity(model, ids, seq_len, limit=4).perplexity
+
+
+def test_perplexity_reports_progress_per_batch(synthetic):
+    model = load_for_eval(synthetic).model
+    ids = torch.randint(0, model.config.vocab_size, (5 * 32 + 7,))
+    calls: list[tuple[int, int]] = []
+    batched = perplexity(model, ids, 32, batch_size=2, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(2, 5), (4, 5), (5, 5)] and batched.windows == 5
+    single = perplexity(model, ids, 32)
+    assert single.perplexity == pytest.approx(batched.perplexity, rel=1e-5)
 
 
 @pytest.mark.parametrize("recipe,extra", [

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,11 @@ class PerplexityResult:
 
 @torch.no_grad()
 def perplexity(
-    model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int, limit: int | None = None, batch_size: int = 1
+    model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int, limit: int | None = None, batch_size: int = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
-    """Perplexity over the first `limit` (default all) non-overlapping `seq_len` windows of `token_ids` [T]."""
+    """Perplexity over the first `limit` (default all) non-overlapping `seq_len` windows of `token_ids` [T];
+    `progress(done, total)` is called after every batch of windows."""
     t0 = time.time()
     n = token_ids.numel() // seq_len
     if limit is not None:
@@ -77,14 +80,16 @@ def perplexity(
             logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
         ).view(batch.shape[0], -1)
         nll_sum += float((loss.mean(dim=1) * seq_len).sum())
+        if progress is not None:
+            progress(start + batch.shape[0], n)
     return PerplexityResult(math.exp(nll_sum / (n * seq_len)), n, seq_len, n * seq_len, time.time() - t0)
 
 
 def wikitext_perplexity(
     model: torch.nn.Module, tokenizer: Any, data_dir: str | Path | None, seq_len: int = 2048,
-    limit: int | None = None, batch_size: int = 1,
+    limit: int | None = None, batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
-    """The papers' WikiText-2 perplexity of `model`."""
+    """The papers' WikiText-2 perplexity of `model` (`progress(done, total)` after every batch of windows)."""
     text = "\n\n".join(wikitext_rows(data_dir))
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    return perplexity(model, ids, seq_len, limit, batch_size)
+    return perplexity(model, ids, seq_len, limit, batch_size, progress)
