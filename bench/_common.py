@@ -45,21 +45,38 @@ def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser]
     parser.add_argument("--remeasure", choices=["none", "stale", "all"], default="none",
                         help="which rows already in the ledger to measure again: none, those measured with other "
                         "quantkit code (stale), or all")
+    parser.add_argument("--report", action="store_true",
+                        help="measure nothing: print the tables from the ledger alone (rows it lacks show as "
+                        "not measured)")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
-    model = need(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
-    data = need(SHARED / "data")
-    c4 = need(data / "c4/c4-train.00000-of-01024.first800.jsonl")
-    work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
-    work.mkdir(parents=True, exist_ok=True)
-    return SmolLM2Job(args, model, data, c4, work, Ledger(args.results, work, args.remeasure))
+    check = (lambda path: path) if args.report else need
+    model = check(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
+    data = check(SHARED / "data")
+    c4 = check(data / "c4/c4-train.00000-of-01024.first800.jsonl")
+    if args.report:  # commands are keyed with $WORK for the work dir, so any path names the same rows
+        work = args.work or Path("WORK")
+    else:
+        work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
+        work.mkdir(parents=True, exist_ok=True)
+    return SmolLM2Job(args, model, data, c4, work, Ledger(args.results, work, args.remeasure, args.report))
 
 
 def need(path: Path) -> Path:
     if not path.exists():
         sys.exit(f"missing {path}: the benchmark reads the project's shared/ folder (set QUANTKIT_SHARED)")
     return path
+
+
+def ppl_cells(result: dict | None, reference: float | None = None) -> list[str]:
+    """A row's perplexity (and its difference to `reference` when given) as table cells; '-' if not measured."""
+    if result is None:
+        return ["not measured"] + (["-"] if reference is not None else [])
+    cells = [f"{result['ppl']:.2f}"]
+    if reference is not None:
+        cells.append(f"{result['ppl'] - reference:+.2f}" if reference == reference else "-")  # nan: no FP16 row
+    return cells
 
 
 def quantkit(*args: str) -> float:
@@ -147,6 +164,7 @@ class Ledger:
     path: Path
     work: Path
     remeasure: str = "none"  # none | stale | all
+    report: bool = False  # read only: rows not in the ledger are None, nothing is measured
     rows: dict = field(init=False)
 
     def __post_init__(self) -> None:
@@ -155,12 +173,15 @@ class Ledger:
     def _portable(self, args: list[str]) -> list[str]:
         return [a.replace(str(self.work), "$WORK").replace(str(SHARED), "$SHARED") for a in args]
 
-    def measure(self, label: str, commands: list[list[str]], run: Callable[[], dict]) -> dict:
+    def measure(self, label: str, commands: list[list[str]], run: Callable[[], dict]) -> dict | None:
         """`run()`'s result for row `label`, from the ledger when it holds this row for the same commands (and
-        the --remeasure policy keeps it), else measured now and saved at once (atomically)."""
+        the --remeasure policy keeps it), else measured now and saved at once (atomically); in report mode the
+        ledger's row or None."""
         key = {"commands": [self._portable(c) for c in commands],
                "recipes": [_recipe_digest(tuple(c)) for c in commands]}
         row = self.rows.get(label)
+        if self.report:
+            return row["result"] if row is not None and row["key"] == key else None
         if row is not None and row["key"] == key and not (
                 self.remeasure == "all" or (self.remeasure == "stale" and row["code_sha256"] != _code_digest())):
             return row["result"]
@@ -177,7 +198,9 @@ class Ledger:
 
     def provenance(self, label: str) -> str:
         """'current' when row `label` was measured with today's quantkit code, else the commit and date it was."""
-        row = self.rows[label]
+        row = self.rows.get(label)
+        if row is None:
+            return "-"
         if row["code_sha256"] == _code_digest():
             return "current"
         return f"{row['commit']} {row['date']}"
@@ -199,10 +222,11 @@ def _commit() -> str:
 
 
 def smollm2_row(job: SmolLM2Job, label: str, quantize_args: list[str], eval_args: tuple[str, ...] = (),
-                out: Path | None = None) -> dict:
+                out: Path | None = None) -> dict | None:
     """Quantize SmolLM2 with `quantize_args` (unless empty: the FP16 model itself) and measure WikiText-2
-    perplexity (`eval_args`, e.g. --bits 3), through the ledger; returns {"ppl", "wall"} (wall None for FP16).
-    Rows that share `out` (one artifact read at several widths) quantize it once."""
+    perplexity (`eval_args`, e.g. --bits 3), through the ledger; returns {"ppl", "wall"} (wall None for FP16),
+    or None for a row not in the ledger with --report. Rows that share `out` (one artifact read at several
+    widths) quantize it once."""
     out = out or job.work / slug(label)
     windows = job.args.windows
     evaluated = out if quantize_args else job.model

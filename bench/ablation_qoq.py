@@ -6,11 +6,12 @@ Protocol (issue #3): WikiText-2 perplexity over the first 40 windows of 2048 tok
 bench/results/ablation_qoq.json (see _common.Ledger), so the table is built over several sessions.
 
     python bench/ablation_qoq.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
+    [--report]
 """
 
 from __future__ import annotations
 
-from _common import smollm2_job, smollm2_row, table
+from _common import ppl_cells, smollm2_job, smollm2_row, table
 
 W4_CHANNEL = ["--set", "weights={bits: 4, symmetric: false, granularity: channel, zero_form: scaled}"]
 W4_G64 = ["--set", "weights={bits: 4, symmetric: false, granularity: group, group_size: 64, progressive: true}"]
@@ -56,14 +57,17 @@ def main() -> None:
     job = smollm2_job(__doc__, "quantkit-ablation-")
     common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "1024",
               "--set", "calibration.sampling=first", "--overwrite"]
-    fp = smollm2_row(job, "FP16", [])["ppl"]
+    fp_row = smollm2_row(job, "FP16", [])
+    fp = fp_row["ppl"] if fp_row else float("nan")
     results: dict[str, dict] = {}
     for label, recipe, extra in STEPS + GAP:
         if job.args.only and label not in job.args.only:
             continue
-        results[label] = smollm2_row(job, label, ["--recipe", recipe, *extra, *common])
+        r = smollm2_row(job, label, ["--recipe", recipe, *extra, *common])
+        if r is not None:
+            results[label] = r
 
-    rows = [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")]]
+    rows = [["FP16", *ppl_cells(fp_row), "-", "-", job.ledger.provenance("FP16")]]
     previous = None
     for label, _, _ in STEPS:
         if label in results:
@@ -71,6 +75,9 @@ def main() -> None:
             delta = "-" if previous is None else f"{ppl - previous:+.2f}"
             rows.append([label, f"{ppl:.2f}", delta, f"{wall:.0f} s", job.ledger.provenance(label)])
             previous = ppl
+        elif job.args.report:
+            rows.append([label, *ppl_cells(None), "-", "-", "-"])
+            previous = None
     print(f"\nSmolLM2-135M W4A8KV4 ablation (cumulative), WikiText-2 ppl, first {job.args.windows} x 2048; "
           "calib 128 x 1024 c4")
     print(table(["step", "wikitext2 ppl", "vs previous", "quantize wall", "measured with"], rows))

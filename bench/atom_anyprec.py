@@ -14,13 +14,14 @@ the ledger bench/results/atom_anyprec.json (see _common.Ledger), so the tables a
 The artifact-size line needs all the artifacts in one --work dir.
 
     python bench/atom_anyprec.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
+    [--report]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import smollm2_job, smollm2_row, table
+from _common import ppl_cells, smollm2_job, smollm2_row, table
 
 WIDTHS = range(3, 9)
 SIM = ["--set", "export.format=quantkit"]
@@ -40,7 +41,8 @@ def main() -> None:
     job = smollm2_job(__doc__, "quantkit-anyprec-")
     args, work = job.args, job.work
     calib = ["--calib", str(job.c4), "--overwrite"]
-    fp = smollm2_row(job, "FP16", [])["ppl"]
+    fp_row = smollm2_row(job, "FP16", [])
+    fp = fp_row["ppl"] if fp_row else float("nan")
     measured = ["FP16"]
 
     def row(label: str, quantize_args: list[str], *eval_args: str, out: Path | None = None) -> dict | None:
@@ -76,7 +78,7 @@ def main() -> None:
     if atom_rows:
         print(f"\nSmolLM2-135M W4A4, WikiText-2 ppl (first {args.windows} x 2048); calib 32 x 2048 c4")
         print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "measured with"],
-                    [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")], *atom_rows]))
+                    [["FP16", *ppl_cells(fp_row), "-", "-", job.ledger.provenance("FP16")], *atom_rows]))
     rows = []
     for b in WIDTHS:
         cells = [f"{b}"]

@@ -8,12 +8,12 @@ QoQ runs without its KV4 cache here, so every row is the same W4A8 problem. Each
 ledger bench/results/w4a8.json (see _common.Ledger), so the table is built over several sessions; artifacts
 are kept under --work.
 
-    python bench/w4a8.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all]
+    python bench/w4a8.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all] [--report]
 """
 
 from __future__ import annotations
 
-from _common import smollm2_job, smollm2_row, table
+from _common import ppl_cells, smollm2_job, smollm2_row, table
 
 A8 = ["--set", "activations={bits: 8, symmetric: true, granularity: token}"]
 QQQ_CHANNEL = ["--set", "weights={bits: 4, symmetric: true, granularity: channel, narrow_range: true}"]
@@ -41,14 +41,14 @@ def main() -> None:
     job = smollm2_job(__doc__, "quantkit-w4a8-")
     common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "2048",
               "--set", "calibration.sampling=first", "--overwrite"]
-    fp = smollm2_row(job, "FP16", [])["ppl"]
-    rows, labels = [["FP16", f"{fp:.2f}", "-", "-", job.ledger.provenance("FP16")]], ["FP16"]
+    fp_row = smollm2_row(job, "FP16", [])
+    fp = fp_row["ppl"] if fp_row else float("nan")
+    rows, labels = [["FP16", *ppl_cells(fp_row), "-", "-", job.ledger.provenance("FP16")]], ["FP16"]
     for label, recipe, extra in ROWS:
         if job.args.only and label not in job.args.only:
             continue
         r = smollm2_row(job, label, ["--recipe", recipe, *extra, *common])
-        rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] - fp:+.2f}", f"{r['wall']:.0f} s",
-                     job.ledger.provenance(label)])
+        rows.append([label, *ppl_cells(r, fp), f"{r['wall']:.0f} s" if r else "-", job.ledger.provenance(label)])
         labels.append(label)
     print(f"\nSmolLM2-135M W4A8, WikiText-2 ppl, first {job.args.windows} x 2048; calib 128 x 2048 c4")
     print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "measured with"], rows))
