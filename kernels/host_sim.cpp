@@ -9,6 +9,9 @@
 #include "qqq_w4a8.cu"
 #include "qserve_w4a8.cu"
 
+#include <algorithm>
+#include <vector>
+
 namespace {
 
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
@@ -90,85 +93,128 @@ void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32]
 
 }  // namespace
 
-// The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp.
+// The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its
+// own K steps, the copies' accumulators then added in the kernel's order.
 extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group) {
+                                      qk_half* out, int m, int n, int k, int group, int splits) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  static thread_local int32_t acc[4][32][4];
-  uint32_t fa[32][4], fb[32][4][2], bn[32][2];
+  std::vector<int32_t> acc((size_t)splits * 4 * 32 * 4), partials((size_t)(splits - 1) * 16 * 32);
+  uint32_t fa[32][4], w[4], s, z, fb[32][4][2], bn[32][2];
   for (int mt = 0; mt < (m + 15) / 16; ++mt) {
     for (int nt = 0; nt < n / 32; ++nt) {
-      std::memset(acc, 0, sizeof(acc));
-      for (int kt = 0; kt < k / 32; ++kt) {
-        for (int lane = 0; lane < 32; ++lane) {
-          qk::load_a(args, mt, kt, lane, fa[lane]);
-          qk::load_b(args, nt, kt, lane, fb[lane]);
-        }
-        for (int nb = 0; nb < 4; ++nb) {
+      std::fill(acc.begin(), acc.end(), 0);
+      auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 4 + nb) * 32 + lane) * 4]; };
+      for (int copy = 0; copy < splits; ++copy) {
+        for (int kt = copy; kt < k / 32; kt += splits) {
           for (int lane = 0; lane < 32; ++lane) {
-            bn[lane][0] = fb[lane][nb][0];
-            bn[lane][1] = fb[lane][nb][1];
+            qk::load_a(args, mt, kt, lane, fa[lane]);
+            qk::load_b_raw(args, nt, kt, lane, w);
+            qk::load_group_params(args, nt, kt, lane, s, z);
+            qk::unpack_b(args, w, s, z, fb[lane]);
           }
-          mma_warp(acc[nb], fa, bn);
+          for (int nb = 0; nb < 4; ++nb) {
+            for (int lane = 0; lane < 32; ++lane) {
+              bn[lane][0] = fb[lane][nb][0];
+              bn[lane][1] = fb[lane][nb][1];
+            }
+            mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
+          }
         }
       }
-      for (int nb = 0; nb < 4; ++nb)
-        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc[nb][lane]);
+      for (int lane = 0; lane < 32; ++lane) {
+        int32_t mine[4][4];
+        for (int copy = 1; copy < splits; ++copy)
+          for (int nb = 0; nb < 4; ++nb)
+            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 16, 32)] = at(copy, nb, lane)[i];
+        for (int nb = 0; nb < 4; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
+        qk::splitk_add(&mine[0][0], partials.data(), lane, 16, 32, splits);
+        for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, mine[nb]);
+      }
     }
   }
 }
 
-// The host twin of liquidquant_w4a8_gemm: block (nt, y) is four independent warps.
+// The host twin of liquidquant_w4a8_gemm: block (nt, y) is `splits` copies of four independent warps (split-K as
+// in qserve_w4a8_gemm_host).
 extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
-                                           const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
+                                           const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
+                                           int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  static thread_local int32_t acc[4][32][4];
-  uint32_t fa[32][2][4], fb[32][2], aj[32][4];
+  std::vector<int32_t> acc((size_t)splits * 4 * 4 * 32 * 4), partials((size_t)(splits - 1) * 16 * 128);
+  uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
+  // accumulators of copy, warp w, token block tb, lane
+  auto at = [&](int copy, int w, int tb, int lane) {
+    return &acc[((((size_t)copy * 4 + w) * 4 + tb) * 32 + lane) * 4];
+  };
   for (int nt = 0; nt < n / 64; ++nt) {
     for (int by = 0; by < (m + 31) / 32; ++by) {
-      for (int w = 0; w < 4; ++w) {
-        std::memset(acc, 0, sizeof(acc));
-        for (int kt = 0; kt < k / 64; ++kt) {
-          for (int lane = 0; lane < 32; ++lane) qk::load_weights(args, nt, kt, 32 * w + lane, fa[lane]);
-          for (int tb = 0; tb < 4; ++tb) {
-            for (int j = 0; j < 2; ++j) {
-              for (int lane = 0; lane < 32; ++lane) {
-                qk::load_tokens(args, 4 * by + tb, kt, j, lane, fb[lane]);
-                std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int copy = 0; copy < splits; ++copy) {
+        for (int w = 0; w < 4; ++w) {
+          for (int kt = copy; kt < k / 64; kt += splits) {
+            for (int lane = 0; lane < 32; ++lane) {
+              qk::load_weights_raw(args, nt, kt, 32 * w + lane, r, sa);
+              qk::unpack_weights(r, sa, fa[lane]);
+            }
+            for (int tb = 0; tb < 4; ++tb) {
+              for (int j = 0; j < 2; ++j) {
+                for (int lane = 0; lane < 32; ++lane) {
+                  qk::load_tokens(args, 4 * by + tb, kt, j, lane, fb[lane]);
+                  std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
+                }
+                mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, w, tb, 0)), aj, fb);
               }
-              mma_warp(acc[tb], aj, fb);
             }
           }
         }
-        for (int tb = 0; tb < 4; ++tb)
-          for (int lane = 0; lane < 32; ++lane) qk::store(args, nt, 4 * by + tb, 32 * w + lane, acc[tb][lane]);
+      }
+      for (int t = 0; t < 128; ++t) {
+        const int w = t / 32, lane = t % 32;
+        int32_t mine[4][4];
+        for (int copy = 1; copy < splits; ++copy)
+          for (int tb = 0; tb < 4; ++tb)
+            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * tb + i, t, 16, 128)] = at(copy, w, tb, lane)[i];
+        for (int tb = 0; tb < 4; ++tb) std::memcpy(mine[tb], at(0, w, tb, lane), sizeof(mine[tb]));
+        qk::splitk_add(&mine[0][0], partials.data(), t, 16, 128, splits);
+        for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, 4 * by + tb, t, mine[tb]);
       }
     }
   }
 }
 
-// The host twin of qqq_w4a8_gemm.
+// The host twin of qqq_w4a8_gemm (split-K as in qserve_w4a8_gemm_host).
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                   const qk_half* s_group, qk_half* out, int m, int n, int k) {
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  static thread_local int32_t acc[8][32][4];
-  uint32_t fa[32][2], fb[32][8], bn[32];
+  std::vector<int32_t> acc((size_t)splits * 8 * 32 * 4), partials((size_t)(splits - 1) * 32 * 32);
+  uint32_t fa[32][2], w[4], fb[32][8], bn[32];
+  auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 8 + nb) * 32 + lane) * 4]; };
   for (int c = 0; c < n / 64; ++c) {
     for (int mt = 0; mt < (m + 15) / 16; ++mt) {
-      std::memset(acc, 0, sizeof(acc));
-      for (int i = 0; i < k / 16; ++i) {
-        for (int lane = 0; lane < 32; ++lane) {
-          qk::load_a(args, mt, i, lane, fa[lane]);
-          qk::load_b(args, c, i, lane, fb[lane]);
-        }
-        for (int nb = 0; nb < 8; ++nb) {
-          for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
-          mma_warp_k16(acc[nb], fa, bn);
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int copy = 0; copy < splits; ++copy) {
+        for (int i = copy; i < k / 16; i += splits) {
+          for (int lane = 0; lane < 32; ++lane) {
+            qk::load_a(args, mt, i, lane, fa[lane]);
+            qk::load_b_raw(args, c, i, lane, w);
+            qk::unpack_b(args, c, i, lane, w, fb[lane]);
+          }
+          for (int nb = 0; nb < 8; ++nb) {
+            for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
+            mma_warp_k16(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
+          }
         }
       }
-      for (int nb = 0; nb < 8; ++nb)
-        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, c, nb, lane, acc[nb][lane]);
+      for (int lane = 0; lane < 32; ++lane) {
+        int32_t mine[8][4];
+        for (int copy = 1; copy < splits; ++copy)
+          for (int nb = 0; nb < 8; ++nb)
+            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 32, 32)] = at(copy, nb, lane)[i];
+        for (int nb = 0; nb < 8; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
+        qk::splitk_add(&mine[0][0], partials.data(), lane, 32, 32, splits);
+        for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, mine[nb]);
+      }
     }
   }
 }

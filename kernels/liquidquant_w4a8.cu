@@ -8,8 +8,10 @@
 // register becomes eight INT8 weights with LiquidQuant's five integer instructions (Eq. 12): two masks, one IMAD
 // per four lanes (u * s + a with a = 128 + min of the row's group) and one XOR 0x80808080. The low and high
 // results of registers 2j and 2j + 1 are exactly the A fragment {a0, a1, a2, a3} of MMA j.
-// Each warp computes 16 channels x 32 tokens (four n8 blocks); grid (N / 64, ceil(M / 32)). A straightforward
-// correct kernel: no shared-memory staging or pipelining yet. quantkit's warp simulator runs the same functions.
+// Each warp computes 16 channels x 32 tokens (four n8 blocks); grid (N / 64, ceil(M / 32)). For small M the block
+// holds `splits` copies of those 4 warps, each copy taking every splits-th K step with four steps' loads in flight,
+// and their int32 accumulators meet in shared memory before the epilogue (split-K, qk_common.cuh: bit-identical).
+// No shared-memory staging of the operands yet. quantkit's warp simulator runs the same functions.
 #include "qk_common.cuh"
 
 namespace qk {
@@ -27,17 +29,22 @@ struct LiquidArgs {
 // u * s + a on four byte lanes with one 32-bit multiply-add, then the carry-free "- 128" (the XOR).
 QK_FN uint32_t lqq_lanes(uint32_t codes, uint32_t s, uint32_t a) { return (codes * s + a * 0x01010101u) ^ 0x80808080u; }
 
-// Thread t's A fragments of the block (nt, kt): frag[j] for MMA j (k 32 j .. 32 j + 31) of its warp's 16 rows.
-QK_FN void load_weights(const LiquidArgs& a, int nt, int kt, int t, uint32_t frag[2][4]) {
+// Thread t's 16 bytes of the block (nt, kt) (one 128-bit load) and the step s and byte a of its rows
+// 16 w + g (+ 8 for h = 1): sa[h] = s | a << 8.
+QK_FN void load_weights_raw(const LiquidArgs& a, int nt, int kt, int t, uint32_t r[4], uint32_t sa[2]) {
   const size_t block = (size_t)nt * (a.k / 64) + kt;
-  const uint8_t* base = a.qweight + block * 2048 + 16 * t;
-  uint32_t r[4];  // one 128-bit load
-  load_u128(base, r);
-  const int w = t / 32, g = frag_group(t % 32);
-  const uint8_t* sa = a.s2a + block * 128;
+  load_u128(a.qweight + block * 2048 + 16 * t, r);
+  const uint8_t* params = a.s2a + block * 128;
   for (int h = 0; h < 2; ++h) {
-    const int row = 16 * w + g + 8 * h;
-    const uint32_t s = sa[2 * row], off = sa[2 * row + 1];
+    const int row = 16 * (t / 32) + frag_group(t % 32) + 8 * h;
+    sa[h] = (uint32_t)params[2 * row] | ((uint32_t)params[2 * row + 1] << 8);
+  }
+}
+
+// Those bytes -> the thread's A fragments: frag[j] for MMA j (k 32 j .. 32 j + 31) of its warp's 16 rows.
+QK_FN void unpack_weights(const uint32_t r[4], const uint32_t sa[2], uint32_t frag[2][4]) {
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t s = sa[h] & 0xFFu, off = sa[h] >> 8;
     for (int j = 0; j < 2; ++j) {
       frag[j][h] = lqq_lanes(lo_nibbles(r[2 * j + h]), s, off);      // a0 / a1: k 4q + e
       frag[j][2 + h] = lqq_lanes(hi_nibbles(r[2 * j + h]), s, off);  // a2 / a3: k 16 + 4q + e
@@ -49,12 +56,9 @@ QK_FN void load_weights(const LiquidArgs& a, int nt, int kt, int t, uint32_t fra
 QK_FN void load_tokens(const LiquidArgs& a, int tb, int kt, int j, int lane, uint32_t frag[2]) {
   const int token = 8 * tb + frag_group(lane), q = frag_quad(lane);
   for (int i = 0; i < 2; ++i) {
-    uint32_t v = 0;
-    if (token < a.m) {
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(a.x) + (size_t)token * a.k + 64 * kt + 32 * j + 16 * i + 4 * q;
-      v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-    }
-    frag[i] = v;
+    frag[i] = token < a.m
+        ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)token * a.k + 64 * kt + 32 * j + 16 * i + 4 * q)
+        : 0u;
   }
 }
 
@@ -70,24 +74,33 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 32)), block 128: warp w computes channels 64 nt + 16 w .. + 15 for 32 tokens.
+// grid (N / 64, ceil(M / 32)), block 128 * splits, dynamic shared memory (splits - 1) * 8 KiB: warp w of each copy
+// computes channels 64 nt + 16 w .. + 15 for 32 tokens.
 extern "C" __global__ void liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                                  const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
-                                                 int k) {
+                                                 int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  const int t = threadIdx.x, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
+  const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
+  struct Stage { uint32_t r[4], sa[2], b[4][2][2]; };
   int32_t acc[4][4] = {};
-  for (int kt = 0; kt < k / 64; ++kt) {
-    uint32_t fa[2][4];
-    qk::load_weights(args, nt, kt, t, fa);
-    for (int tb = 0; tb < 4; ++tb) {
-      for (int j = 0; j < 2; ++j) {
-        uint32_t fb[2];
-        qk::load_tokens(args, tb0 + tb, kt, j, t % 32, fb);
-        mma_s8(acc[tb], fa[j], fb);
-      }
-    }
-  }
+  pipelined_steps<4, Stage>(
+      copy, splits, k / 64,
+      [&](int kt, Stage& st) {
+        qk::load_weights_raw(args, nt, kt, t, st.r, st.sa);
+#pragma unroll
+        for (int tb = 0; tb < 4; ++tb)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) qk::load_tokens(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
+      },
+      [&](int, const Stage& st) {
+        uint32_t fa[2][4];
+        qk::unpack_weights(st.r, st.sa, fa);
+#pragma unroll
+        for (int tb = 0; tb < 4; ++tb)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) mma_s8(acc[tb], fa[j], st.b[tb][j]);
+      });
+  if (!splitk_reduce<16>(&acc[0][0], t, copy, 128, splits)) return;
   for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
 }
 #endif

@@ -145,9 +145,69 @@ QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #endif
 }
 
+// One 32-bit load of four bytes (p 4-byte aligned), the first byte in the low bits.
+QK_FN uint32_t load_u32(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const uint32_t*>(p);
+#else
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+#endif
+}
+
+// Split-K across the warps of a block. The block holds `splits` copies of the T threads that compute one output
+// tile; copy s takes K steps s, s + splits, s + 2 splits, ..., so that the copies read neighbouring weight tiles at
+// the same time. Their int32 accumulators meet in shared memory: copy s > 0 stores its `count` accumulators at
+// splitk_slot(s, j, t) (consecutive threads in consecutive banks) and copy 0 adds them in the order of s, wrapping
+// as the MMA does, then alone runs the epilogue. Integer sums: the split changes no bit of the output.
+QK_FN int splitk_slot(int s, int j, int t, int count, int threads) { return ((s - 1) * count + j) * threads + t; }
+
+// acc[j] += the accumulator j of thread t in copies 1 .. splits - 1, in order (wrapping int32 adds).
+QK_FN void splitk_add(int32_t* acc, const int32_t* partials, int t, int count, int threads, int splits) {
+  for (int s = 1; s < splits; ++s)
+    for (int j = 0; j < count; ++j)
+      acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)partials[splitk_slot(s, j, t, count, threads)]);
+}
+
 }  // namespace qk
 
 #ifndef QK_HOST
+// The split-K meeting point (see splitk_slot): dynamic shared memory of (splits - 1) * COUNT * threads int32. Returns
+// true for the threads of copy 0, which then hold the block's sums; every thread of the block must call it.
+template <int COUNT>
+__device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int threads, int splits) {
+  if (splits == 1) return true;
+  extern __shared__ int32_t qk_partials[];
+  if (copy > 0) {
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j) qk_partials[qk::splitk_slot(copy, j, t, COUNT, threads)] = acc[j];
+  }
+  __syncthreads();
+  if (copy > 0) return false;
+  qk::splitk_add(acc, qk_partials, t, COUNT, threads, splits);
+  return true;
+}
+
+// Steps first, first + stride, ... < steps, in rounds of U: the loads of a round's U steps are all issued before
+// the first of its computations, so U independent loads per thread are in flight (memory-bound small M).
+template <int U, typename Stage, typename Load, typename Compute>
+__device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
+  int step = first;
+  for (; step + (U - 1) * stride < steps; step += U * stride) {
+    Stage stage[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(step + u * stride, stage[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) compute(step + u * stride, stage[u]);
+  }
+  for (; step < steps; step += stride) {
+    Stage stage;
+    load(step, stage);
+    compute(step, stage);
+  }
+}
+
 // The tensor-core MMAs the kernels use (PTX mma.sync, sm_80+): D = A B + D on int32 accumulators.
 __device__ __forceinline__ void mma_s8(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile(

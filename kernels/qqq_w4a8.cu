@@ -10,8 +10,10 @@
 //  - per group (128): codes are q + 8; each is expanded with the 0x6400 fp16 trick to q and turned into the INT8
 //    round(q * r) by one fp16 FMA q * r + 1152 (the sum lies where the fp16 ulp is 1) and the low byte XOR 0x80,
 //    r the fp16 ratio of the group scale to the channel's INT8 scale (`s_group`).
-// One warp computes 16 tokens x 64 channels; grid (N / 64, ceil(M / 16)). A straightforward correct kernel (no
-// shared-memory staging or pipelining yet); quantkit's warp simulator runs the same functions.
+// One warp computes 16 tokens x 64 channels; grid (N / 64, ceil(M / 16)). For small M the block holds `splits`
+// warps on the same tile, each taking every splits-th k tile with four tiles' loads in flight, and their int32
+// accumulators meet in shared memory before the epilogue (split-K, qk_common.cuh: bit-identical to one warp). No
+// shared-memory staging of the operands yet; quantkit's warp simulator runs the same functions.
 #include "qk_common.cuh"
 
 namespace qk {
@@ -53,11 +55,13 @@ QK_FN uint32_t group_lane(uint32_t nibble, qk_half r) {
 #endif
 }
 
-// The lane's B fragments of chunk c (channels 64 c ..) at k tile i: frag[2 tile + half] for n8 block 2 tile + half.
-QK_FN void load_b(const QQQArgs& a, int c, int i, int lane, uint32_t frag[8]) {
-  const uint32_t* words = a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane;
-  uint32_t w[4];  // one 128-bit load
-  load_u128(words, w);
+// The lane's four words of chunk c (channels 64 c ..) at k tile i: one 128-bit load.
+QK_FN void load_b_raw(const QQQArgs& a, int c, int i, int lane, uint32_t w[4]) {
+  load_u128(a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane, w);
+}
+
+// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half.
+QK_FN void unpack_b(const QQQArgs& a, int c, int i, int lane, const uint32_t w[4], uint32_t frag[8]) {
   for (int tile = 0; tile < 4; ++tile) {
     if (a.s_group == nullptr) {
       frag[2 * tile] = w[tile] & 0xF0F0F0F0u;              // elements 0-3: column col
@@ -85,12 +89,7 @@ QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
   const int g = frag_group(lane), q = frag_quad(lane);
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
-    uint32_t v = 0;
-    if (row < a.m) {
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q;
-      v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-    }
-    frag[h] = v;
+    frag[h] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q) : 0u;
   }
 }
 
@@ -106,18 +105,27 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 16)), block 32. s_group null: per channel.
+// grid (N / 64, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null: per
+// channel.
 extern "C" __global__ void qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                         const qk_half* s_group, qk_half* out, int m, int n, int k) {
+                                         const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  const int lane = threadIdx.x, c = blockIdx.x, mt = blockIdx.y;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
+  struct Stage { uint32_t a[2], w[4]; };
   int32_t acc[8][4] = {};
-  for (int i = 0; i < k / 16; ++i) {
-    uint32_t fa[2], fb[8];
-    qk::load_a(args, mt, i, lane, fa);
-    qk::load_b(args, c, i, lane, fb);
-    for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], fa, fb[nb]);
-  }
+  pipelined_steps<4, Stage>(
+      copy, splits, k / 16,
+      [&](int i, Stage& st) {
+        qk::load_a(args, mt, i, lane, st.a);
+        qk::load_b_raw(args, c, i, lane, st.w);
+      },
+      [&](int i, const Stage& st) {
+        uint32_t fb[8];
+        qk::unpack_b(args, c, i, lane, st.w, fb);
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
+      });
+  if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
 }
 #endif

@@ -10,8 +10,10 @@
 //    per group: turns each word of four codes into INT8 with one 32-bit multiply by the zero-extended s2 byte and
 //    one vadd4 of the replicated -(z * s2) byte (subtraction after multiplication, §3.4).
 // The epilogue is float32 in a fixed order, rounded once to fp16: (acc * s1[n]) * s_x[m] (- s1_szeros[n] * t_x[m]).
-// This is a correct, straightforward kernel (no shared-memory staging or split-K yet); quantkit's warp simulator
-// runs the same functions on the CPU.
+// For small M the block holds `splits` warps on the same output tile, each taking every splits-th K step with four
+// steps' loads in flight, and their int32 accumulators are summed in shared memory before the epilogue (split-K,
+// qk_common.cuh: bit-identical to one warp walking all of K). No shared-memory staging of the operands yet, so large
+// M re-reads them from L2. quantkit's warp simulator runs the same functions on the CPU.
 #include "qk_common.cuh"
 
 namespace qk {
@@ -34,30 +36,35 @@ QK_FN void load_a(const QServeArgs& a, int mt, int kt, int lane, uint32_t frag[4
   const int g = frag_group(lane), q = frag_quad(lane);
   for (int i = 0; i < 4; ++i) {
     const int row = 16 * mt + g + 8 * (i & 1), col = 32 * kt + 16 * (i >> 1) + 4 * q;
-    uint32_t v = 0;
-    if (row < a.m) {
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col;
-      v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-    }
-    frag[i] = v;
+    frag[i] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col) : 0u;
   }
 }
 
-// The lane's 4 words of weight tile (nt, kt) -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2a + b.
-QK_FN void load_b(const QServeArgs& a, int nt, int kt, int lane, uint32_t frag[4][2]) {
-  const uint8_t* base = a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16;
-  uint32_t w[4];  // one 128-bit load
-  load_u128(base, w);
+// The lane's 16 bytes of weight tile (nt, kt): one 128-bit load.
+QK_FN void load_b_raw(const QServeArgs& a, int nt, int kt, int lane, uint32_t w[4]) {
+  load_u128(a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16, w);
+}
+
+// Per group, the lane's s2 and -(z * s2) at k tile kt, four bytes each: byte b and 2 + b for channels 32t + 8b + g
+// and 32t + 16 + 8b + g (zero per channel).
+QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint32_t& s, uint32_t& z) {
+  s = z = 0;
+  if (a.s2 != nullptr) {
+    const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt + 4 * frag_group(lane);
+    s = load_u32(a.s2 + row);
+    z = load_u32(a.z2 + row);
+  }
+}
+
+// The lane's 16 weight bytes and group parameters -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2a + b.
+QK_FN void unpack_b(const QServeArgs& a, const uint32_t w[4], uint32_t s, uint32_t z, uint32_t frag[4][2]) {
   for (int b = 0; b < 2; ++b) {
     for (int p = 0; p < 2; ++p) {
       const uint32_t word = w[2 * p + b];
       uint32_t lo = lo_nibbles(word), hi = hi_nibbles(word);
       if (a.s2 != nullptr) {  // progressive group: q * s2 + (-(z * s2)) per byte lane, wrapping
-        const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt + 4 * frag_group(lane);
-        const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s2) + row;
-        const uint8_t* z = reinterpret_cast<const uint8_t*>(a.z2) + row;
-        lo = vadd4(lo * (uint32_t)s[b], (uint32_t)z[b] * 0x01010101u);
-        hi = vadd4(hi * (uint32_t)s[2 + b], (uint32_t)z[2 + b] * 0x01010101u);
+        lo = vadd4(lo * ((s >> (8 * b)) & 0xFFu), ((z >> (8 * b)) & 0xFFu) * 0x01010101u);
+        hi = vadd4(hi * ((s >> (8 * (2 + b))) & 0xFFu), ((z >> (8 * (2 + b))) & 0xFFu) * 0x01010101u);
       }
       frag[b][p] = lo;      // channels 32t + 8b + g
       frag[2 + b][p] = hi;  // channels 32t + 16 + 8b + g
@@ -81,20 +88,30 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 32, ceil(M / 16)), block 32: one warp per 16 x 32 output tile. s1_szeros null: per group.
+// grid (N / 32, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of a block
+// split K over one 16 x 32 output tile. s1_szeros null: per group.
 extern "C" __global__ void qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x,
                                             const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                             const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                                            int group) {
+                                            int group, int splits) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  const int lane = threadIdx.x, nt = blockIdx.x, mt = blockIdx.y;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
+  struct Stage { uint32_t a[4], w[4], s, z; };
   int32_t acc[4][4] = {};
-  for (int kt = 0; kt < args.k / 32; ++kt) {
-    uint32_t fa[4], fb[4][2];
-    qk::load_a(args, mt, kt, lane, fa);
-    qk::load_b(args, nt, kt, lane, fb);
-    for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], fa, fb[nb]);
-  }
+  pipelined_steps<4, Stage>(
+      copy, splits, k / 32,
+      [&](int kt, Stage& st) {
+        qk::load_a(args, mt, kt, lane, st.a);
+        qk::load_b_raw(args, nt, kt, lane, st.w);
+        qk::load_group_params(args, nt, kt, lane, st.s, st.z);
+      },
+      [&](int, const Stage& st) {
+        uint32_t fb[4][2];
+        qk::unpack_b(args, st.w, st.s, st.z, fb);
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
+      });
+  if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
 #endif

@@ -3,8 +3,10 @@
 achieved GB/s against the device's measured copy bandwidth, and the speedups.
 
 The kernels time the GEMM alone, from INT8 (INT4 for Atom) activations already quantized, as the engines run them
-(the activation quantization is fused into the producing kernel). Also here: synthetic stored tensors of every
-layout at any shape (random codes over each layout's whole range), shared with the kernel tests.
+(the activation quantization is fused into the producing kernel). Kernels and baselines cycle through copies of
+their operands larger than twice the L2 cache, so the weights come from device memory in every timed call.
+Also here: synthetic stored tensors of every layout at any shape (random codes over each layout's whole range),
+shared with the kernel tests.
 """
 
 from __future__ import annotations
@@ -172,6 +174,31 @@ def median_time(fn: Callable[[], None], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def l2_bytes() -> int:
+    """The current device's L2 cache size in bytes."""
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["L2CacheSize"])
+
+
+def rotation(make: Callable[[int], Callable[[], None]], bytes_each: int, l2: int | None = None
+             ) -> Callable[[], None]:
+    """A call that cycles through enough copies of its operands (`make(i)` builds copy i, `bytes_each` bytes) that
+    together they hold at least twice the L2 cache (`l2`, default the device's; at most 64 copies), so that each
+    timed call reads its weights from device memory, as a model's layers do, not from the cache the previous call
+    filled."""
+    l2 = l2_bytes() if l2 is None else l2
+    copies = max(1, min(64, -(-2 * l2 // max(bytes_each, 1))))
+    calls = [make(i) for i in range(copies)]
+    state = {"next": 0}
+
+    def call() -> None:
+        calls[state["next"] % copies]()
+        state["next"] += 1
+
+    return call
+
+
 def copy_bandwidth(size: int = 1 << 30, warmup: int = 3, iters: int = 20) -> float:
     """The device's measured copy bandwidth, GB/s: a device-to-device copy of `size` bytes reads and writes it."""
     import cupy
@@ -182,18 +209,27 @@ def copy_bandwidth(size: int = 1 << 30, warmup: int = 3, iters: int = 20) -> flo
 
 
 def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
-    """cuBLAS FP16 (torch.matmul) and, where torch takes the shape, cuBLAS INT8 (torch._int_mm) on [M, K] x [K, N]."""
+    """cuBLAS FP16 (torch.matmul) and, where torch takes the shape, cuBLAS INT8 (torch._int_mm) on [M, K] x [K, N],
+    each cycling through weight copies that exceed the L2 cache (see `rotation`)."""
     rows = []
     if not torch.cuda.is_available():
         return rows
-    a, b = torch.randn(m, k, device="cuda", dtype=torch.float16), torch.randn(k, n, device="cuda", dtype=torch.float16)
-    rows.append(Row(n, k, m, "cuBLAS FP16 (torch.matmul)", median_time(lambda: torch.matmul(a, b), warmup, iters),
+
+    def fp16(_: int) -> Callable[[], None]:
+        a, b = (torch.randn(m, k, device="cuda", dtype=torch.float16),
+                torch.randn(k, n, device="cuda", dtype=torch.float16))
+        return lambda: torch.matmul(a, b)
+
+    rows.append(Row(n, k, m, "cuBLAS FP16 (torch.matmul)", median_time(rotation(fp16, 2 * k * n), warmup, iters),
                     2 * (m * k + k * n + m * n)))
     if m > 16 and m % 8 == 0 and k % 8 == 0 and n % 8 == 0:  # torch._int_mm's shape rules
-        ai = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
-        bi = torch.randint(-128, 128, (k, n), device="cuda", dtype=torch.int8)
-        rows.append(Row(n, k, m, "cuBLAS INT8 (torch._int_mm)",
-                        median_time(lambda: torch._int_mm(ai, bi), warmup, iters), m * k + k * n + 4 * m * n))
+        def int8(_: int) -> Callable[[], None]:
+            ai = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
+            bi = torch.randint(-128, 128, (k, n), device="cuda", dtype=torch.int8)
+            return lambda: torch._int_mm(ai, bi)
+
+        rows.append(Row(n, k, m, "cuBLAS INT8 (torch._int_mm)", median_time(rotation(int8, k * n), warmup, iters),
+                        m * k + k * n + 4 * m * n))
     return rows
 
 
@@ -246,10 +282,12 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
             if case.variant.fmt == "anyprec" and m > 16:
                 continue  # a GEMV kernel: batches of a few tokens only
             tensors = tensors if tensors is not None else case.tensors()
-            call = upload(variant_launch(case.variant, tensors, m, case.k))
+            launch = variant_launch(case.variant, tensors, m, case.k)
+            stored = weight_bytes(tensors, case.variant)
+            call = rotation(lambda _, launch=launch: upload(launch), stored)
             act = m * case.k * (4 if case.variant.fmt == "anyprec" else 1)
             rows.append(Row(case.n, case.k, m, case.label, median_time(call, warmup, iters),
-                            weight_bytes(tensors, case.variant) + act + 2 * m * case.n))
+                            stored + act + 2 * m * case.n))
     return rows
 
 

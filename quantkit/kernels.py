@@ -78,6 +78,7 @@ class Launch:
     grid: tuple[int, int]
     block: int
     out: np.ndarray
+    shared_mem: int = 0  # bytes of dynamic shared memory (the split-K partial sums)
 
 
 def run(launch: Launch, device: str = "cpu") -> np.ndarray:
@@ -104,9 +105,10 @@ class GpuCall:
     block: int
     args: tuple
     out: Any
+    shared_mem: int = 0
 
     def __call__(self) -> None:
-        self.function(self.grid, (self.block,), self.args)
+        self.function(self.grid, (self.block,), self.args, shared_mem=self.shared_mem)
 
     def result(self) -> np.ndarray:
         import cupy
@@ -125,7 +127,27 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    return GpuCall(_module(launch.module).get_function(launch.name), launch.grid, launch.block, args, out)
+    return GpuCall(_module(launch.module).get_function(launch.name), launch.grid, launch.block, args, out,
+                   launch.shared_mem)
+
+
+# Split-K sizing: warps wanted in flight on the whole GPU (an H100 has 132 SMs of up to 64 resident warps; 16 each,
+# with four 16-byte loads in flight per thread, keeps ~32 KiB of loads in flight per SM), the fewest K steps a split
+# should walk, and the shared memory a block may take without opting in to more.
+SPLITK_WARPS = 2048
+SPLITK_MIN_STEPS = 8
+SPLITK_MAX_SHARED = 48 * 1024
+
+
+def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16) -> int:
+    """How many copies of a tile's warps split its K steps (a power of two): enough that the grid's `blocks` fill
+    the GPU when the output tiles alone are too few (small M), each copy walking at least SPLITK_MIN_STEPS steps,
+    the other copies' partial sums (`partial_bytes` each) fitting in SPLITK_MAX_SHARED."""
+    splits = 1
+    while (2 * splits <= max_splits and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
+           and steps // (2 * splits) >= SPLITK_MIN_STEPS and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED):
+        splits *= 2
+    return splits
 
 
 def _c(a: np.ndarray, dtype: type) -> np.ndarray:
@@ -137,9 +159,9 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                  t_x: np.ndarray | None = None) -> Launch:
+                  t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
-    activations, needed per channel)."""
+    activations, needed per channel; `splits`: warps splitting K per output tile, default split_count's)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -151,23 +173,32 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
-    return Launch("qserve_w4a8", "qserve_w4a8_gemm", args, (n // 32, -(-m // 16)), 32, out)
+    grid = (n // 32, -(-m // 16))
+    partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
+    splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
+    return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
+                  (splits - 1) * partial_bytes)
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                       t_x: np.ndarray | None = None) -> Launch:
-    """kernels/liquidquant_w4a8.cu on one linear's stored tensors."""
+                       t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
+    """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
+    tile splitting K)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
     n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), qweight, _c(tensors["s2a"].numpy(), np.uint8),
             _half_bits(tensors["s1_scales"]), out, m, n, k]
-    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm", args, (n // 64, -(-m // 32)), 128, out)
+    grid = (n // 64, -(-m // 32))
+    partial_bytes = 128 * 16 * 4  # four warps' 16 accumulators per thread
+    splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
+    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm", [*args, splits], grid, 128 * splits, out,
+                  (splits - 1) * partial_bytes)
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-               t_x: np.ndarray | None = None) -> Launch:
-    """kernels/qqq_w4a8.cu on one linear's stored tensors."""
+               t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
+    """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -175,7 +206,10 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), b, _c(tensors["s_channel"].float().numpy().reshape(-1),
                                                                 np.float32),
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
-    return Launch("qqq_w4a8", "qqq_w4a8_gemm", args, (n // 64, -(-m // 16)), 32, out)
+    grid = (n // 64, -(-m // 16))
+    partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
+    splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
+    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
 
 
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray) -> Launch:

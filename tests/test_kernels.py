@@ -56,6 +56,37 @@ def test_qserve_kernel_matches_the_emulation(m, n, k, group):
 
 
 @needs_compiler
+@pytest.mark.parametrize(("fmt", "group", "k", "partial_bytes"), [
+    ("qserve", None, 416, 2048), ("qserve", 128, 384, 2048),  # 13 and 12 k tiles of 32
+    ("qqq", None, 400, 4096), ("qqq", 128, 384, 4096),  # 25 and 24 k tiles of 16
+    ("liquidquant", 64, 448, 8192),  # 7 k blocks of 64
+])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_k_matches_the_emulation(fmt, group, k, partial_bytes, splits):
+    """Warps splitting K (each every splits-th step, four steps' loads per round, the remainder one by one) and
+    meeting in the block's partial sums give the emulation's bits; the step counts divide by no split count."""
+    m, n = 7, 64
+    tensors = synthetic(fmt, n, k, seed=splits, group=group)
+    x = activations(m, k, seed=splits)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits)
+    assert launch.block == (128 if fmt == "liquidquant" else 32) * splits
+    assert launch.shared_mem == (splits - 1) * partial_bytes
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_split_count_fills_the_gpu_only_when_tiles_are_few():
+    from quantkit.kernels import split_count
+
+    assert split_count(blocks=128, warps_per_copy=1, steps=128, partial_bytes=2048) == 16  # 4096 x 4096, M <= 16
+    assert split_count(blocks=896, warps_per_copy=1, steps=128, partial_bytes=2048) == 2  # N = 28672
+    assert split_count(blocks=128 * 64, warps_per_copy=1, steps=128, partial_bytes=2048) == 1  # M = 1024
+    assert split_count(blocks=1, warps_per_copy=1, steps=20, partial_bytes=2048) == 2  # each split >= 8 steps
+    assert split_count(blocks=1, warps_per_copy=1, steps=4096, partial_bytes=16384) == 4  # 3 x 16 KiB of partials
+
+
+@needs_compiler
 def test_qserve_group_kernel_wraps_bytes_as_the_reference():
     """Codes at 0 and 15 with the largest scales and zeros: every byte lane of q * s2 - z * s2 at its extremes."""
     tensors = extreme_qserve_group(64, 256, seed=7)
@@ -127,6 +158,21 @@ def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
 
 
 @needs_gpu
+@pytest.mark.parametrize(("fmt", "group", "splits"), [("qserve", None, 16), ("qserve", 128, 5), ("qqq", None, 8),
+                                                     ("qqq", 128, 3), ("liquidquant", 64, 4)])
+def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits):
+    """The split-K path on the device: the copies' partial sums through shared memory, at split counts up to the
+    largest the launch chooses."""
+    m, n, k = 9, 128, 2048
+    tensors = synthetic(fmt, n, k, seed=splits, group=group)
+    x = activations(m, k, seed=splits)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits)
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
     tensors = synthetic("qserve", 256, 512, seed=11, group=group)
@@ -154,6 +200,22 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
         return
     kind = "s4.s4" if mma == "m16n8k64" else "s8.s8"
     assert f"mma.sync.aligned.{mma}.row.col.s32.{kind}.s32" in ptx.read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
+@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8", "atom_w4a4", "anyprec_gemv"])
+def test_device_code_for_hopper_keeps_its_arrays_in_registers(name, tmp_path):
+    """Built for sm_90 (the H100/H200 the bench runs on), no kernel spills or indexes an array in local memory: a
+    stack frame would put its fragments in slow device memory."""
+    import re
+    import subprocess
+
+    src = kernels.source_dir()
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", str(src / f"{name}.cu"),
+                           "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    assert frames and all(f == ("0", "0", "0") for f in frames), done.stderr
 
 
 @needs_gpu
@@ -250,3 +312,17 @@ def test_bench_table_computes_rates_and_speedups():
     console.print(render(rows, bandwidth=3000.0, device="test GPU"))
     text = console.export_text()
     assert "4.00x" in text and "1.00x" in text and "test GPU" in text
+
+
+def test_bench_rotates_operands_past_the_l2_cache():
+    from quantkit.kernel_bench import rotation
+
+    made, ran = [], []
+    call = rotation(lambda i: made.append(i) or (lambda: ran.append(i)), bytes_each=30, l2=100)
+    assert made == list(range(7))  # 7 x 30 bytes >= 2 x 100
+    for _ in range(9):
+        call()
+    assert ran == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+    made.clear()
+    rotation(lambda i: made.append(i) or (lambda: None), bytes_each=10**9, l2=100)
+    assert made == [0]  # operands larger than the cache: one copy
