@@ -51,6 +51,12 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
 
+def _layer_error(rel_error: float, metrics: dict) -> str:
+    """A layer's relative output error, with its attention sink's apart when recorded: "0.0311 (sink 20.80)"."""
+    sink = metrics.get("sink_rel_error")
+    return f"{rel_error:.4f}" + (f" (sink {sink:.2f})" if sink is not None else "")
+
+
 class _RichReporter:
     def __init__(self) -> None:
         self.progress = Progress(
@@ -80,16 +86,15 @@ class _RichReporter:
 
     def layer_done(self, report) -> None:
         tag = " (resumed)" if report.replayed else ""
-        self.progress.update(
-            self.task, advance=1, last=f"layer {report.index}: rel. err {report.rel_error:.4f}{tag}"
-        )
+        error = _layer_error(report.rel_error, report.metrics)
+        self.progress.update(self.task, advance=1, last=f"layer {report.index}: rel. err {error}{tag}")
         self.done += 1
         if not report.replayed:
             self.fresh += 1
             self.spent += report.seconds
         if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
             eta = self.spent / max(self.fresh, 1) * (self.total - self.done)
-            console.print(f"layer {report.index + 1}/{self.total}: rel. err {report.rel_error:.4f}, "
+            console.print(f"layer {report.index + 1}/{self.total}: rel. err {error}, "
                           f"{report.seconds:.0f} s{tag}, ETA {eta / 60:.0f} min", highlight=False)
         for note in report.notes:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
@@ -160,7 +165,9 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     table.add_row("calibration", _describe_calibration(summary.calibration)
                   + f" (sha256 {summary.calibration['sha256'][:12]})")
     table.add_row("layer rel. error", f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f} "
-                  f"(layer {errors.index(max(errors))})")
+                  f"(layer {errors.index(max(errors))}; attention sink apart)")
+    sinks = [r.metrics.get("sink_rel_error", 0.0) for r in summary.layers]
+    table.add_row("attention sink", f"rel. error max {max(sinks):.4f} (layer {sinks.index(max(sinks))})")
     steps = step_totals(summary.layers)
     if steps:  # where the time went, so a slow recipe says which pass to tune
         spent = sum(steps.values()) or 1.0
@@ -278,12 +285,16 @@ def inspect(output: Path) -> None:
     table.add_row("quantization time", f"{m['timings']['total_seconds']:.1f} s")
     Console().print(table)
     click.echo(f"calibration sha256: {cal['sha256']}")
-    layers = Table(title="per-layer relative output error")
+    layers = Table(title="per-layer relative output error (tokens after each sequence's first; the first, the "
+                   "attention sink, apart)")
     layers.add_column("layer", justify="right")
     layers.add_column("rel. error", justify="right")
+    layers.add_column("sink rel. error", justify="right")
     layers.add_column("seconds", justify="right")
     for r in m["layers"]:
-        layers.add_row(str(r["index"]), f"{r['rel_error']:.5f}", f"{r['seconds']:.1f}")
+        sink = r["metrics"].get("sink_rel_error")
+        layers.add_row(str(r["index"]), f"{r['rel_error']:.5f}", "-" if sink is None else f"{sink:.5f}",
+                       f"{r['seconds']:.1f}")
     Console().print(layers)
     for note in m["notes"]:
         Console().print(f"note: {note}", highlight=False)

@@ -541,10 +541,23 @@ def _quantize_layer(
         else:
             y_q = runner.run(block, x[:n_err])
             x.copy_(y_ref)
-    y_ref = y_ref[:n_err].float()
-    rel = float(torch.linalg.vector_norm(y_q.float() - y_ref) / torch.linalg.vector_norm(y_ref))
+    rel, metrics["sink_rel_error"] = output_errors(y_q, y_ref[:n_err])
     lap("pack+propagate")
     return rel, notes, metrics, steps
+
+
+def output_errors(y_q: torch.Tensor, y_ref: torch.Tensor) -> tuple[float, float]:
+    """A layer's relative output error ||Y_q - Y|| / ||Y|| over [sequences, tokens, hidden] outputs: over every
+    token but each sequence's first, and at the first, the attention sink, apart. The sink's output can be orders
+    of magnitude larger or smaller than the rest (massive activations), so in one norm it alone would set the
+    number; a single-token sequence has only its sink."""
+    diff, ref = (y_q.float() - y_ref.float()), y_ref.float()
+
+    def rel(d: torch.Tensor, r: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(d) / torch.linalg.vector_norm(r).clamp(min=1e-30))
+
+    sink = rel(diff[:, 0], ref[:, 0])
+    return (rel(diff[:, 1:], ref[:, 1:]) if ref.shape[1] > 1 else sink), sink
 
 
 def _finalize(

@@ -43,7 +43,7 @@ def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     assert manifest["format"] == "compressed-tensors" and manifest["num_layers"] == 5
     assert manifest["calibration"]["num_samples"] == 4 and len(manifest["calibration"]["sha256"]) == 64
-    assert all(0 < r["rel_error"] < 0.5 for r in manifest["layers"])
+    assert all(0 < r["rel_error"] < 0.5 and r["metrics"]["sink_rel_error"] > 0 for r in manifest["layers"])
     for name, entry in manifest["files"].items():
         from quantkit.artifact import sha256_file
 
@@ -68,6 +68,21 @@ def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data
         f"wikitext windows: {i}/4" for i in range(1, 5)]
     ppl = json.loads(result_json.read_text())["results"]["wikitext"]["perplexity"]
     assert 1 < ppl < 1000
+
+
+def test_output_errors_keep_the_attention_sink_apart():
+    from quantkit.pipeline import output_errors
+
+    y_ref = torch.zeros(2, 3, 2)
+    y_ref[:, 0] = torch.tensor([0.0, 1000.0])  # the sink: a massive activation
+    y_ref[:, 1:] = torch.tensor([3.0, 4.0])  # every other token has norm 5
+    y_q = y_ref.clone()
+    y_q[:, 0, 1] += 100.0  # 10% off at the sink
+    y_q[0, 1, 0] += 2.0  # one other token off by 2
+    body, sink = output_errors(y_q, y_ref)
+    assert body == pytest.approx(2.0 / (5.0 * 2.0))  # ||dY|| = 2 over four tokens of norm 5
+    assert sink == pytest.approx(0.1)
+    assert output_errors(y_q[:, :1], y_ref[:, :1]) == pytest.approx((0.1, 0.1))  # only a sink: it is the error
 
 
 def _ppl(model, ids, seq_len=128):
