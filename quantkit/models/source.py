@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -222,15 +223,23 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    from safetensors.torch import save_file
+    # a temp dir of this process's own, so that two runs converting the same file at once cannot collide
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        from safetensors.torch import save_file
 
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    tmp.rename(target)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # another run finished the same conversion first; its copy is the same, so keep it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -1,0 +1,54 @@
+"""GGUF input: dequantized once through transformers into a cached float16 checkpoint that streams like any other."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from quantkit.models.source import gguf_to_safetensors, open_model
+from tests.conftest import shared_path
+
+GGUF = "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A cache dir holding the converted GGUF (one conversion for the module's tests)."""
+    path = tmp_path_factory.mktemp("gguf-cache")
+    gguf_to_safetensors(shared_path(GGUF), path)
+    return path
+
+
+def test_gguf_opens_as_a_float16_checkpoint(cache):
+    source = open_model(shared_path(GGUF), cache_dir=cache)
+    assert source.config.model_type == "llama" and source.num_layers == 30
+    assert source.dtype == torch.float16 and source.tied_embeddings
+    q = source.layer_tensors(0)["self_attn.q_proj.weight"]
+    assert q.dtype == torch.float16 and q.shape == (576, 576)
+    # a second open reuses the cached copy instead of converting again
+    cached = next((cache / "gguf").iterdir())
+    mtime = (cached / "model.safetensors").stat().st_mtime_ns
+    assert open_model(shared_path(GGUF), cache_dir=cache).path == cached
+    assert (cached / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_gguf_conversions_racing_for_one_cache_entry_both_succeed(cache, tmp_path, monkeypatch):
+    """Two runs started at once on one GGUF (two benchmarks, say) each convert it; the one that finishes second
+    keeps the first one's copy and leaves no temp dir behind."""
+    gguf = shared_path(GGUF)
+    finished = next((cache / "gguf").iterdir())
+    target = tmp_path / "cache" / "gguf" / finished.name
+    write = safetensors.torch.save_file
+
+    def other_run_finishes_meanwhile(*args, **kwargs):
+        shutil.copytree(finished, target)
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", other_run_finishes_meanwhile)
+    assert gguf_to_safetensors(gguf, tmp_path / "cache") == target
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+    assert (target / "config.json").is_file()
