@@ -116,3 +116,16 @@ def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), s
     (path / "config.json").write_text(json.dumps(_config(spec), indent=2))
     write_tokenizer(path)
     return path
+
+
+CALIBRATION_WORDS = "the a small model reads every layer of weights and tokens while it quantizes them to four bits"
+
+
+def write_calibration_text(path: Path, lines: int = 40, words_per_line: int = 60, seed: int = 0) -> Path:
+    """Seeded English-like calibration text (one sample per line) for synthetic models: needs nothing from shared/."""
+    import random
+
+    rng = random.Random(seed)
+    words = CALIBRATION_WORDS.split()
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(words_per_line)) for _ in range(lines)))
+    return path

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.synthetic import write_calibration_text
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("QUANTKIT_SHARED", REPO.parent / "shared"))
 
@@ -37,10 +39,4 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def calib_txt(tmp_path_factory) -> Path:
     """Calibration text that needs nothing from shared/: varied English-like lines."""
-    import random
-
-    rng = random.Random(0)
-    words = "the a small model reads every layer of weights and tokens while it quantizes them to four bits".split()
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
-    return path
+    return write_calibration_text(tmp_path_factory.mktemp("calib") / "calib.txt")

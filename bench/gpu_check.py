@@ -1,0 +1,83 @@
+"""Everything issue #6 needs a GPU for, in one command, for a lent device whose time is short.
+
+1. The kernel tests (`tests/test_kernels.py`): on a CUDA device with CuPy every GPU kernel must equal the
+   emulation bit for bit, the split-K paths included.
+2. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
+   a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
+   not travel to the device).
+3. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8 (GPU only).
+
+Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. On a machine
+without a GPU, `--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
+
+    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anyprec-3to8")
+
+
+def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, float]]) -> int:
+    """Run `cmd` from the repository root, its output to OUT/NAME.log and to the console; record its exit code."""
+    print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        code = proc.wait()
+    results.append((name, code, time.time() - t0))
+    return code
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
+    parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
+    parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / "work" if args.kernel == "sim" else Path("/tmp/quantkit-gpu-check")
+    work.mkdir(parents=True, exist_ok=True)
+    py, results = sys.executable, []
+
+    step("kernel-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"], args.out,
+         results)
+
+    from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
+
+    model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=512,
+                                                                   num_hidden_layers=2))
+    calib = write_calibration_text(work / "calib.txt")
+    for recipe in RECIPES:
+        artifact = work / recipe
+        code = step(f"quantize-{recipe}", [py, "-m", "quantkit.cli", "quantize", str(model), "--recipe", recipe,
+                                           "-o", str(artifact), "--calib", str(calib), "--num-samples", "8",
+                                           "--seq-len", "128", "--overwrite"], args.out, results)
+        if code == 0:
+            step(f"validate-{recipe}", [py, "-m", "quantkit.cli", "validate", str(artifact), "--kernel", args.kernel],
+                 args.out, results)
+
+    if not args.skip_bench and args.kernel == "cuda":
+        step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results)
+
+    print("\n| step | exit code | seconds |\n|---|---|---|")
+    for name, code, seconds in results:
+        print(f"| {name} | {code} | {seconds:.0f} |")
+    sys.exit(max((code for _, code, _ in results), default=0) != 0)
+
+
+if __name__ == "__main__":
+    main()
