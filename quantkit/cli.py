@@ -173,6 +173,8 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
         spent = sum(steps.values()) or 1.0
         table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / spent:.0%})" for k, v in steps.items()))
     console.print(table)
+    for note in summary.format_notes:
+        console.print(f"note: {escape(note)}", highlight=False)
 
 
 def _describe_calibration(cal: dict) -> str:

@@ -83,6 +83,7 @@ class RunSummary:
     calibration: dict[str, Any]
     layers: list[LayerReport]
     notes: list[str]
+    format_notes: list[str]  # the export format's caveats: who loads the artifact, what they cannot run
 
 
 class Reporter:
@@ -370,6 +371,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     return RunSummary(
         output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
+        format_notes=packer.notes(specs),
     )
 
 

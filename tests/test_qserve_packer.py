@@ -295,6 +295,23 @@ def test_quantization_config(spec, size):
         assert simulation == []
 
 
+@pytest.mark.parametrize("spec", [CHANNEL, group_spec(128)], ids=["channel", "g128"])
+def test_notes_name_shapes_the_engines_kernels_cannot_tile(spec):
+    """quantkit's kernels take 32-multiples, the engines' QServe kernels tile N and K by 128 without bounds checks
+    (digest-qserve §6.19): such linears export, and the manifest says no engine runs them."""
+    packer = make_packer()
+    specs = dict.fromkeys(("qkv", "o", "gate_up", "down"), spec)
+    for layer in range(2):
+        packer.check(f"model.layers.{layer}.mlp.down_proj", spec, (256, 512))
+    assert not [n for n in packer.notes(specs) if "multiple of 128" in n]
+    for layer in range(2):
+        packer.check(f"model.layers.{layer}.self_attn.k_proj", spec, (192, 256))
+        packer.check(f"model.layers.{layer}.mlp.gate_proj", spec, (160, 256))
+    (note,) = [n for n in packer.notes(specs) if "multiple of 128" in n]
+    assert note.startswith("4 linears have N or K not a multiple of 128 ([N, K] = [160, 256], [192, 256]): ")
+    assert "cannot run them" in note
+
+
 def test_quantization_config_rejects_mixed_variants():
     with pytest.raises(ExportError, match="one weight variant"):
         make_packer().quantization_config({"qkv": CHANNEL, "down": group_spec(128)})

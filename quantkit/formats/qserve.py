@@ -18,7 +18,8 @@ unchanged as `<m>.bias`. Codes are stored unsigned, q_u = q + 8 in 0..15 (q the 
 
 Requirements: fp16 models (QServe asserts it), N and K multiples of 32, K a multiple of g, natural group order
 (no g_idx), protective range <= 119 (larger ones can push z_u * s2 past the 128 that int8 `s2_zeros` holds).
-QServe's kernels take g = 128 only; other group sizes are exported for simulation and noted as such.
+QServe's kernels take g = 128 only, and N and K multiples of 128; other group sizes and shapes are exported for
+quantkit's kernels and simulation, and the manifest notes that no engine runs them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from quantkit.quantizers import QParams, QuantSpec
 
 TENSORS = frozenset({"qweight", "s1_scales", "s1_szeros", "s2_scales", "s2_zeros"})
 KERNEL_GROUP_SIZES = (-1, 128)
+# OmniServe's and SGLang's QServe kernels launch N / CTA_N blocks with no bounds check and step K by CTA_K, both up
+# to 128 (digest-qserve §6.19); quantkit's own kernels need only the 32x32 tiles
+ENGINE_TILE = 128
 OFFSET = 8  # signed 4-bit code + 8 = the UINT4 code QServe stores
 
 Variant = Literal["channel", "group"]
@@ -90,6 +94,10 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
 class QServePacker(Packer):
     name = "qserve"
 
+    def __init__(self, recipe: Any, dtype: torch.dtype):
+        super().__init__(recipe, dtype)
+        self.engine_unfit: dict[str, tuple[int, int]] = {}  # linears whose [N, K] the engines' tiles do not divide
+
     def owns(self, key: str) -> bool:
         """QServe's per-linear tensors are module-level: qweight, s1_scales, s1_szeros, s2_scales, s2_zeros."""
         return key in TENSORS
@@ -99,7 +107,8 @@ class QServePacker(Packer):
         self.require_fp16("QServe asserts it")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
-        """A QServe variant spec, N and K multiples of 32, and (per group) K a multiple of the group size."""
+        """A QServe variant spec, N and K multiples of 32, and (per group) K a multiple of the group size; shapes
+        that only quantkit's kernels take (N or K not a multiple of 128) are recorded for `notes`."""
         v = _require_variant(spec, module)
         n, k = shape
         if n % TILE or k % TILE:
@@ -114,6 +123,8 @@ class QServePacker(Packer):
             )
         if v == "group" and k % spec.group_size:
             raise ExportError(f"{module}: group size {spec.group_size} does not divide input width {k}")
+        if n % ENGINE_TILE or k % ENGINE_TILE:
+            self.engine_unfit[module] = (n, k)
 
     def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
         """`qweight` and `s1_scales` plus `s1_szeros` (per channel) or `s2_scales` / `s2_zeros` (progressive group)."""
@@ -209,9 +220,14 @@ class QServePacker(Packer):
         return {"quant_method": "qoq", "wbits": 4, "group_size": size}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
-        """Group sizes no QServe kernel runs, and OmniServe's norm handling."""
+        """Group sizes and shapes no engine's QServe kernel runs, and OmniServe's norm handling."""
         out = [f"group size {g}: no engine loads it (QServe kernels take -1 or 128); simulation only"
                for g in sorted({qserve_group_size(s) for s in specs.values()} - set(KERNEL_GROUP_SIZES))]
+        if self.engine_unfit:
+            shapes = ", ".join(f"[{n}, {k}]" for n, k in sorted(set(self.engine_unfit.values())))
+            out.append(f"{len(self.engine_unfit)} linears have N or K not a multiple of {ENGINE_TILE} ([N, K] = "
+                       f"{shapes}): OmniServe's and SGLang's QServe kernels cannot run them (no bounds checks); "
+                       "quantkit's kernels (validate, bench) can")
         out.append("OmniServe's W4A8 loader ignores every '*norm*' tensor (uses ones): it serves this checkpoint "
                    "faithfully only if the norm weights were folded into the following linears; SGLang loads norms")
         return out
