@@ -6,9 +6,12 @@ contiguous interval [border_j, border_j+1) of the sorted row and codes ascend wi
 Interval sums come from float64 prefix sums of f, f w and f w^2, as in the authors' flash1dkmeans.
 
 - Seed (`kmeans_rows`): weighted Lloyd iterations (at most 50, stopping once no border moves) minimizing
-  sum_i f_i (w_i - c(w_i))^2, started from the weighted quantiles of the row (deterministic; the authors use
-  weighted k-means++). An interval whose weights sum to 0 takes its plain mean; an empty one the value at its
-  border.
+  sum_i f_i (w_i - c(w_i))^2, run from the weighted quantiles of the row and from `restarts` weighted k-means++
+  starts (the authors' initialization; drawn from a fixed seed, so runs repeat), keeping per row the result of
+  least cost. Lloyd only finds a local optimum, and with Fisher sensitivities, which span orders of magnitude,
+  the start matters: on SmolLM2 rows with heavy-tailed sensitivities the quantile start alone ends 10-50% above
+  the best of eight starts. An interval whose weights sum to 0 takes its plain mean; an empty one the value at
+  its border.
 - Upscaling (`split_clusters`): per cluster the split point minimizing the 2-means cost
   sum f w^2 - S_L^2 / F_L - S_R^2 / F_R over every split of the sorted interval (the global optimum; the authors'
   binary search finds a Lloyd fixed point), the lower part getting code 2j and the upper 2j + 1. The parent's
@@ -66,14 +69,50 @@ class SortedRows:
         out = torch.where(weight > 0, weighted, plain)
         return torch.where(count > 0, out, previous)
 
+    def cost(self, borders: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+        """Weighted squared error per row [N] of the clustering: sum over intervals of sum f (w - c)^2."""
+        lo, hi = borders[:, :-1], borders[:, 1:]
+        f, fw, fww = (self.interval(t, lo, hi) for t in (self.f, self.fw, self.fww))
+        return (fww - 2 * centroids * fw + centroids * centroids * f).sum(dim=1)
 
-def kmeans_rows(rows: SortedRows, clusters: int, max_iter: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted 1-D k-means of every row: (centroids [N, k] ascending, borders [N, k + 1] into the sorted rows)."""
-    n, k = rows.values.shape
-    total = rows.f[:, -1:]
-    targets = total * (torch.arange(clusters, dtype=torch.float64) + 0.5) / clusters  # weighted quantiles
+
+def kmeans_rows(rows: SortedRows, clusters: int, max_iter: int = 50, restarts: int = 7, seed: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted 1-D k-means of every row: (centroids [N, k] ascending, borders [N, k + 1] into the sorted rows),
+    the least-cost of Lloyd from the weighted quantiles and from `restarts` k-means++ starts (seeded by `seed`)."""
+    k = rows.values.shape[1]
+    targets = rows.f[:, -1:] * (torch.arange(clusters, dtype=torch.float64) + 0.5) / clusters  # weighted quantiles
     idx = torch.searchsorted(rows.f[:, 1:].contiguous(), targets.contiguous()).clamp(max=k - 1)
-    centroids = torch.gather(rows.values, 1, idx)
+    centroids, borders = _lloyd(rows, torch.gather(rows.values, 1, idx), max_iter)
+    cost = rows.cost(borders, centroids)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(restarts):
+        c, b = _lloyd(rows, _kmeanspp_starts(rows, clusters, generator), max_iter)
+        c_cost = rows.cost(b, c)
+        better = (c_cost < cost)[:, None]
+        centroids, borders = torch.where(better, c, centroids), torch.where(better, b, borders)
+        cost = torch.minimum(cost, c_cost)
+    return centroids, borders
+
+
+def _kmeanspp_starts(rows: SortedRows, clusters: int, generator: torch.Generator) -> torch.Tensor:
+    """Weighted k-means++ starts per row (Arthur & Vassilvitskii, 2007), ascending: the first centroid drawn with
+    probability proportional to f, each next to f times the squared distance to the nearest one drawn."""
+    f = torch.diff(rows.f, dim=1).clamp(min=0)  # each sorted weight's sensitivity (every row's sum is positive)
+    pick = torch.multinomial(f, 1, generator=generator)
+    drawn = [torch.gather(rows.values, 1, pick)]
+    dist = (rows.values - drawn[0]) ** 2
+    for _ in range(clusters - 1):
+        p = f * dist
+        p = torch.where(p.sum(dim=1, keepdim=True) > 0, p, f)  # every weighted value already drawn: any will do
+        drawn.append(torch.gather(rows.values, 1, torch.multinomial(p, 1, generator=generator)))
+        dist = torch.minimum(dist, (rows.values - drawn[-1]) ** 2)
+    return torch.cat(drawn, dim=1).sort(dim=1).values
+
+
+def _lloyd(rows: SortedRows, centroids: torch.Tensor, max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd iterations from ascending `centroids` [N, k] until no border moves (at most `max_iter`)."""
+    n, k = rows.values.shape
     borders = None
     for _ in range(max_iter):
         mid = (centroids[:, :-1] + centroids[:, 1:]) / 2
@@ -85,6 +124,7 @@ def kmeans_rows(rows: SortedRows, clusters: int, max_iter: int = 50) -> tuple[to
         # an empty interval takes the value at its border, which keeps the centroids ascending
         at_border = torch.gather(rows.values, 1, borders[:, :-1].clamp(max=k - 1))
         centroids = rows.means(borders, at_border)
+    assert borders is not None
     return centroids, borders
 
 
@@ -125,13 +165,13 @@ def codes_from_borders(rows: SortedRows, borders: torch.Tensor) -> torch.Tensor:
 
 
 def any_precision(weight: torch.Tensor, sensitivity: torch.Tensor, seed_bits: int = 3, parent_bits: int = 8,
-                  max_iter: int = 50) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                  max_iter: int = 50, restarts: int = 7) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """SqueezeLLM seed at `seed_bits`, upscaled one bit at a time to `parent_bits`: (parent codes [N, K] long,
     {bits: LUT [N, 2^bits] float32}) with code_b = parent_code >> (parent_bits - b) for every width."""
     if not 1 <= seed_bits <= parent_bits <= 8:
         raise ValueError(f"need 1 <= seed_bits <= parent_bits <= 8, got {seed_bits}, {parent_bits}")
     rows = SortedRows.build(weight, sensitivity)
-    centroids, borders = kmeans_rows(rows, 1 << seed_bits, max_iter)
+    centroids, borders = kmeans_rows(rows, 1 << seed_bits, max_iter, restarts)
     luts = {seed_bits: centroids.float()}
     for bits in range(seed_bits + 1, parent_bits + 1):
         centroids, borders = split_clusters(rows, borders, centroids)

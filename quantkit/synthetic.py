@@ -27,6 +27,7 @@ class SyntheticLlama:
     tie_word_embeddings: bool = False
     model_type: str = "llama"
     attention_bias: bool = False  # q/k/v biases, as Qwen2 has
+    dtype: str = "float16"  # or "bfloat16", as Llama 3 and Mistral ship
 
     @property
     def num_parameters(self) -> int:
@@ -42,10 +43,10 @@ TINYLLAMA_1B = SyntheticLlama(2048, 5632, 22, 32, 4, 32000, 2048)
 
 def _config(spec: SyntheticLlama) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    config = {k: v for k, v in asdict(spec).items() if k != "attention_bias"}
+    config = {k: v for k, v in asdict(spec).items() if k not in ("attention_bias", "dtype")}
     config.update({
         "architectures": [arch[spec.model_type]], "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": "float16",
+        "rope_theta": 10000.0, "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": spec.dtype,
         "initializer_range": 0.02,
     })
     if spec.model_type == "llama":
@@ -71,19 +72,21 @@ def write_tokenizer(path: Path) -> None:
 
 
 def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), seed: int = 0) -> Path:
-    """Write a random float16 Llama-family checkpoint (config, tokenizer, one shard per layer) to `path`."""
+    """Write a random Llama-family checkpoint (config, tokenizer, one shard per layer; float16 unless the spec
+    says bfloat16) to `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
     h, i = spec.hidden_size, spec.intermediate_size
     hd = h // spec.num_attention_heads
     kv = spec.num_key_value_heads * hd
 
     def rand(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).to(torch.float16)
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
 
     def norm(n):
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.float16)
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
 
     total = spec.num_hidden_layers + 1
     weight_map = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -84,6 +85,25 @@ def test_seed_kmeans_is_a_weighted_lloyd_fixed_point():
         nearest = (w[r, :, None].double() - centroids[r]).abs().argmin(dim=1)
         assert torch.equal((w[r, :, None].double() - centroids[r]).abs().gather(1, nearest[:, None]),
                            (w[r, :, None].double() - centroids[r]).abs().gather(1, codes[r, :, None]))
+
+
+def test_seed_restarts_keep_the_least_cost_per_row_and_repeat():
+    """k-means++ restarts never leave a row worse than the quantile start, improve rows with heavy-tailed
+    sensitivities (as Fisher information is), and the same call gives the same clustering."""
+    w, _ = _row_problem(n=32, k=256)
+    f = torch.exp(3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    rows = SortedRows.build(w, f)
+    quantile = rows.cost(*reversed(kmeans_rows(rows, 8, restarts=0)))
+    centroids, borders = kmeans_rows(rows, 8)
+    best = rows.cost(borders, centroids)
+    assert (best <= quantile).all() and float(best.sum()) < 0.95 * float(quantile.sum())
+    assert (centroids[:, 1:] >= centroids[:, :-1]).all()
+    again = kmeans_rows(rows, 8)
+    assert torch.equal(again[0], centroids) and torch.equal(again[1], borders)
+    # the cost is the weighted squared error of the codes it describes
+    codes = codes_from_borders(rows, borders)
+    direct = _weighted_error(w.double(), f.double(), codes, centroids)
+    assert torch.allclose(best, direct, rtol=1e-9)
 
 
 def test_best_split_is_the_exhaustive_optimum():
@@ -222,6 +242,22 @@ def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch)
     result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1")
     assert result.exit_code != 0 and "widths 3..8" in result.output
     assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output  # every width, emulated
+
+
+def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):
+    """Llama 3 and Mistral ship bfloat16: the tables are still fp16 (the format's and the kernel's), so every
+    width exports, and the kernel check passes."""
+    from helpers import cli_ok
+
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=1, dtype="bfloat16"))
+    cli_ok("quantize", model, "-o", tmp_path / "ap", "--recipe", "anyprec-3to8", "--calib", calib_txt,
+           "--num-samples", "4", "--seq-len", "64")
+    assert json.loads((tmp_path / "ap" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output
 
 
 def test_anyprec_on_stories260k(stories260k, tinystories_txt, tmp_path, monkeypatch):

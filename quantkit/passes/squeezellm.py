@@ -22,10 +22,13 @@ from quantkit.quantizers import QParams
 @dataclass(frozen=True)
 class SqueezeLLMConfig:
     max_iter: int = 50  # Lloyd iterations of the seed clustering (it stops earlier once no border moves)
+    restarts: int = 7  # weighted k-means++ starts of the seed beside the quantile start; the best per row is kept
 
     def __post_init__(self) -> None:
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be at least 1, got {self.max_iter}")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be at least 0, got {self.restarts}")
 
 
 @register
@@ -42,8 +45,10 @@ class SqueezeLLM(Pass):
                 raise ValueError(f"{name}: squeezellm needs codebook weights (weights.codebook: true, per channel)")
             w = work.weight(name).detach().float()
             codes, luts = any_precision(w, work.fisher[name], spec.min_bits or spec.bits, spec.bits,
-                                        self.config.max_iter)
-            lut = torch.cat([luts[b].to(work.scale_dtype).float() for b in sorted(luts)], dim=1)
+                                        self.config.max_iter, self.config.restarts)
+            # fp16 tables whatever the checkpoint's dtype: the anyprec format and kernel read fp16 (bf16 would lose
+            # three bits of every centroid, and its small values are not all fp16 values)
+            lut = torch.cat([luts[b].half().float() for b in sorted(luts)], dim=1)
             offset = 1 << (spec.bits - 1)
             qp = QParams(scale=None, zero=None, group_size=w.shape[1], lut=lut, code_offset=offset)
             work.results[name] = QuantizedLinear((codes - offset).to(torch.int8), qp, spec)
