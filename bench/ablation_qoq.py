@@ -14,6 +14,7 @@ from __future__ import annotations
 from _common import ppl_cells, smollm2_job, smollm2_row, table
 
 W4_CHANNEL = ["--set", "weights={bits: 4, symmetric: false, granularity: channel, zero_form: scaled}"]
+W4_SYM = ["--set", "weights={bits: 4, symmetric: true, granularity: channel, narrow_range: true}"]
 W4_G64 = ["--set", "weights={bits: 4, symmetric: false, granularity: group, group_size: 64, progressive: true}"]
 A8 = ["--set", "activations={bits: 8, symmetric: true, granularity: token}"]
 NO_KV = ["--set", "kv_cache=null"]
@@ -48,6 +49,10 @@ GAP: list[tuple[str, str, list[str]]] = [
     ("RTN W4A8KV4 (per channel)", "qoq", [*W4_CHANNEL, *_passes("rtn"), *SIM]),
     ("QoQ W4A8KV4 (per channel)", "qoq", [*SIM]),
     ("RTN W4A8KV4 (g64, sim.)", "qoq-g128", [*W4_G64, *_passes("rtn"), *SIM]),
+    # QServe's per-channel kernel applies the zero point to the unquantized activations' sum in its epilogue, so
+    # the activations' rounding error meets the unsigned weights q * s; symmetric INT4 has no zero point and no
+    # such term (the grid of bench/w4a8.py's RTN row): the stronger per-channel RTN baseline
+    ("RTN W4A8KV4 (per channel, symmetric INT4)", "qoq", [*W4_SYM, *_passes("rtn"), *SIM]),
     # the recipes weight the attention sink in GPTQ's Hessians (calibration.sink_weight: 128); plain GPTQ beside it
     ("QoQ W4A8KV4 (per channel), plain GPTQ", "qoq", ["--set", "calibration.sink_weight=null", *SIM]),
 ]
@@ -82,6 +87,8 @@ def main() -> None:
           "calib 128 x 1024 c4")
     print(table(["step", "wikitext2 ppl", "vs previous", "quantize wall", "measured with"], rows))
     pairs = [("per channel", "RTN W4A8KV4 (per channel)", "QoQ W4A8KV4 (per channel)"),
+             ("per channel, symmetric INT4 RTN", "RTN W4A8KV4 (per channel, symmetric INT4)",
+              "QoQ W4A8KV4 (per channel)"),
              ("per channel, plain GPTQ", "RTN W4A8KV4 (per channel)", "QoQ W4A8KV4 (per channel), plain GPTQ"),
              ("g64", "RTN W4A8KV4 (g64, sim.)", "+ GPTQ (QoQ g64)")]
     for name, rtn, qoq in pairs:
