@@ -103,7 +103,7 @@ def run_by_role(
 
     def attention(s: slice) -> object:  # called exactly as the decoder layers call it
         return attn(hidden_states=norm1(load(x, s)), attention_mask=runner.mask, position_ids=None,
-                    past_key_values=None, use_cache=False, position_embeddings=runner.position_embeddings)
+                    use_cache=False, position_embeddings=runner.position_embeddings)
 
     def stored(t: torch.Tensor, width: int) -> torch.Tensor:
         return torch.empty(*x.shape[:-1], width, dtype=torch.float32, device=x.device) if t is None else t
