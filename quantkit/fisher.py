@@ -41,13 +41,11 @@ def diagonal_fisher(
     """F for the block-relative linears `names` of every layer, from token windows [n, L]; returns one
     safetensors file per layer under `work_dir` ({name: F [N, K] bfloat16}). Intermediate activations are kept
     under `work_dir` too and removed when done."""
-    from quantkit.pipeline import load_edges  # the engine imports this module
-
     work_dir.mkdir(parents=True, exist_ok=True)
     config = source.config
     n, length = windows.shape
     runner = BlockRunner(source, length, batch_size=1)
-    edges = load_edges(source)
+    edges = source.edges()
     x = edges.embed.float()[windows]  # [n, L, H]
     layers = source.num_layers
     saved = [work_dir / f"input-{i:05d}.safetensors" for i in range(layers)]

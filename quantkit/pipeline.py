@@ -48,9 +48,9 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
-from quantkit.models.source import ModelSource, default_cache_dir, open_model
+from quantkit.models.source import ModelEdges, ModelSource, default_cache_dir, open_model
 from quantkit.passes import LayerWork, get_pass
-from quantkit.passes.base import ModelEdges, Pass
+from quantkit.passes.base import Pass
 from quantkit.quantizers import QuantSpec
 from quantkit.recipe import Recipe, to_yaml
 
@@ -229,18 +229,6 @@ def linear_parts(tensors: dict[str, torch.Tensor], module: str, packer: Packer) 
     return {k[len(prefix):]: tensors.pop(k) for k in keys}
 
 
-def load_edges(source: ModelSource) -> ModelEdges:
-    """Embeddings, final norm and lm_head in the checkpoint dtype (lm_head copied from the embeddings if tied)."""
-    a = source.adapter
-    names = [a.embed + ".weight", a.final_norm + ".weight"]
-    if not source.tied_embeddings:
-        names.append(a.lm_head + ".weight")
-    t = source.read(names)
-    embed = t[a.embed + ".weight"]
-    return ModelEdges(embed=embed, final_norm=t[a.final_norm + ".weight"],
-                      lm_head=t.get(a.lm_head + ".weight", embed))
-
-
 def resolve_calibration(
     job: QuantizeJob, source: ModelSource, tokenizer: Any, reporter: Reporter
 ) -> CalibrationSet:
@@ -347,7 +335,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
         edges = None  # held only when a pass rewrites them; otherwise _finalize copies them from the checkpoint
         if any(type(p).prepare is not Pass.prepare for p in passes):
-            edges = load_edges(source)
+            edges = source.edges()
             for p in passes:
                 p.prepare(edges, source.config)
         tokens = calib.tokens

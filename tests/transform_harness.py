@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 from quantkit.models.block import BlockRunner, build_block
 from quantkit.models.source import open_model
 from quantkit.passes import LayerWork, get_pass
-from quantkit.pipeline import load_edges
 from quantkit.quantizers import QuantSpec
 
 
@@ -24,7 +23,7 @@ def transformed_model(
     spec = spec or QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32)
     source = open_model(model_dir)
     instances = [get_pass(name)(get_pass(name).Config(**kwargs)) for name, kwargs in passes]
-    edges = load_edges(source)
+    edges = source.edges()
     for p in instances:
         p.prepare(edges, source.config)
     runner = BlockRunner(source, tokens.shape[1], batch_size=4)

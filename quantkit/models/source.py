@@ -13,6 +13,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,6 +61,17 @@ def check_safetensors(path: Path) -> dict[str, dict]:
         what = "truncated" if end > data_size else "corrupt (trailing bytes)"
         raise ModelError(f"{path}: {what} safetensors: tensors need {end} data bytes, file has {data_size}")
     return entries
+
+
+@dataclass
+class ModelEdges:
+    """The model-level tensors around the decoder blocks, in the checkpoint dtype, which transform passes may
+    rewrite. `lm_head` is a separate tensor even for tied checkpoints; the export unties them only when they
+    differ."""
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
 
 
 class ModelSource:
@@ -140,6 +152,16 @@ class ModelSource:
         prefix = self.adapter.layer_prefix(index)
         names = [n for n in self._where if n.startswith(prefix)]
         return {n[len(prefix):]: t for n, t in self.read(names).items()}
+
+    def edges(self) -> ModelEdges:
+        """Embeddings, final norm and lm_head (the embeddings again when tied)."""
+        a = self.adapter
+        names = [a.embed + ".weight", a.final_norm + ".weight"]
+        if not self.tied_embeddings:
+            names.append(a.lm_head + ".weight")
+        t = self.read(names)
+        embed = t[a.embed + ".weight"]
+        return ModelEdges(embed, t[a.final_norm + ".weight"], t.get(a.lm_head + ".weight", embed))
 
     def non_layer_names(self) -> list[str]:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from quantkit.models.source import ModelEdges
 from quantkit.quantizers import QParams, QuantSpec, dequantize, lut_width, requantize_int8
 
 
@@ -50,18 +51,6 @@ class QuantizedLinear:
         qp = self.qparams.map(lambda f, t: t.to(device))
         g_idx = None if self.g_idx is None else self.g_idx.to(device)
         return QuantizedLinear(self.codes.to(device), qp, self.spec, g_idx)
-
-
-@dataclass
-class ModelEdges:
-    """The model-level tensors around the decoder blocks (float32), which transform passes may rewrite.
-
-    `lm_head` is a separate tensor even for tied checkpoints; the export unties them only when they differ.
-    """
-
-    embed: torch.Tensor
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor
 
 
 @dataclass

@@ -18,8 +18,9 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.hadamard import rotation
+from quantkit.models.source import ModelEdges
 from quantkit.passes import register
-from quantkit.passes.base import LayerWork, ModelEdges, Pass
+from quantkit.passes.base import LayerWork, Pass
 
 
 def _scale_columns(module: torch.nn.Linear, gamma: torch.Tensor) -> None:
