@@ -160,6 +160,46 @@ def group_index(in_features: int, group_size: int, device: torch.device | str | 
     return torch.arange(in_features, device=device) // group_size
 
 
+@dataclass
+class QuantizedLinear:
+    """Integer codes [N, K] (signed int8 domain) with their qparams; `g_idx` maps columns to groups if permuted."""
+
+    codes: torch.Tensor
+    qparams: QParams
+    spec: QuantSpec
+    g_idx: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.codes, self.qparams, self.g_idx)
+
+    def finished(self) -> QuantizedLinear:
+        """The result as deployed: with QQQ's per-group INT8 re-expression (`requant_int8`) applied to the final
+        codes, which the engine does once a quantizer is done; otherwise (or once applied) this result itself."""
+        if not self.spec.requant_int8 or self.qparams.ratio is not None:
+            return self
+        if self.g_idx is not None:
+            raise ValueError("requant_int8 needs groups in natural column order (static groups)")
+        return QuantizedLinear(self.codes, requantize_int8(self.codes, self.qparams), self.spec)
+
+    def at_bits(self, bits: int) -> QuantizedLinear:
+        """A codebook result narrowed to `bits` (Any-Precision): the codes' top bits and that width's table."""
+        if not self.spec.codebook:
+            raise ValueError("only codebook (lookup-table) weights can be read at another width")
+        table = lut_width(self.qparams.lut, self.spec, bits)
+        unsigned = self.codes.long() + self.qparams.code_offset
+        offset = 1 << (bits - 1)
+        codes = ((unsigned >> (self.spec.bits - bits)) - offset).to(torch.int8)
+        spec = replace(self.spec, bits=bits, min_bits=bits)
+        qp = QParams(scale=None, zero=None, group_size=self.qparams.group_size, lut=table, code_offset=offset)
+        return QuantizedLinear(codes, qp, spec)
+
+    def to(self, device: torch.device | str) -> QuantizedLinear:
+        """The same result with every tensor on `device` (packers work on the CPU)."""
+        qp = self.qparams.map(lambda f, t: t.to(device))
+        g_idx = None if self.g_idx is None else self.g_idx.to(device)
+        return QuantizedLinear(self.codes.to(device), qp, self.spec, g_idx)
+
+
 def compute_qparams(
     w: torch.Tensor,
     spec: QuantSpec,

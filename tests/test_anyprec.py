@@ -161,8 +161,7 @@ def test_zero_weights_and_zero_sensitivity_rows():
 
 
 def _codebook_result(n: int = 8, k: int = 64):
-    from quantkit.passes.base import QuantizedLinear
-    from quantkit.quantizers import QParams, QuantSpec
+    from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
     w, f = _row_problem(n, k)
     codes, luts = any_precision(w, f, 3, 8)

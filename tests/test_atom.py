@@ -191,7 +191,7 @@ def test_scale_layout_by_hand_and_round_trip():
 def test_atom_packer_round_trip_and_refusals():
     from quantkit.formats.atom import AtomPacker
     from quantkit.formats.base import ExportError
-    from quantkit.passes.base import QuantizedLinear
+    from quantkit.quantizers import QuantizedLinear
     from quantkit.recipe import load_recipe
 
     spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128, clip_ratio=0.85, outliers=128,

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker, pack_int32, unpack_int32
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QuantSpec, compute_qparams, quantize
+from quantkit.quantizers import QuantizedLinear, QuantSpec, compute_qparams, quantize
 from quantkit.recipe import load_recipe
 
 

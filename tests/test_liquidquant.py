@@ -22,8 +22,7 @@ from quantkit.formats.liquidquant import (
     registers,
     unpack_codes,
 )
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, quantize, quantize_column
+from quantkit.quantizers import QuantizedLinear, QuantSpec, compute_qparams, dequantize, quantize, quantize_column
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
 LQQ = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=240, progressive=True, level2="lqq")

@@ -7,8 +7,7 @@ from safetensors.torch import load_file, save_file
 from quantkit.formats import get_packer
 from quantkit.formats.base import ExportError
 from quantkit.formats.native import NativePacker
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, compute_qparams, quantize, search_qparams
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, compute_qparams, quantize, search_qparams
 from quantkit.recipe import load_recipe
 
 SPECS = {

@@ -22,8 +22,7 @@ from quantkit.formats.qqq import (
     unpack_b,
     weight_perm,
 )
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, compute_qparams, quantize, requantize_int8
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, compute_qparams, quantize, requantize_int8
 from quantkit.recipe import load_recipe
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 

@@ -11,8 +11,15 @@ from quantkit.formats.base import ExportError
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 from quantkit.formats.qserve import QServePacker
 from quantkit.formats.qserve_layout import emulate_group_dequant, pack_qweight, s2_order, unpack_qweight
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, compute_qparams, dequantize, quantize, search_qparams
+from quantkit.quantizers import (
+    QParams,
+    QuantizedLinear,
+    QuantSpec,
+    compute_qparams,
+    dequantize,
+    quantize,
+    search_qparams,
+)
 from quantkit.recipe import load_recipe
 
 CHANNEL = QuantSpec(bits=4, symmetric=False, granularity="channel", zero_form="scaled")

@@ -19,9 +19,8 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import open_model
-from quantkit.passes.base import QuantizedLinear
 from quantkit.pipeline import linear_parts
-from quantkit.quantizers import QuantSpec
+from quantkit.quantizers import QuantizedLinear, QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
 
 

@@ -19,8 +19,7 @@ import torch
 
 from quantkit.formats.anyprec_layout import pack_planes, unpack_planes
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, lut_width
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, lut_width
 
 _LUT = re.compile(r"lut([1-8])")
 

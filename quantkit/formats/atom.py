@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 GROUP = OUTLIERS = 128
 TENSORS = ("reorder_index", "weight_int4", "weight_int8", "scale_int4", "scale_int8")

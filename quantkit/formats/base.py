@@ -7,8 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QuantSpec
+from quantkit.quantizers import QuantizedLinear, QuantSpec
 
 
 class ExportError(QuantkitError):

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 ROLE_PATTERNS = {
     "qkv": r"re:.*self_attn\.(q|k|v)_proj$",

@@ -37,8 +37,7 @@ import numpy as np
 import torch
 
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec, lqq_code_bound
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, lqq_code_bound
 
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 ONES = np.uint32(0x01010101)

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 VERSION = 1
 NOTE = "simulation artifact; no inference engine loads it"

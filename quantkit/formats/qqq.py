@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from quantkit.formats.base import ExportError, Packer
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 TILE = 16
 MIN_N, MIN_K = 64, 128  # vLLM's MIN_THREAD_N / MIN_THREAD_K

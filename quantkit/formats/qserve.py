@@ -36,8 +36,7 @@ from quantkit.formats.qserve_layout import (
     unpack_group_params,
     unpack_qweight,
 )
-from quantkit.passes.base import QuantizedLinear
-from quantkit.quantizers import QParams, QuantSpec
+from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 TENSORS = frozenset({"qweight", "s1_scales", "s1_szeros", "s2_scales", "s2_zeros"})
 KERNEL_GROUP_SIZES = (-1, 128)
