@@ -68,3 +68,21 @@ def test_in_place_output(tmp_path):
     expected = runner.run(block, x)
     run_by_role(runner, block, source.adapter, x, x, lambda role, t: None, lambda role: None)
     assert torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_attention_module_alone_equals_its_part_of_the_block(tmp_path, arch):
+    """`run_attention` (QoQ's q/k clipping objective) gives bit for bit what the attention module returns inside
+    a run of the whole block, KV simulation included."""
+    source = open_model(write_synthetic_llama(tmp_path / arch, SPECS[arch]))
+    runner = BlockRunner(source, 16, batch_size=2)
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(1))
+    block = build_block(source, 0)
+    simulate.attach([block], [], source.config, None, simulate.KVSim(4))
+    inside: list[torch.Tensor] = []
+    attn = block.get_submodule(source.adapter.attention)
+    handle = attn.register_forward_hook(lambda m, args, out: inside.append(out[0].clone()))
+    runner.run(block, x)
+    handle.remove()
+    alone = runner.run_attention(block, source.adapter, x)
+    assert torch.equal(alone, torch.cat(inside))

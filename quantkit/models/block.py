@@ -57,6 +57,24 @@ class BlockRunner:
             out[start:start + self.batch_size] = y.to(out.device, out.dtype)
         return out
 
+    def call_attention(self, block: nn.Module, adapter: ArchAdapter, x: torch.Tensor) -> object:
+        """The block's attention module on one chunk `x` (on the runner's device), through its input norm, called
+        exactly as the decoder layer calls it."""
+        attn = block.get_submodule(adapter.attention)
+        return attn(hidden_states=block.get_submodule(adapter.input_norm)(x), attention_mask=self.mask,
+                    position_ids=None, use_cache=False, position_embeddings=self.position_embeddings)
+
+    @torch.no_grad()
+    def run_attention(self, block: nn.Module, adapter: ArchAdapter, x: torch.Tensor) -> torch.Tensor:
+        """The attention module's outputs (o_proj included, before the residual add) for every sequence of `x`,
+        float32 on x's device: what QoQ's q/k clipping compares (digest-qserve P6c)."""
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        for start in range(0, x.shape[0], self.batch_size):
+            chunk = x[start:start + self.batch_size].to(self.device, torch.float32)
+            y = self.call_attention(block, adapter, chunk)
+            out[start:start + self.batch_size] = (y[0] if isinstance(y, tuple) else y).to(out.device)
+        return out
+
 
 class _Captured(Exception):
     def __init__(self, value: torch.Tensor):
@@ -93,7 +111,7 @@ def run_by_role(
     device: the attention output, the mid-block residual and the MLP hidden state ((2 H + I) / H times `x`).
     `out` may be `x`.
     """
-    norm1, attn = block.get_submodule(adapter.input_norm), block.get_submodule(adapter.attention)
+    norm1 = block.get_submodule(adapter.input_norm)
     norm2, mlp = block.get_submodule(adapter.post_attn_norm), block.get_submodule(adapter.mlp)
     o_proj, down = block.get_submodule(adapter.o_proj), block.get_submodule(adapter.down_proj)
     chunks = [slice(s, s + runner.batch_size) for s in range(0, x.shape[0], runner.batch_size)]
@@ -101,9 +119,8 @@ def run_by_role(
     def load(t: torch.Tensor, s: slice) -> torch.Tensor:
         return t[s].to(runner.device, torch.float32)
 
-    def attention(s: slice) -> object:  # called exactly as the decoder layers call it
-        return attn(hidden_states=norm1(load(x, s)), attention_mask=runner.mask, position_ids=None,
-                    use_cache=False, position_embeddings=runner.position_embeddings)
+    def attention(s: slice) -> object:
+        return runner.call_attention(block, adapter, load(x, s))
 
     def stored(t: torch.Tensor, width: int) -> torch.Tensor:
         return torch.empty(*x.shape[:-1], width, dtype=torch.float32, device=x.device) if t is None else t

@@ -89,6 +89,11 @@ class LayerWork:
             for h in handles:
                 h.remove()
 
+    def attention_output(self, samples: int | None = None) -> torch.Tensor:
+        """The attention module's outputs (o_proj included) on the first `samples` calibration sequences."""
+        x = self.inputs if samples is None else self.inputs[:samples]
+        return self.runner.run_attention(self.block, self.adapter, x)
+
     def input_absmax(self, names: list[str], samples: int | None = None) -> dict[str, torch.Tensor]:
         """max |x| per input channel of each named submodule over the calibration tokens."""
         stats: dict[str, torch.Tensor] = {}

@@ -4,7 +4,8 @@ Candidates scale both ends of the range: ratio in {1, 1 - step, ..., min_ratio}.
 k_proj the objective is the layer output error of each (row, group), measured exactly with the calibration
 Hessian block of that group: d_g^T H_gg d_g with d = w - fake_quant(w; ratio) (for per-channel quantization this is
 the row's full output MSE). For q_proj and k_proj, whose errors matter only through the softmax, one ratio per
-tensor minimizes the block output MSE on a few calibration sequences. The chosen ratios are stored in
+tensor minimizes the output MSE of the attention module (softmax and o_proj included, as QServe's code does) on
+a few calibration sequences. The chosen ratios are stored in
 `work.clip` and used by the weight quantizer that follows (RTN, or GPTQ's static parameters).
 """
 
@@ -86,9 +87,10 @@ class Clip(Pass):
             work.metrics[f"{name}.clip"] = float(work.clip[name])
 
     def _attention_ratio(self, work: LayerWork, name: str) -> float:
-        """Per-tensor ratio of q_proj or k_proj minimizing the block output MSE (other weights in FP)."""
+        """Per-tensor ratio of q_proj or k_proj minimizing the attention module's output MSE (other weights in FP;
+        the module with softmax and o_proj, as QServe's code reads Eq. 10's "block")."""
         samples = self.config.attention_samples
-        reference = work.forward(samples=samples).float()
+        reference = work.attention_output(samples)
         module = work.module(name)
         original = module.weight.data.clone()
         spec = work.specs[name]
@@ -96,7 +98,7 @@ class Clip(Pass):
         try:
             for ratio in _grid(self.config.attention_min_ratio, self.config.attention_step):
                 module.weight.data = _fake(original.float(), spec, work.scale_dtype, ratio).to(original.dtype)
-                err = float((work.forward(samples=samples).float() - reference).pow(2).sum())
+                err = float((work.attention_output(samples) - reference).pow(2).sum())
                 if best_err is None or err < best_err:
                     best, best_err = ratio, err
         finally:
