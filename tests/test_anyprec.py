@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from quantkit.formats.anyprec_layout import column_map, lut_dequantize, pack_planes, unpack_planes
-from quantkit.nonuniform import SortedRows, any_precision, codes_from_borders, kmeans_rows, split_clusters
+from quantkit.nonuniform import (
+    SortedRows,
+    _draw,
+    any_precision,
+    codes_from_borders,
+    kmeans_rows,
+    split_clusters,
+)
 
 
 @pytest.mark.parametrize("k", [32, 576, 1024, 1536, 2144, 4096])
@@ -104,6 +111,18 @@ def test_seed_restarts_keep_the_least_cost_per_row_and_repeat():
     codes = codes_from_borders(rows, borders)
     direct = _weighted_error(w.double(), f.double(), codes, centroids)
     assert torch.allclose(best, direct, rtol=1e-9)
+
+
+def test_kmeanspp_draw_follows_the_weights_and_never_picks_a_zero():
+    """The inverse-CDF draw behind k-means++: indices with zero weight (leading, inner, a zero tail) are never
+    drawn, a single positive entry always is, and frequencies follow the weights."""
+    rows = [[0.0, 1.0, 0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0], [1e-300, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    p = torch.tensor(rows, dtype=torch.float64).repeat(20000, 1)
+    picks = _draw(p.cumsum(dim=1), torch.Generator().manual_seed(0)).reshape(20000, 3)
+    assert set(picks[:, 0].tolist()) == {1, 3}
+    assert (picks[:, 1] == 5).all() and (picks[:, 2] == 0).all()
+    share = float((picks[:, 0] == 3).double().mean())
+    assert abs(share - 0.75) < 0.01  # 20000 draws: the standard error is 0.003
 
 
 def test_best_split_is_the_exhaustive_optimum():
