@@ -190,8 +190,11 @@ class Ledger:
         self.rows[label] = {"key": key, "result": result, "code_sha256": code, "commit": _commit(),
                             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu_gflops": round(probe),
                             "cpus": os.cpu_count(), "load_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}
+        # rows another run of this bench wrote meanwhile are kept: read the ledger again, add this row, replace
+        latest = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.rows = {**latest, label: self.rows[label]}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.rows, indent=1, sort_keys=True) + "\n")
         tmp.replace(self.path)
         return result
