@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,11 @@ def test_gguf_opens_as_a_float16_checkpoint(cache):
     mtime = (cached / "model.safetensors").stat().st_mtime_ns
     assert open_model(shared_path(GGUF), cache_dir=cache).path == cached
     assert (cached / "model.safetensors").stat().st_mtime_ns == mtime
+    # the cache entry has the modes mkdir and open give, not the temp dir's private 0700 / 0600
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o777 & ~mask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in cached.iterdir()} == {0o666 & ~mask}
 
 
 def test_gguf_conversions_racing_for_one_cache_entry_both_succeed(cache, tmp_path, monkeypatch):

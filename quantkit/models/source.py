@@ -218,6 +218,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
 
 
+def _umask_permissions(directory: Path) -> None:
+    """Give a finished temp dir (mkdtemp makes it 0700) and its files the modes a plain mkdir and open would, so
+    the cache reads like any other directory for other users."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory.chmod(0o777 & ~mask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~mask)
+
+
 def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its hash.
 
@@ -256,6 +266,7 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
         tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
+        _umask_permissions(tmp)
         try:
             tmp.rename(target)
         except OSError:
