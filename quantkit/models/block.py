@@ -49,13 +49,8 @@ class BlockRunner:
         The cache stays where it is (CPU); each chunk runs on the runner's device.
         """
         out = torch.empty_like(x) if out is None else out
-        cos, sin = self.position_embeddings
-        for start in range(0, x.shape[0], self.batch_size):
-            chunk = x[start:start + self.batch_size].to(self.device, torch.float32)
-            y = block(chunk, attention_mask=self.mask, position_embeddings=(cos, sin))
-            y = y[0] if isinstance(y, tuple) else y
-            out[start:start + self.batch_size] = y.to(out.device, out.dtype)
-        return out
+        return self._chunks(x, out, lambda chunk: block(chunk, attention_mask=self.mask,
+                                                        position_embeddings=self.position_embeddings))
 
     def call_attention(self, block: nn.Module, adapter: ArchAdapter, x: torch.Tensor) -> object:
         """The block's attention module on one chunk `x` (on the runner's device), through its input norm, called
@@ -69,12 +64,16 @@ class BlockRunner:
         """The attention module's outputs (o_proj included, before the residual add) for every sequence of `x`,
         float32 on x's device: what QoQ's q/k clipping compares (digest-qserve P6c)."""
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        for start in range(0, x.shape[0], self.batch_size):
-            chunk = x[start:start + self.batch_size].to(self.device, torch.float32)
-            y = self.call_attention(block, adapter, chunk)
-            out[start:start + self.batch_size] = (y[0] if isinstance(y, tuple) else y).to(out.device)
-        return out
+        return self._chunks(x, out, lambda chunk: self.call_attention(block, adapter, chunk))
 
+    def _chunks(self, x: torch.Tensor, out: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        """`fn` on `x` a batch of sequences at a time (float32, on the runner's device), its output (or the first
+        element of a tuple) written into `out`."""
+        for start in range(0, x.shape[0], self.batch_size):
+            y = fn(x[start:start + self.batch_size].to(self.device, torch.float32))
+            y = y[0] if isinstance(y, tuple) else y
+            out[start:start + self.batch_size] = y.to(out.device, out.dtype)
+        return out
 
 class _Captured(Exception):
     def __init__(self, value: torch.Tensor):
