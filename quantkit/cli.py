@@ -71,7 +71,7 @@ class _RichReporter:
     def start(self, total: int, description: str) -> None:
         self.progress.start()
         self.task = self.progress.add_task(description, total=total, last="")
-        self.total, self.done, self.fresh, self.spent = total, 0, 0, 0.0
+        self.total, self.done, self.fresh, self.spent, self.recorded = total, 0, 0, 0.0, 0.0
 
     def phase(self, description: str, done: int, total: int) -> None:
         if description not in self.phases:
@@ -92,8 +92,11 @@ class _RichReporter:
         if not report.replayed:
             self.fresh += 1
             self.spent += report.seconds
+        else:  # the journal's time for a layer quantized before the interruption: the estimate until a fresh one
+            self.recorded += report.seconds
         if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
-            eta = self.spent / max(self.fresh, 1) * (self.total - self.done)
+            per_layer = self.spent / self.fresh if self.fresh else self.recorded / self.done
+            eta = per_layer * (self.total - self.done)
             console.print(f"layer {report.index + 1}/{self.total}: rel. err {error}, "
                           f"{report.seconds:.0f} s{tag}, ETA {eta / 60:.0f} min", highlight=False)
         for note in report.notes:

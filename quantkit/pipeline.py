@@ -48,7 +48,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
-from quantkit.models.source import ModelEdges, ModelSource, default_cache_dir, open_model
+from quantkit.models.source import ModelEdges, ModelSource, content_digest, default_cache_dir, open_model
 from quantkit.passes import LayerWork, get_pass
 from quantkit.passes.base import Pass
 from quantkit.quantizers import QuantSpec
@@ -365,11 +365,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
 
 def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter) -> list[Path]:
     """Per-layer diagonal Fisher files of the named linears, cached under $QUANTKIT_CACHE/fisher by the checkpoint
-    files, the token windows and the linears, so a resumed run or another width of the same model reuses them."""
+    files' contents, the token windows and the linears, so a resumed run or another width of the same model
+    reuses them, wherever the checkpoint lives and whatever its files' mtimes."""
     from quantkit.fisher import diagonal_fisher
 
     files = sorted(source.path.glob("*.safetensors"))
-    identity = [str(source.path.resolve()), *(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files),
+    identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
                 hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names]
     key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
     directory = default_cache_dir() / "fisher" / key

@@ -13,6 +13,20 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("QUANTKIT_SHARED", REPO.parent / "shared"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Path:
+    """Every test run gets its own $QUANTKIT_CACHE: content-keyed caches (Fisher, GGUF) must not let one run's
+    results stand in for the computation a later run's test means to exercise, nor fill the user's cache."""
+    path = tmp_path_factory.mktemp("quantkit-cache")
+    saved = os.environ.get("QUANTKIT_CACHE")
+    os.environ["QUANTKIT_CACHE"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("QUANTKIT_CACHE", None)
+    else:
+        os.environ["QUANTKIT_CACHE"] = saved
+
+
 def shared_path(relative: str) -> Path:
     """Path inside ../shared, or skip the test with a message naming what is missing."""
     path = SHARED / relative

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -260,6 +261,31 @@ def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch)
     result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1")
     assert result.exit_code != 0 and "widths 3..8" in result.output
     assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output  # every width, emulated
+
+
+def test_fisher_cache_follows_the_checkpoint_bytes(tmp_path, calib_txt, monkeypatch):
+    """A copy of the checkpoint elsewhere, with new mtimes, reuses the Fisher computed for the original (its
+    cache is keyed by content); a checkpoint with other weights computes its own."""
+    from helpers import cli, cli_ok  # cli lets exceptions through
+
+    import quantkit.fisher
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    config = SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=1)
+    model = write_synthetic_llama(tmp_path / "m", config)
+    args = ["--recipe", "anyprec-3to8", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64"]
+    cli_ok("quantize", model, "-o", tmp_path / "a", *args)
+    copy = shutil.copytree(model, tmp_path / "copy", copy_function=shutil.copyfile)  # new mtimes
+
+    def no_recompute(*_, **__):
+        raise AssertionError("Fisher recomputed")
+
+    monkeypatch.setattr(quantkit.fisher, "diagonal_fisher", no_recompute)
+    cli_ok("quantize", copy, "-o", tmp_path / "b", *args)
+    other = write_synthetic_llama(tmp_path / "other", config, seed=1)
+    with pytest.raises(AssertionError, match="Fisher recomputed"):
+        cli("quantize", other, "-o", tmp_path / "c", *args)
 
 
 def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):

@@ -59,3 +59,20 @@ def test_gguf_conversions_racing_for_one_cache_entry_both_succeed(cache, tmp_pat
     assert gguf_to_safetensors(gguf, tmp_path / "cache") == target
     assert [p.name for p in target.parent.iterdir()] == [target.name]
     assert (target / "config.json").is_file()
+
+
+def test_gguf_cache_follows_the_file_bytes(cache, tmp_path, monkeypatch):
+    """The same GGUF copied elsewhere (new path, new mtime: a re-provisioned mount) reuses the converted copy
+    instead of dequantizing again; the cache is keyed by content, not by where the file is or when it was touched."""
+    import transformers
+
+    copy = tmp_path / "moved.gguf"
+    shutil.copyfile(shared_path(GGUF), copy)
+    os.utime(copy, ns=(1, 1))
+
+    def no_conversion(*_, **__):
+        raise AssertionError("GGUF converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    converted = next((cache / "gguf").iterdir())
+    assert gguf_to_safetensors(copy, cache) == converted

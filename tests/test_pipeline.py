@@ -243,6 +243,24 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, calib_txt):
     assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
 
 
+def test_log_eta_after_a_resume_uses_the_journal_times(capsys):
+    """In a log (no live bar), a resumed run's ETA comes from the layers' recorded times until a fresh layer is
+    done, instead of reading 0 min through the whole replay."""
+    from quantkit.cli import _RichReporter
+    from quantkit.pipeline import LayerReport
+
+    reporter = _RichReporter()
+    reporter.start(6, "quantize")
+    try:
+        reporter.layer_done(LayerReport(index=0, rel_error=0.1, seconds=120.0, replayed=True))
+        reporter.layer_done(LayerReport(index=1, rel_error=0.1, seconds=120.0, replayed=True))
+        reporter.layer_done(LayerReport(index=2, rel_error=0.1, seconds=60.0))
+    finally:
+        reporter.stop()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layer ")]
+    assert [line.rsplit("ETA ", 1)[1] for line in lines] == ["10 min", "8 min", "3 min"]
+
+
 def test_self_generated_calibration_when_offline(stories260k, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("QUANTKIT_DATA_DIR", raising=False)

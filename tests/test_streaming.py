@@ -87,3 +87,28 @@ def test_pickles_are_refused(stories260k, tmp_path):
     (d / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(ModelError, match="never unpickles"):
         open_model(d)
+
+
+def test_content_digest_follows_the_bytes_not_the_mtime(tmp_path):
+    """Caches keyed by content_digest survive a copy or a re-provisioned mount (same bytes, new mtime) and are
+    invalidated by a change of bytes even at the same size; a damaged memo is ignored, not trusted."""
+    import hashlib
+    import os
+
+    from quantkit.models.source import content_digest
+
+    cache = tmp_path / "cache"
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 1000)
+    first = content_digest(f, cache)
+    assert first == hashlib.sha256(b"x" * 1000).hexdigest()
+    assert json.loads((cache / "digests.json").read_text())[str(f.resolve())]["sha256"] == first
+    os.utime(f, ns=(1, 1))
+    assert content_digest(f, cache) == first
+    copy = tmp_path / "b.bin"
+    shutil.copyfile(f, copy)
+    assert content_digest(copy, cache) == first
+    f.write_bytes(b"y" * 1000)
+    os.utime(f, ns=(1, 1))  # same size and mtime as the memo holds (a stat memo's known blind spot) ...
+    (cache / "digests.json").write_text("{not json")  # ... so damage the memo: it must be re-hashed, not trusted
+    assert content_digest(f, cache) == hashlib.sha256(b"y" * 1000).hexdigest()

@@ -6,6 +6,7 @@ corrupt file fails before any work starts, and every tensor read is checked for 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from quantkit.artifact import atomic_write
 from quantkit.errors import QuantkitError
 from quantkit.models.adapters import ArchAdapter, adapter_for
 
@@ -228,17 +230,47 @@ def _umask_permissions(directory: Path) -> None:
         f.chmod(0o666 & ~mask)
 
 
+def content_digest(path: Path, cache_dir: Path | None = None) -> str:
+    """Hex sha256 of a file's bytes, memoized in the cache by (path, size, mtime).
+
+    Caches keyed by content survive a copy, a move or a re-provisioned mount that gives the same bytes a new
+    mtime; the memo keeps an unchanged file from being read again on every run.
+    """
+    stat = path.stat()
+    memo_path = (cache_dir or default_cache_dir()) / "digests.json"
+    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}  # no memo yet, or a damaged one: hashing again is always correct
+    name = str(path.resolve())
+    entry = memo.get(name) if isinstance(memo, dict) else None
+    if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo = memo if isinstance(memo, dict) else {}
+    memo[name] = {**stamp, "sha256": digest}
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next run a re-hash
+        atomic_write(memo_path, json.dumps(memo, indent=1, sort_keys=True))
+    return digest
+
+
 def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
-    """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its hash.
+    """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its content.
 
     The conversion holds the whole model in memory (transformers dequantizes GGUF to float32); quantization
     afterwards streams from the cache like any checkpoint.
     """
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = (cache_dir or default_cache_dir()) / "gguf" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
+    cache_dir = cache_dir or default_cache_dir()
+    key = content_digest(gguf, cache_dir)[:16]
+    for done in sorted((cache_dir / "gguf").glob(f"*-{key}")):  # the same bytes under any file name
+        if (done / "config.json").is_file():
+            return done
+    target = cache_dir / "gguf" / f"{gguf.stem}-{key}"
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover
