@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -79,20 +80,33 @@ class LayerWork:
         for name, fn in (pre_hooks or {}).items():
             handles.append(self.block.get_submodule(name).register_forward_pre_hook(
                 lambda module, args, fn=fn: fn(args[0])))
-        attn = self.block.self_attn
-        previous = getattr(attn, "_quantkit_observer", None)
-        attn._quantkit_observer = attention_observer
         try:
-            return self.runner.run(self.block, x)
+            with self._observed(attention_observer):
+                return self.runner.run(self.block, x)
         finally:
-            attn._quantkit_observer = previous
             for h in handles:
                 h.remove()
 
-    def attention_output(self, samples: int | None = None) -> torch.Tensor:
-        """The attention module's outputs (o_proj included) on the first `samples` calibration sequences."""
+    def attention_output(
+        self, samples: int | None = None,
+        attention_observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The attention module's outputs (o_proj included) on the first `samples` calibration sequences; the
+        observer, as in `forward`, without the cost of the MLP when only keys and values are wanted."""
         x = self.inputs if samples is None else self.inputs[:samples]
-        return self.runner.run_attention(self.block, self.adapter, x)
+        with self._observed(attention_observer):
+            return self.runner.run_attention(self.block, self.adapter, x)
+
+    @contextmanager
+    def _observed(self, observer: Callable[[torch.Tensor, torch.Tensor], None] | None) -> Iterator[None]:
+        """The block's attention function calls `observer(key, value)` while the context lasts."""
+        attn = self.block.get_submodule(self.adapter.attention)
+        previous = getattr(attn, "_quantkit_observer", None)
+        attn._quantkit_observer = observer
+        try:
+            yield
+        finally:
+            attn._quantkit_observer = previous
 
     def input_absmax(self, names: list[str], samples: int | None = None) -> dict[str, torch.Tensor]:
         """max |x| per input channel of each named submodule over the calibration tokens."""
