@@ -476,6 +476,7 @@ def _quantize_layer(
         specs={}, scale_dtype=source.dtype, inputs=x, runner=runner, adapter=adapter, config=source.config,
         act_bits=ctx.act_sim.bits if ctx.act_sim else None, kv=ctx.kv_sim,
         sink_weight=recipe.calibration.sink_weight, token_cap=recipe.calibration.token_cap,
+        hessian_sim=simulate.sims_for(recipe)[0] if recipe.calibration.hessian_inputs == "quantized" else None,
     )
     work.specs = {name: specs[role] for name, role in work.linears.items()}
     if ctx.fisher is not None:

@@ -107,6 +107,9 @@ class CalibrationConfig:
     # `sink_weight` median-size tokens, any other token at most `token_cap` of them; null = plain GPTQ
     sink_weight: float | None = None
     token_cap: float | None = None
+    # what the Hessians see: each linear's float input, or its input as the activation simulation quantizes it
+    # (Atom inserts its activation quantizers before GPTQ, so H = 2/n X^ T X^)
+    hessian_inputs: Literal["float", "quantized"] = "float"
 
     def __post_init__(self) -> None:
         if self.num_samples <= 0 or self.seq_len <= 1:
@@ -207,6 +210,10 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
     if acts is not None and (acts.outliers or weights.outliers) and acts.outliers != weights.outliers:
         raise RecipeError(f"{where}: activations.outliers ({acts.outliers}) must equal weights.outliers "
                           f"({weights.outliers}): both split the same channels")
+    calibration = values.get("calibration", CalibrationConfig())
+    if calibration.hessian_inputs == "quantized" and acts is None:
+        raise RecipeError(f"{where}.calibration.hessian_inputs: 'quantized' needs an `activations` section to say "
+                          "how the inputs are quantized")
     quantizers = [p.name for p in passes if get_pass(p.name).quantizes]
     if len(quantizers) != 1 or not get_pass(passes[-1].name).quantizes:
         raise RecipeError(

@@ -160,6 +160,11 @@ def test_atom_recipe_end_to_end(tmp_path, calib_txt):
     packed = load_file(str(sorted((tmp_path / "atom").glob("model-*.safetensors"))[0]))
     assert packed["model.layers.0.mlp.down_proj.weight_int4"].shape == (256, 192)
     assert packed["model.layers.0.mlp.down_proj.scale_int4"].shape == (3, 1024)
+    # the recipe's GPTQ minimizes against Hessians of the quantized inputs: float ones give other codes
+    cli_ok("quantize", model, "-o", tmp_path / "float-h", *args, "--set", "export.format=quantkit",
+           "--set", "calibration.hessian_inputs=float")
+    other = load_file(str(sorted((tmp_path / "float-h").glob("model-*.safetensors"))[0]))
+    assert not torch.equal(other["model.layers.0.mlp.down_proj.weight_codes"], codes)
 
 
 def test_atom_on_stories260k_per_channel_fallback(stories260k, tinystories_txt, tmp_path):

@@ -86,3 +86,41 @@ def test_blocked_gram_equals_full_product(k, blocks):
     add_gram_(h, x, blocks)
     torch.testing.assert_close(h, 1.0 + x.T @ x, rtol=1e-5, atol=1e-3)
     assert torch.equal(h, h.T)
+
+
+def test_quantized_hessian_inputs_are_the_simulations_inputs(block_work):
+    """calibration.hessian_inputs: quantized (Atom): each role's Hessian is 2/n X^T X^ of its input as the deployed
+    activation simulation quantizes it, groups and INT8 outliers formed along the role's column order exactly as
+    the g_idx the weight quantizer records for it."""
+    from quantkit.quantizers import QuantSpec, ordered_quantize
+    from quantkit.simulate import ActivationSim, fake_quantize_activation
+
+    work = block_work(None)
+    inputs = _linear_inputs(work)
+    sim = ActivationSim(bits=4, group_size=16, outliers=16, clip_ratio=0.9)
+    work.hessian_sim = sim
+    g = torch.Generator().manual_seed(3)
+    for role, x in inputs.items():
+        work.column_order[role] = torch.randperm(x.shape[-1], generator=g)
+    work.collect_hessians()
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=16, outliers=16)
+    for role, x in inputs.items():
+        w = torch.randn(8, x.shape[-1], generator=g)
+        _, _, g_idx = ordered_quantize(w, spec, work.column_order[role])  # what the deployed linear records
+        xq = fake_quantize_activation(x, sim, g_idx)
+        assert torch.equal(work.quantized_input(role, x), xq)
+        assert not torch.equal(xq, x)
+        flat = xq.reshape(-1, xq.shape[-1]).double()
+        torch.testing.assert_close(work.hessians[role].double(), 2 / flat.shape[0] * flat.T @ flat,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_hessian_inputs_need_activations():
+    from quantkit.recipe import parse_recipe
+
+    raw = {"name": "x", "weights": {"bits": 4}, "calibration": {"hessian_inputs": "quantized"},
+           "passes": [{"name": "gptq"}]}
+    with pytest.raises(RecipeError, match="needs an `activations` section"):
+        parse_recipe(raw)
+    with pytest.raises(RecipeError, match="hessian_inputs"):
+        parse_recipe({**raw, "calibration": {"hessian_inputs": "fake"}})

@@ -42,6 +42,7 @@ class LayerWork:
     kv: Any = None  # simulate.KVSim or None
     sink_weight: float | None = None  # recipe calibration.sink_weight / token_cap: see token_weights
     token_cap: float | None = None
+    hessian_sim: Any = None  # simulate.ActivationSim: Hessians of the inputs as it quantizes them (Atom), or None
 
     def weight(self, name: str) -> torch.Tensor:
         return self.block.get_submodule(name).weight
@@ -133,20 +134,36 @@ class LayerWork:
         return out
 
     def hessian_accumulator(self) -> HessianAccumulator:
-        """An accumulator with this recipe's token weighting."""
-        return HessianAccumulator(self.sink_weight, self.token_cap)
+        """An accumulator with this recipe's token weighting and (calibration.hessian_inputs: quantized) its
+        activation quantization of each role's input."""
+        return HessianAccumulator(self.sink_weight, self.token_cap,
+                                  self.quantized_input if self.hessian_sim is not None else None)
+
+    def quantized_input(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        """`x` as the runtime quantizes the input of `role`'s linears: per token, or per token and group along the
+        role's column order (Atom's groups and outliers), as the deployed simulation will."""
+        from quantkit.simulate import fake_quantize_activation
+
+        order = self.column_order.get(role)
+        position = None
+        if order is not None:  # the simulation groups columns by argsort(g_idx): positions in the order do that
+            position = torch.empty_like(order)
+            position[order] = torch.arange(order.numel(), device=order.device)
+        return fake_quantize_activation(x, self.hessian_sim, position)
 
 
 class HessianAccumulator:
-    """Accumulates H = 2/n sum_t w_t x_t x_t^T per role from input chunks [B, L, K] (float32)."""
+    """Accumulates H = 2/n sum_t w_t x_t x_t^T per role from input chunks [B, L, K] (float32), each chunk first
+    passed through `transform(role, x)` when one is given (quantized Hessian inputs)."""
 
-    def __init__(self, sink_weight: float | None = None, token_cap: float | None = None):
-        self.sink_weight, self.token_cap = sink_weight, token_cap
+    def __init__(self, sink_weight: float | None = None, token_cap: float | None = None,
+                 transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+        self.sink_weight, self.token_cap, self.transform = sink_weight, token_cap, transform
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
     def add(self, role: str, x: torch.Tensor) -> None:
-        x = x.float()
+        x = (self.transform(role, x) if self.transform is not None else x).float()
         flat = x.reshape(-1, x.shape[-1])
         if role not in self.sums:
             self.sums[role] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
