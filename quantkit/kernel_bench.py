@@ -97,7 +97,7 @@ def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None)
         groups = (k - atom.OUTLIERS) // atom.GROUP
         s4 = (rng.random((groups, n)) * 0.05 + 1e-3).astype(np.float16)
         s8 = (rng.random(n) * 0.01 + 1e-4).astype(np.float16)
-        return {"reorder_index": torch.from_numpy(rng.permutation(k)),
+        return {"reorder_index": torch.from_numpy(rng.permutation(k).astype(np.int16)),
                 "weight_int4": torch.from_numpy(rng.integers(0, 256, (n, (k - atom.OUTLIERS) // 2)).astype(np.uint8)),
                 "weight_int8": torch.from_numpy(rng.integers(-128, 128, (n, atom.OUTLIERS)).astype(np.int8)),
                 "scale_int4": torch.from_numpy(atom.scatter_scales(s4)),

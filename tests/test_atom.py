@@ -212,7 +212,7 @@ def test_atom_packer_round_trip_and_refusals():
     assert torch.equal(back.dequantize(), q.dequantize())
     assert torch.equal(back.g_idx, g_idx) and torch.equal(back.codes, codes)
     # hand check: the first byte holds reordered columns 0 (low nibble) and 1 (high nibble) of row 0
-    first = packed["reorder_index"][:2]
+    first = packed["reorder_index"][:2].long()
     byte = int(packed["weight_int4"][0, 0])
     assert [byte & 0xF, byte >> 4] == [int(c) & 0xF for c in codes[0, first]]
     with pytest.raises(ExportError, match="multiple of 16"):
@@ -223,3 +223,13 @@ def test_atom_packer_round_trip_and_refusals():
     corrupt["scale_int8"][2] += 1
     with pytest.raises(ExportError, match="corrupt"):
         packer.unpack(corrupt, spec)
+    # the index is int16, as punica-atom's LinearInt4 stores it; a repeated column is refused, not scattered
+    assert packed["reorder_index"].dtype == torch.int16
+    assert torch.equal(packer.unpack(dict(packed, reorder_index=packed["reorder_index"].long()), spec).codes, codes)
+    repeated = packed["reorder_index"].clone()
+    repeated[1] = repeated[0]
+    with pytest.raises(ExportError, match="not a permutation"):
+        packer.unpack(dict(packed, reorder_index=repeated), spec)
+    with pytest.raises(ExportError, match="int16 reorder_index"):
+        packer.check("mlp.down_proj", spec, (32, 32768 + 128))
+    packer.check("mlp.down_proj", spec, (32, 32768))  # indices 0 .. 32767 fit

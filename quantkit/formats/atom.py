@@ -1,8 +1,9 @@
 """Atom W4A4 layout (`atom`): the reordered mixed-precision tensors of Atom's `LinearInt4` (efeslab/Atom).
 
 Per quantized linear `<module>` (O outlier columns, G groups of 128 normal columns, N % 16 == 0):
-- `reorder_index` int64 [K]: the original column at each reordered position; every group is contiguous in it and
-  the outliers come last (the engine reorders the activations the same way, fused into the producing kernel);
+- `reorder_index` int16 [K] (as punica-atom's `LinearInt4`, so K <= 32768): the original column at each reordered
+  position; every group is contiguous in it and the outliers come last (the engine reorders the activations the
+  same way, fused into the producing kernel);
 - `weight_int4` uint8 [N, (K - O) / 2]: the normal columns in that order, two's-complement INT4, the even column
   in the low nibble;
 - `weight_int8` int8 [N, O]: the outlier columns;
@@ -24,6 +25,7 @@ from quantkit.formats.base import ExportError, Packer
 from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 GROUP = OUTLIERS = 128
+INDEX_MAX = torch.iinfo(torch.int16).max + 1  # columns an int16 reorder_index can number (0 .. 32767)
 TENSORS = ("reorder_index", "weight_int4", "weight_int8", "scale_int4", "scale_int8")
 
 
@@ -68,6 +70,9 @@ class AtomPacker(Packer):
         if n % 16 or (k - OUTLIERS) % GROUP or k <= OUTLIERS:
             raise ExportError(f"{module}: shape [N={n}, K={k}] does not fit atom's kernel (N a multiple of 16, K - "
                               f"{OUTLIERS} a positive multiple of {GROUP}); use --set export.format=quantkit")
+        if k > INDEX_MAX:
+            raise ExportError(f"{module}: K={k} columns do not fit atom's int16 reorder_index (at most "
+                              f"{INDEX_MAX}); use --set export.format=quantkit")
 
     def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
         spec, qp = q.spec, q.qparams
@@ -89,7 +94,7 @@ class AtomPacker(Packer):
             raise ExportError("atom stores fp16 scales, but the quantizer's scales are not fp16 values")
         s = scale.half().numpy()  # [N, groups + 1]
         return {
-            "reorder_index": order.to(torch.int64),
+            "reorder_index": order.to(torch.int16),
             "weight_int4": torch.from_numpy(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)),
             "weight_int8": torch.from_numpy(outliers.astype(np.int8)),
             "scale_int4": torch.from_numpy(scatter_scales(np.ascontiguousarray(s[:, :groups].T))),
@@ -98,7 +103,7 @@ class AtomPacker(Packer):
 
     def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
         """Exact inverse of `pack`: codes in the original column order, the scales (outlier group last) and g_idx."""
-        order = tensors["reorder_index"].long()
+        order = tensors["reorder_index"].long()  # int16 as written; earlier quantkit artifacts hold int64
         packed = tensors["weight_int4"].numpy()
         low = (packed & 0xF).astype(np.int64)
         high = (packed >> 4).astype(np.int64)
@@ -107,6 +112,8 @@ class AtomPacker(Packer):
         normal = np.where(normal >= 8, normal - 16, normal)
         reordered = np.concatenate([normal, tensors["weight_int8"].numpy().astype(np.int64)], axis=1)
         n, k = reordered.shape
+        if order.shape != (k,) or not torch.equal(torch.sort(order).values, torch.arange(k)):
+            raise ExportError(f"atom: reorder_index is not a permutation of the {k} columns (corrupt tensor)")
         groups = (k - OUTLIERS) // GROUP
         codes = torch.empty(n, k, dtype=torch.int8)
         codes[:, order] = torch.from_numpy(reordered).to(torch.int8)
