@@ -12,6 +12,7 @@ from torch import nn
 
 from quantkit.models.source import ModelEdges
 from quantkit.quantizers import QuantizedLinear, QuantSpec
+from quantkit.simulate import fake_quantize_activation
 
 
 @dataclass
@@ -142,8 +143,6 @@ class LayerWork:
     def quantized_input(self, role: str, x: torch.Tensor) -> torch.Tensor:
         """`x` as the runtime quantizes the input of `role`'s linears: per token, or per token and group along the
         role's column order (Atom's groups and outliers), as the deployed simulation will."""
-        from quantkit.simulate import fake_quantize_activation
-
         order = self.column_order.get(role)
         position = None
         if order is not None:  # the simulation groups columns by argsort(g_idx): positions in the order do that
