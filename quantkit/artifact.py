@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
+from quantkit.files import atomic_write, atomic_write_with
 
 MANIFEST = "quantkit_manifest.json"
 RECIPE = "quantkit_recipe.yaml"
@@ -31,41 +30,10 @@ class ArtifactError(QuantkitError):
     """The output directory is in a state the requested operation cannot use."""
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_FILE_MODE = 0o666 & ~_umask()
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write a file via a temp file in the same directory and a rename, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Save `tensors` as a safetensors file at `path` atomically."""
+    atomic_write_with(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                                  metadata={"format": "pt"}))
 
 
 def sha256_file(path: Path) -> str:

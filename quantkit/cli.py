@@ -253,7 +253,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     Console().print(table)
     payload = {"model": str(model), "description": loaded.description, "results": results}
     if output_json:
-        from quantkit.artifact import atomic_write
+        from quantkit.files import atomic_write
 
         atomic_write(Path(output_json), json.dumps(payload, indent=2))
     else:

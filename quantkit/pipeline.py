@@ -31,7 +31,6 @@ from quantkit.artifact import (
     RECIPE,
     OutputDir,
     atomic_save_safetensors,
-    atomic_write,
     read_safetensors,
     sha256_file,
     shard_name,
@@ -45,6 +44,7 @@ from quantkit.calib import (
     resolve_named_set,
 )
 from quantkit.errors import QuantkitError
+from quantkit.files import atomic_write
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role

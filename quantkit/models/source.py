@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from quantkit.artifact import atomic_write
 from quantkit.errors import QuantkitError
+from quantkit.files import atomic_write
 from quantkit.models.adapters import ArchAdapter, adapter_for
 
 
