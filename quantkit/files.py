@@ -23,22 +23,19 @@ FILE_MODE = 0o666 & ~_umask()
 
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write `data` to `path` via a temp file in the same directory (fsynced) and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write_with(path, write)
 
 
 def atomic_write_with(path: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp_path)` creates the file (a library's own writer), then it is renamed onto `path`."""
+    """`write(tmp_path)` creates the file (a library's own writer, say), which is then renamed onto `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
