@@ -18,7 +18,8 @@ def _umask() -> int:
     return mask
 
 
-FILE_MODE = 0o666 & ~_umask()
+FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file
+DIR_MODE = 0o777 & ~_umask()  # what mkdir() gives a new directory
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

@@ -75,6 +75,7 @@ class BlockRunner:
             out[start:start + self.batch_size] = y.to(out.device, out.dtype)
         return out
 
+
 class _Captured(Exception):
     def __init__(self, value: torch.Tensor):
         self.value = value

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from quantkit.errors import QuantkitError
-from quantkit.files import atomic_write
+from quantkit.files import DIR_MODE, FILE_MODE, atomic_write
 from quantkit.models.adapters import ArchAdapter, adapter_for
 
 
@@ -223,11 +223,9 @@ def default_cache_dir() -> Path:
 def _umask_permissions(directory: Path) -> None:
     """Give a finished temp dir (mkdtemp makes it 0700) and its files the modes a plain mkdir and open would, so
     the cache reads like any other directory for other users."""
-    mask = os.umask(0)
-    os.umask(mask)
-    directory.chmod(0o777 & ~mask)
+    directory.chmod(DIR_MODE)
     for f in directory.iterdir():
-        f.chmod(0o666 & ~mask)
+        f.chmod(FILE_MODE)
 
 
 def content_digest(path: Path, cache_dir: Path | None = None) -> str:
@@ -242,9 +240,11 @@ def content_digest(path: Path, cache_dir: Path | None = None) -> str:
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
+        memo = None
+    if not isinstance(memo, dict):
         memo = {}  # no memo yet, or a damaged one: hashing again is always correct
     name = str(path.resolve())
-    entry = memo.get(name) if isinstance(memo, dict) else None
+    entry = memo.get(name)
     if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(entry.get("sha256"), str):
         return entry["sha256"]
     h = hashlib.sha256()
@@ -252,7 +252,6 @@ def content_digest(path: Path, cache_dir: Path | None = None) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
-    memo = memo if isinstance(memo, dict) else {}
     memo[name] = {**stamp, "sha256": digest}
     with contextlib.suppress(OSError):  # a read-only cache only costs the next run a re-hash
         atomic_write(memo_path, json.dumps(memo, indent=1, sort_keys=True))
