@@ -89,17 +89,21 @@ def test_attention_module_alone_equals_its_part_of_the_block(tmp_path, arch):
     assert torch.equal(alone, torch.cat(inside))
 
 
-def test_attention_observer_sees_the_same_keys_without_the_mlp(tmp_path):
-    """SmoothAttention reads max|K| through `LayerWork.attention_output` (the attention module alone): the
-    observer gets bit for bit the keys and values a whole-block `forward` shows it, and is detached after."""
+def test_observe_kv_sees_the_same_keys_without_the_rest_of_the_block(tmp_path):
+    """SmoothAttention reads max|K| through `LayerWork.observe_kv` (each chunk stopped at its attention function):
+    the observer gets bit for bit the keys and values a whole-block `forward` shows it, chunk by chunk, and is
+    detached after."""
     source = open_model(write_synthetic_llama(tmp_path / "m", SPECS["llama"]))
     linears = {n: r for r, n in source.adapter.linear_names()}
     work = LayerWork(index=0, block=build_block(source, 0), linears=linears, specs={},
                      runner=BlockRunner(source, 16, batch_size=2),
                      inputs=torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(2)),
                      adapter=source.adapter, config=source.config)
-    seen: dict[str, list[torch.Tensor]] = {"block": [], "attention": []}
+    seen: dict[str, list[torch.Tensor]] = {"block": [], "stopped": []}
     work.forward(attention_observer=lambda k, v: seen["block"].append(torch.cat([k, v])))
-    work.attention_output(attention_observer=lambda k, v: seen["attention"].append(torch.cat([k, v])))
-    assert len(seen["block"]) == 2 and torch.equal(torch.cat(seen["block"]), torch.cat(seen["attention"]))
+    work.observe_kv(lambda k, v: seen["stopped"].append(torch.cat([k, v])))
+    assert len(seen["block"]) == len(seen["stopped"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["block"], seen["stopped"], strict=True))
     assert getattr(work.block.get_submodule(source.adapter.attention), "_quantkit_observer", None) is None
+    work.observe_kv(lambda k, v: seen["stopped"].append(k), samples=1)
+    assert len(seen["stopped"]) == 3 and seen["stopped"][-1].shape[0] == 1

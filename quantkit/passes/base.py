@@ -15,6 +15,10 @@ from quantkit.quantizers import QuantizedLinear, QuantSpec
 from quantkit.simulate import fake_quantize_activation
 
 
+class _KVObserved(Exception):
+    """Raised by `LayerWork.observe_kv`'s observer to end a chunk's attention once its keys are seen."""
+
+
 @dataclass
 class LayerWork:
     """One decoder block under calibration: the modules, per-linear specs, statistics, results and notes.
@@ -89,15 +93,31 @@ class LayerWork:
             for h in handles:
                 h.remove()
 
-    def attention_output(
-        self, samples: int | None = None,
-        attention_observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-    ) -> torch.Tensor:
-        """The attention module's outputs (o_proj included) on the first `samples` calibration sequences; the
-        observer, as in `forward`, without the cost of the MLP when only keys and values are wanted."""
+    def attention_output(self, samples: int | None = None) -> torch.Tensor:
+        """The attention module's outputs (o_proj included) on the first `samples` calibration sequences."""
         x = self.inputs if samples is None else self.inputs[:samples]
-        with self._observed(attention_observer):
-            return self.runner.run_attention(self.block, self.adapter, x)
+        return self.runner.run_attention(self.block, self.adapter, x)
+
+    @torch.no_grad()
+    def observe_kv(self, observer: Callable[[torch.Tensor, torch.Tensor], None], samples: int | None = None) -> None:
+        """`observer(key, value)` with the post-RoPE key/value states [B, H_kv, T, D] of the first `samples`
+        calibration sequences, each chunk's attention module stopped right there: key statistics (SmoothAttention)
+        for the cost of the projections and RoPE, without the attention scores, o_proj or the MLP."""
+        x = self.inputs if samples is None else self.inputs[:samples]
+
+        def observe_and_stop(key: torch.Tensor, value: torch.Tensor) -> None:
+            observer(key, value)
+            raise _KVObserved
+
+        batch = self.runner.batch_size
+        with self._observed(observe_and_stop):
+            for start in range(0, x.shape[0], batch):
+                try:
+                    self.runner.call_attention(self.block, self.adapter,
+                                               x[start:start + batch].to(self.runner.device, torch.float32))
+                except _KVObserved:
+                    continue
+                raise RuntimeError(f"the attention function of layer {self.index} never saw the keys")
 
     @contextmanager
     def _observed(self, observer: Callable[[torch.Tensor, torch.Tensor], None] | None) -> Iterator[None]:

@@ -66,7 +66,7 @@ class SmoothAttention(Pass):
             m = key.detach().abs().amax(dim=(0, 2)).float()  # [H_kv, D]
             amax[:] = [m if not amax else torch.maximum(amax[0], m)]
 
-        work.attention_output(samples=self.config.samples, attention_observer=observe)  # keys need no MLP
+        work.observe_kv(observe, samples=self.config.samples)
         half = d // 2
         pair = torch.maximum(amax[0][:, :half], amax[0][:, half:])
         lam = pair.clamp(min=1e-5).pow(self.config.alpha)
