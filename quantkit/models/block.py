@@ -66,13 +66,21 @@ class BlockRunner:
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         return self._chunks(x, out, lambda chunk: self.call_attention(block, adapter, chunk))
 
+    def slices(self, n: int) -> list[slice]:
+        """The runner's chunks of a cache of `n` sequences, `batch_size` sequences each."""
+        return [slice(s, s + self.batch_size) for s in range(0, n, self.batch_size)]
+
+    def load(self, x: torch.Tensor, s: slice) -> torch.Tensor:
+        """Chunk `s` of the cache `x`, float32 on the runner's device."""
+        return x[s].to(self.device, torch.float32)
+
     def _chunks(self, x: torch.Tensor, out: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
-        """`fn` on `x` a batch of sequences at a time (float32, on the runner's device), its output (or the first
-        element of a tuple) written into `out`."""
-        for start in range(0, x.shape[0], self.batch_size):
-            y = fn(x[start:start + self.batch_size].to(self.device, torch.float32))
+        """`fn` on `x` a chunk at a time (`load`), its output (or the first element of a tuple) written into
+        `out`."""
+        for s in self.slices(x.shape[0]):
+            y = fn(self.load(x, s))
             y = y[0] if isinstance(y, tuple) else y
-            out[start:start + self.batch_size] = y.to(out.device, out.dtype)
+            out[s] = y.to(out.device, out.dtype)
         return out
 
 
@@ -114,10 +122,7 @@ def run_by_role(
     norm1 = block.get_submodule(adapter.input_norm)
     norm2, mlp = block.get_submodule(adapter.post_attn_norm), block.get_submodule(adapter.mlp)
     o_proj, down = block.get_submodule(adapter.o_proj), block.get_submodule(adapter.down_proj)
-    chunks = [slice(s, s + runner.batch_size) for s in range(0, x.shape[0], runner.batch_size)]
-
-    def load(t: torch.Tensor, s: slice) -> torch.Tensor:
-        return t[s].to(runner.device, torch.float32)
+    chunks, load = runner.slices(x.shape[0]), runner.load
 
     def attention(s: slice) -> object:
         return runner.call_attention(block, adapter, load(x, s))

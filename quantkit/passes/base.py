@@ -109,12 +109,10 @@ class LayerWork:
             observer(key, value)
             raise _KVObserved
 
-        batch = self.runner.batch_size
         with self._observed(observe_and_stop):
-            for start in range(0, x.shape[0], batch):
+            for s in self.runner.slices(x.shape[0]):
                 try:
-                    self.runner.call_attention(self.block, self.adapter,
-                                               x[start:start + batch].to(self.runner.device, torch.float32))
+                    self.runner.call_attention(self.block, self.adapter, self.runner.load(x, s))
                 except _KVObserved:
                     continue
                 raise RuntimeError(f"the attention function of layer {self.index} never saw the keys")
