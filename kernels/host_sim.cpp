@@ -10,6 +10,7 @@
 #include "qserve_w4a8.cu"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -91,7 +92,93 @@ void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32]
   }
 }
 
+// One warp's ldmatrix.x4 (PTX ISA): lane l receives, of each matrix j, the 4 bytes 4 (l % 4) .. of the row that
+// lane 8 j + l / 4 addressed (`rows`: byte offsets into `smem`).
+void ldsm_x4_warp(uint32_t d[32][4], const uint8_t* smem, const int rows[32]) {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int j = 0; j < 4; ++j) d[lane][j] = qk::load_u32(smem + rows[8 * j + lane / 4] + 4 * (lane % 4));
+}
+
+// The lanes' A fragments of one ldmatrix.x4: `row_of(lane)` is the offset lane gives.
+template <class RowOf>
+void ldsm_x4_lanes(uint32_t d[32][4], const uint8_t* smem, RowOf row_of) {
+  int rows[32];
+  for (int lane = 0; lane < 32; ++lane) rows[lane] = row_of(lane);
+  ldsm_x4_warp(d, smem, rows);
+}
+
+// acc[lane].c[i][j] += A B for one warp's MMA `mma` (mma_warp or one of its kin), through [32][4] accumulators.
+template <class Mma, class Acc, class A, class B>
+void mma_into(Mma mma, Acc* acc, int i, int j, const A& a, const B& b) {
+  int32_t c[32][4];
+  for (int lane = 0; lane < 32; ++lane) std::memcpy(c[lane], acc[lane].c[i][j], sizeof(c[lane]));
+  mma(c, a, b);
+  for (int lane = 0; lane < 32; ++lane) std::memcpy(acc[lane].c[i][j], c[lane], sizeof(c[lane]));
+}
+
+// The host twin of tiled_gemm (qk_common.cuh): the same ring of T::STAGES stages, each stage's copies complete as
+// they are issued (so a copy into a slot still in use would show), then the warps of the block one after another
+// (`compute(stage, warp, acc of its 32 lanes)`), then every thread's store.
+template <class T, class Args, class Compute>
+void tiled_host(const Args& args, Compute compute) {
+  constexpr int warps = T::THREADS / 32;
+  std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
+  std::vector<typename T::Acc> acc(T::THREADS);
+  const int steps = args.k / T::BK;
+  auto copy = [&](int m0, int n0, int kt) {
+    for (int tid = 0; tid < T::THREADS; ++tid)
+      T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, kt, tid);
+  };
+  for (int m0 = 0; m0 < args.m; m0 += T::BM) {
+    for (int n0 = 0; n0 < args.n; n0 += T::BN) {
+      std::memset(acc.data(), 0, acc.size() * sizeof(acc[0]));
+      std::fill(smem.begin(), smem.end(), 0xA5);  // no stage starts from what an earlier block left
+      for (int s = 0; s < T::STAGES - 1 && s < steps; ++s) copy(m0, n0, s);
+      for (int kt = 0; kt < steps; ++kt) {
+        if (kt + T::STAGES - 1 < steps) copy(m0, n0, kt + T::STAGES - 1);
+        const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
+        for (int w = 0; w < warps; ++w) compute(stage, w, &acc[32 * w]);
+      }
+      for (int t = 0; t < T::THREADS; ++t) T::store(args, m0, n0, t / 32, t % 32, acc[t]);
+    }
+  }
+}
+
 }  // namespace
+
+// The block tile of a large-M kernel (BM, BN, BK, THREADS, STAGE_BYTES, STAGES) for quantkit.kernels.TILES to be
+// checked against; false for a layout without one.
+template <class T>
+void tiles_of(int out[6]) {
+  const int v[6] = {T::BM, T::BN, T::BK, T::THREADS, T::STAGE_BYTES, T::STAGES};
+  std::memcpy(out, v, sizeof(v));
+}
+extern "C" bool qk_tiles(const char* fmt, int out[6]) {
+  if (std::strcmp(fmt, "qserve") == 0) tiles_of<qk::QServeTiled>(out);
+  else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
+  else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
+  else return false;
+  return true;
+}
+
+// The host twin of qserve_w4a8_tiled.
+extern "C" void qserve_w4a8_tiled_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                       qk_half* out, int m, int n, int k, int group) {
+  using T = qk::QServeTiled;
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+    for (int kk = 0; kk < T::BK / 32; ++kk) {
+      uint32_t fa[4][32][4], fb[32][4][2], bn[32][2];
+      for (int i = 0; i < 4; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+      for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, kk, lane, fb[lane]);
+      for (int nb = 0; nb < 4; ++nb) {
+        for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], fb[lane][nb], sizeof(bn[lane]));
+        for (int i = 0; i < 4; ++i) mma_into(mma_warp, acc, i, nb, fa[i], bn);
+      }
+    }
+  });
+}
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its
 // own K steps, the copies' accumulators then added in the kernel's order.
@@ -183,6 +270,31 @@ extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, co
   }
 }
 
+// The host twin of liquidquant_w4a8_tiled.
+extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
+  using T = qk::LiquidTiled;
+  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+    uint32_t fa[2][2][32][4], mine[2][4], b[4][32][4], bn[32][2];
+    for (int s = 0; s < 2; ++s) {
+      for (int lane = 0; lane < 32; ++lane) {
+        T::load_a(stage, warp, s, lane, mine);
+        for (int j = 0; j < 2; ++j) std::memcpy(fa[s][j][lane], mine[j], sizeof(mine[j]));
+      }
+    }
+    for (int j = 0; j < 2; ++j) {
+      for (int p = 0; p < 4; ++p) {
+        ldsm_x4_lanes(b[p], stage, [&](int lane) { return T::b_row(warp, p, j, lane); });
+        for (int half = 0; half < 2; ++half) {
+          for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[p][lane][2 * half], sizeof(bn[lane]));
+          for (int s = 0; s < 2; ++s) mma_into(mma_warp, acc, s, 2 * p + half, fa[s][j], bn);
+        }
+      }
+    }
+  });
+}
+
 // The host twin of qqq_w4a8_gemm (split-K as in qserve_w4a8_gemm_host).
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
@@ -198,7 +310,7 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
           for (int lane = 0; lane < 32; ++lane) {
             qk::load_a(args, mt, i, lane, fa[lane]);
             qk::load_b_raw(args, c, i, lane, w);
-            qk::unpack_b(args, c, i, lane, w, fb[lane]);
+            qk::unpack_b(qk::ratio_row(args, c, i), lane, w, fb[lane]);
           }
           for (int nb = 0; nb < 8; ++nb) {
             for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
@@ -217,6 +329,32 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
       }
     }
   }
+}
+
+// The host twin of qqq_w4a8_tiled.
+extern "C" void qqq_w4a8_tiled_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                    const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  using T = qk::QQQTiled;
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+    for (int kk = 0; kk < T::BK / 32; ++kk) {
+      uint32_t fa[2][32][4], fb[32][8], ai[32][2], bn[32];
+      for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+      for (int h = 0; h < 2; ++h) {
+        for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, 2 * kk + h, lane, fb[lane]);
+        for (int i = 0; i < 2; ++i) {
+          for (int lane = 0; lane < 32; ++lane) {
+            ai[lane][0] = fa[i][lane][2 * h];
+            ai[lane][1] = fa[i][lane][2 * h + 1];
+          }
+          for (int nb = 0; nb < 8; ++nb) {
+            for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
+            mma_into(mma_warp_k16, acc, i, nb, ai, bn);
+          }
+        }
+      }
+    }
+  });
 }
 
 // The host twin of atom_w4a4_gemm.

@@ -31,14 +31,18 @@ QK_FN uint32_t lqq_lanes(uint32_t codes, uint32_t s, uint32_t a) { return (codes
 
 // Thread t's 16 bytes of the block (nt, kt) (one 128-bit load) and the step s and byte a of its rows
 // 16 w + g (+ 8 for h = 1): sa[h] = s | a << 8.
-QK_FN void load_weights_raw(const LiquidArgs& a, int nt, int kt, int t, uint32_t r[4], uint32_t sa[2]) {
-  const size_t block = (size_t)nt * (a.k / 64) + kt;
-  load_u128(a.qweight + block * 2048 + 16 * t, r);
-  const uint8_t* params = a.s2a + block * 128;
+QK_FN void load_weights_at(const uint8_t* block, const uint8_t* params, int t, uint32_t r[4], uint32_t sa[2]) {
+  load_u128(block + 16 * t, r);
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * (t / 32) + frag_group(t % 32) + 8 * h;
     sa[h] = (uint32_t)params[2 * row] | ((uint32_t)params[2 * row + 1] << 8);
   }
+}
+
+// Those of block (nt, kt) as stored.
+QK_FN void load_weights_raw(const LiquidArgs& a, int nt, int kt, int t, uint32_t r[4], uint32_t sa[2]) {
+  const size_t block = (size_t)nt * (a.k / 64) + kt;
+  load_weights_at(a.qweight + block * 2048, a.s2a + block * 128, t, r, sa);
 }
 
 // Those bytes -> the thread's A fragments: frag[j] for MMA j (k 32 j .. 32 j + 31) of its warp's 16 rows.
@@ -71,6 +75,71 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
   }
 }
 
+// The large-M path: a block of 8 warps computes 128 channels x 128 tokens, 4 x 2 warps of 32 channels (two m16
+// slices, rows 16 w .. of a 64 x 64 weight block) x 64 tokens (eight n8 blocks), K in steps of 64 staged in shared
+// memory 4 deep (qk_common.cuh tiled_gemm; BN counts channels, BM tokens). A stage holds the swizzled activations
+// [128, 64] (the B operands, two n8 blocks per ldmatrix.x4) and the block's two 64 x 64 weight blocks and their
+// 128 bytes of group parameters, as stored.
+struct LiquidTiled {
+  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 256, WARPS_C = BN / 32;
+  static constexpr int W_OFF = BM * BK, P_OFF = W_OFF + BN / 64 * 2048, STAGE_BYTES = P_OFF + BN / 64 * 128;
+  struct Acc { int32_t c[2][8][4]; };  // [m16 slice][n8 token block][4]
+
+  QK_FN static void copy_stage(const LiquidArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
+    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    const size_t block = (size_t)(n0 / 64) * (a.k / 64) + kt;
+    copy_runs(stage + W_OFF, a.qweight + block * 2048, (size_t)(a.k / 64) * 2048, BN / 64, 2048, tid, THREADS);
+    copy_runs(stage + P_OFF, a.s2a + block * 128, (size_t)(a.k / 64) * 128, BN / 64, 128, tid, THREADS);
+  }
+
+  // Warp (wt, wc) = (warp / 4, warp % 4): weight block wc / 2, its rows 16 w .. for w = 2 (wc % 2) + slice.
+  QK_FN static int slice_thread(int warp, int slice, int lane) { return 32 * (2 * (warp % WARPS_C % 2) + slice) + lane; }
+
+  // The lane's A fragments (weights) of both k halves of the stage, for m16 slice `slice`.
+  QK_FN static void load_a(const uint8_t* stage, int warp, int slice, int lane, uint32_t fa[2][4]) {
+    const int block = warp % WARPS_C / 2;
+    uint32_t r[4], sa[2];
+    load_weights_at(stage + W_OFF + block * 2048, stage + P_OFF + block * 128, slice_thread(warp, slice, lane), r, sa);
+    unpack_weights(r, sa, fa);
+  }
+
+  // The ldmatrix.x4 of token blocks 2 p and 2 p + 1 at k half j: tokens 64 wt + 16 p ...
+  QK_FN static int b_row(int warp, int p, int j, int lane) {
+    return ldsm_b_row<BK>(64 * (warp / WARPS_C) + 16 * p, 2 * j, lane);
+  }
+
+  QK_FN static void store(const LiquidArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int tb = 0; tb < 8; ++tb)
+        qk::store(a, n0 / 64 + warp % WARPS_C / 2, m0 / 8 + 8 * (warp / WARPS_C) + tb, slice_thread(warp, s, lane),
+                  acc.c[s][tb]);
+  }
+
+#ifndef QK_HOST
+  __device__ __forceinline__ static void compute(const LiquidArgs&, const uint8_t* stage, int, int, int warp, int lane,
+                                                 Acc& acc) {
+    uint32_t fa[2][2][4];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) load_a(stage, warp, s, lane, fa[s]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        uint32_t b[4];
+        ldsm_x4(b, stage + b_row(warp, p, j, lane));
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          mma_s8(acc.c[s][2 * p], fa[s][j], b);
+          mma_s8(acc.c[s][2 * p + 1], fa[s][j], b + 2);
+        }
+      }
+    }
+  }
+#endif
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -102,5 +171,14 @@ extern "C" __global__ void liquidquant_w4a8_gemm(const int8_t* x, const float* s
       });
   if (!splitk_reduce<16>(&acc[0][0], t, copy, 128, splits)) return;
   for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
+}
+
+// The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
+// LiquidTiled::STAGE_BYTES (N % 128 == 0).
+extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_tiled(const int8_t* x, const float* s_x,
+                                                                         const uint8_t* qweight, const uint8_t* s2a,
+                                                                         const qk_half* s1, qk_half* out, int m,
+                                                                         int n, int k) {
+  tiled_gemm<qk::LiquidTiled>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
 #endif

@@ -170,6 +170,60 @@ QK_FN void splitk_add(int32_t* acc, const int32_t* partials, int t, int count, i
       acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)partials[splitk_slot(s, j, t, count, threads)]);
 }
 
+// The large-M path (the *_tiled kernels) stages each K step's operand tiles in shared memory, STAGES steps deep.
+// Activations [rows, BK] int8 sit row-major with their 16-byte chunks XOR-swizzled, so that the eight row reads of
+// one ldmatrix (and the 16-byte copies of a warp) fall in eight different bank groups; BK is 64 or 128 bytes.
+template <int BK>
+QK_FN int swizzled(int row, int chunk) {
+  constexpr int chunks = BK / 16;  // 4 or 8 per row
+  return row * BK + 16 * (chunk ^ ((row / (8 / chunks)) % chunks));
+}
+
+// The byte offset, in a swizzled [rows, BK] tile, of the row that lane gives to an ldmatrix.x4 of 16 rows x 32
+// bytes at (row0, 16-byte chunk chunk0): lanes 8j .. 8j + 7 address matrix j. As an MMA's A operand (row-major
+// 16 x 32), matrix j is rows 8 (j & 1) .., chunk j >> 1: registers {a0, a1, a2, a3}. As B operands (two n8 blocks,
+// each 8 rows of 32 k), matrix j is rows 8 (j >> 1) .., chunk j & 1: {b0, b1} of block 0, then of block 1.
+template <int BK>
+QK_FN int ldsm_a_row(int row0, int chunk0, int lane) {
+  const int j = lane >> 3;
+  return swizzled<BK>(row0 + 8 * (j & 1) + (lane & 7), chunk0 + (j >> 1));
+}
+template <int BK>
+QK_FN int ldsm_b_row(int row0, int chunk0, int lane) {
+  const int j = lane >> 3;
+  return swizzled<BK>(row0 + 8 * (j >> 1) + (lane & 7), chunk0 + (j & 1));
+}
+
+// One 16-byte asynchronous copy global -> shared (cp.async.cg, through L2 only), or 16 zero bytes when !valid (a
+// row past M: the source is then not read).
+QK_FN void copy16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+#else
+  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+#endif
+}
+
+// The activation tile of K step kt: rows m0 .. m0 + ROWS - 1 of x [M, K] (zero past M), BK bytes each, swizzled.
+// Threads tid, tid + threads, ... each copy 16 bytes.
+template <int ROWS, int BK>
+QK_FN void copy_activations(uint8_t* tile, const int8_t* x, int m, int k, int m0, int kt, int tid, int threads) {
+  for (int c = tid; c < ROWS * (BK / 16); c += threads) {
+    const int row = c / (BK / 16), chunk = c % (BK / 16), r = m0 + row < m ? m0 + row : 0;
+    copy16(tile + swizzled<BK>(row, chunk), x + (size_t)r * k + (size_t)kt * BK + 16 * chunk, m0 + row < m);
+  }
+}
+
+// `runs` runs of `run_bytes` bytes each, run r from src + r * stride, to consecutive shared memory.
+QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int runs, int run_bytes, int tid,
+                     int threads) {
+  for (int c = tid; c < runs * (run_bytes / 16); c += threads) {
+    const int r = c / (run_bytes / 16), off = 16 * (c % (run_bytes / 16));
+    copy16(dst + (size_t)r * run_bytes + off, src + r * stride + off, true);
+  }
+}
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -206,6 +260,46 @@ __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps
     load(step, stage);
     compute(step, stage);
   }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ldmatrix.x4 of b16 8 x 8 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives, of each
+// matrix j, the 4 bytes 4 (l % 4) .. of its row l / 4 in d[j] (PTX ISA, "ldmatrix").
+__device__ __forceinline__ void ldsm_x4(uint32_t d[4], const void* row) {
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
+// The large-M GEMM of tile policy T: block (blockIdx.x, blockIdx.y) computes output channels BN blockIdx.x .. and
+// tokens BM blockIdx.y ..; T::STAGES K steps of operands in flight in shared memory (cp.async), the copy of step
+// kt + STAGES - 1 issued before the MMAs of step kt. At the barrier of step kt every warp is done with step kt - 1,
+// whose slot the new copy reuses. T supplies copy_stage (every thread), compute (one warp, one stage) and store.
+template <class T, class Args>
+__device__ __forceinline__ void tiled_gemm(const Args& args) {
+  extern __shared__ uint4 qk_stages[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = args.k / T::BK;
+  const int n0 = T::BN * blockIdx.x, m0 = T::BM * blockIdx.y;
+  typename T::Acc acc = {};
+#pragma unroll
+  for (int s = 0; s < T::STAGES - 1; ++s) {
+    if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < steps; ++kt) {
+    cp_async_wait<T::STAGES - 2>();
+    __syncthreads();
+    const int next = kt + T::STAGES - 1;
+    if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
+    cp_async_commit();
+    T::compute(args, smem + (kt % T::STAGES) * T::STAGE_BYTES, m0, n0, warp, lane, acc);
+  }
+  T::store(args, m0, n0, warp, lane, acc);
 }
 
 // The tensor-core MMAs the kernels use (PTX mma.sync, sm_80+): D = A B + D on int32 accumulators.

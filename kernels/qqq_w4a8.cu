@@ -60,18 +60,22 @@ QK_FN void load_b_raw(const QQQArgs& a, int c, int i, int lane, uint32_t w[4]) {
   load_u128(a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane, w);
 }
 
-// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half.
-QK_FN void unpack_b(const QQQArgs& a, int c, int i, int lane, const uint32_t w[4], uint32_t frag[8]) {
+// The 64 group ratios of chunk c (channels 64 c ..) at k tile i, or nullptr per channel.
+QK_FN const qk_half* ratio_row(const QQQArgs& a, int c, int i) {
+  return a.s_group == nullptr ? nullptr : a.s_group + (size_t)(16 * i / 128) * a.n + 64 * c;
+}
+
+// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half (`ratios`: ratio_row's).
+QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
   for (int tile = 0; tile < 4; ++tile) {
-    if (a.s_group == nullptr) {
+    if (ratios == nullptr) {
       frag[2 * tile] = w[tile] & 0xF0F0F0F0u;              // elements 0-3: column col
       frag[2 * tile + 1] = (w[tile] << 4) & 0xF0F0F0F0u;   // elements 4-7: column col + 8
       continue;
     }
-    const int col = 64 * c + 16 * tile + frag_group(lane);
-    const size_t row = (size_t)(16 * i / 128) * a.n;
+    const int col = 16 * tile + frag_group(lane);  // within the chunk
     for (int half = 0; half < 2; ++half) {
-      const qk_half r = a.s_group[row + group_scale_slot(col + 8 * half)];
+      const qk_half r = ratios[group_scale_slot(col + 8 * half)];
       uint32_t reg = 0;
       for (int e = 0; e < 4; ++e) {  // element 4 half + e sits in nibble (e % 2) * 4 + (e / 2) + 2 half of word
         const int element = 4 * half + e;
@@ -102,6 +106,70 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
   }
 }
 
+// The large-M path: a block of 8 warps computes 128 tokens x 128 channels, 4 x 2 warps of 32 x 64 (two m16 tiles
+// by one 64-channel chunk), K in steps of 64 staged in shared memory 4 deep (qk_common.cuh tiled_gemm). A stage
+// holds the swizzled activations [128, 64], the four k tiles' words of the block's two chunks as stored (1 KiB
+// contiguous per k tile in B) and, per group, the block's 128 ratios of its group.
+struct QQQTiled {
+  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 256, WARPS_N = BN / 64;
+  static constexpr int W_OFF = BM * BK, R_OFF = W_OFF + BN * BK / 2, STAGE_BYTES = R_OFF + 2 * BN;
+  struct Acc { int32_t c[2][8][4]; };  // [m16 tile][n8 block][4]
+
+  QK_FN static void copy_stage(const QQQArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
+    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(a.b);
+    copy_runs(stage + W_OFF, b + ((size_t)kt * (BK / 16) * 2 * a.n + 2 * n0) * 4, (size_t)2 * a.n * 4, BK / 16,
+              BN * 8, tid, THREADS);
+    if (a.s_group != nullptr)
+      copy_runs(stage + R_OFF, reinterpret_cast<const uint8_t*>(a.s_group + (size_t)(kt * BK / 128) * a.n + n0), 0, 1,
+                2 * BN, tid, THREADS);
+  }
+
+  // Warp (wm, wn) = (warp / 2, warp % 2): rows 32 wm + 16 i, chunk wn; ldmatrix kk gives k tiles 2 kk and 2 kk + 1.
+  QK_FN static int a_row(int warp, int i, int kk, int lane) {
+    return ldsm_a_row<BK>(32 * (warp / WARPS_N) + 16 * i, 2 * kk, lane);
+  }
+
+  // The lane's B fragments of k tile r (0..3) of the stage.
+  QK_FN static void load_b(const QQQArgs& a, const uint8_t* stage, int warp, int r, int lane, uint32_t fb[8]) {
+    const int wn = warp % WARPS_N;
+    uint32_t w[4];
+    load_u128(stage + W_OFF + (r * WARPS_N + wn) * 512 + 16 * lane, w);
+    unpack_b(a.s_group == nullptr ? nullptr : reinterpret_cast<const qk_half*>(stage + R_OFF) + 64 * wn, lane, w, fb);
+  }
+
+  QK_FN static void store(const QQQArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+        qk::store(a, m0 / 16 + 2 * (warp / WARPS_N) + i, n0 / 64 + warp % WARPS_N, nb, lane, acc.c[i][nb]);
+  }
+
+#ifndef QK_HOST
+  __device__ __forceinline__ static void compute(const QQQArgs& a, const uint8_t* stage, int, int, int warp, int lane,
+                                                 Acc& acc) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+      uint32_t fa[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ldsm_x4(fa[i], stage + a_row(warp, i, kk, lane));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t fb[8];
+        load_b(a, stage, warp, 2 * kk + h, lane, fb);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t ai[2] = {fa[i][2 * h], fa[i][2 * h + 1]};
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc.c[i][nb], ai, fb[nb]);
+        }
+      }
+    }
+  }
+#endif
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -121,11 +189,19 @@ extern "C" __global__ void qqq_w4a8_gemm(const int8_t* x, const float* s_x, cons
       },
       [&](int i, const Stage& st) {
         uint32_t fb[8];
-        qk::unpack_b(args, c, i, lane, st.w, fb);
+        qk::unpack_b(qk::ratio_row(args, c, i), lane, st.w, fb);
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
       });
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+}
+
+// The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
+// QQQTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0).
+extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_tiled(const int8_t* x, const float* s_x, const uint32_t* b,
+                                                                 const float* s_channel, const qk_half* s_group,
+                                                                 qk_half* out, int m, int n, int k) {
+  tiled_gemm<qk::QQQTiled>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
 }
 #endif

@@ -45,14 +45,19 @@ QK_FN void load_b_raw(const QServeArgs& a, int nt, int kt, int lane, uint32_t w[
   load_u128(a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16, w);
 }
 
-// Per group, the lane's s2 and -(z * s2) at k tile kt, four bytes each: byte b and 2 + b for channels 32t + 8b + g
-// and 32t + 16 + 8b + g (zero per channel).
+// Per group, the lane's s2 and -(z * s2) of one 32-channel tile, four bytes each from the tile's 32 bytes of the
+// s2 and z2 rows: byte b and 2 + b for channels 32t + 8b + g and 32t + 16 + 8b + g.
+QK_FN void group_params_at(const int8_t* s2, const int8_t* z2, int lane, uint32_t& s, uint32_t& z) {
+  s = load_u32(s2 + 4 * frag_group(lane));
+  z = load_u32(z2 + 4 * frag_group(lane));
+}
+
+// Those of n tile nt at k tile kt (zero per channel).
 QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint32_t& s, uint32_t& z) {
   s = z = 0;
   if (a.s2 != nullptr) {
-    const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt + 4 * frag_group(lane);
-    s = load_u32(a.s2 + row);
-    z = load_u32(a.z2 + row);
+    const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt;
+    group_params_at(a.s2 + row, a.z2 + row, lane, s, z);
   }
 }
 
@@ -85,6 +90,72 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   }
 }
 
+// The large-M path: a block of 8 warps computes 128 tokens x 128 channels, 2 x 4 warps of 64 x 32 (four m16 tiles
+// by one 32-channel weight tile), K in steps of 64 staged in shared memory 4 deep (qk_common.cuh tiled_gemm).
+// A stage holds the swizzled activations [128, 64], the 4 x 2 weight tiles as stored (each n tile's two k tiles
+// are 1 KiB contiguous in qweight) and, per group, the s2 and z2 rows of its two k tiles (128 bytes each).
+struct QServeTiled {
+  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 256, WARPS_N = BN / 32;
+  static constexpr int W_OFF = BM * BK, P_OFF = W_OFF + BN * BK / 2, P_BYTES = (BK / 32) * BN;
+  static constexpr int STAGE_BYTES = P_OFF + 2 * P_BYTES;
+  struct Acc { int32_t c[4][4][4]; };  // [m16 tile][n8 block][4]
+
+  QK_FN static void copy_stage(const QServeArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
+    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    copy_runs(stage + W_OFF, a.qweight + ((size_t)(n0 / 32) * (a.k / 32) + (size_t)kt * (BK / 32)) * 512,
+              (size_t)(a.k / 32) * 512, BN / 32, (BK / 32) * 512, tid, THREADS);
+    if (a.s2 == nullptr) return;
+    for (int c = tid; c < 2 * P_BYTES / 16; c += THREADS) {  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
+      const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
+      const int8_t* src = which ? a.z2 : a.s2;
+      copy16(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
+             src + (size_t)((kt * BK + 32 * kk) / a.group) * a.n + n0 + 16 * chunk, true);
+    }
+  }
+
+  // Warp (wm, wn) = (warp / 4, warp % 4): rows 64 wm + 16 i, weight tile wn.
+  QK_FN static int a_row(int warp, int i, int kk, int lane) {
+    return ldsm_a_row<BK>(64 * (warp / WARPS_N) + 16 * i, 2 * kk, lane);
+  }
+
+  // The lane's B fragments of k tile kk of the stage: its 16 bytes of weight tile wn, unpacked.
+  QK_FN static void load_b(const QServeArgs& a, const uint8_t* stage, int warp, int kk, int lane, uint32_t fb[4][2]) {
+    const int wn = warp % WARPS_N;
+    uint32_t w[4], s = 0, z = 0;
+    load_u128(stage + W_OFF + (wn * (BK / 32) + kk) * 512 + 16 * lane, w);
+    if (a.s2 != nullptr) {
+      const uint8_t* p = stage + P_OFF + kk * BN + 32 * wn;
+      group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + P_BYTES), lane, s, z);
+    }
+    unpack_b(a, w, s, z, fb);
+  }
+
+  QK_FN static void store(const QServeArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb)
+        qk::store(a, m0 / 16 + 4 * (warp / WARPS_N) + i, n0 / 32 + warp % WARPS_N, nb, lane, acc.c[i][nb]);
+  }
+
+#ifndef QK_HOST
+  __device__ __forceinline__ static void compute(const QServeArgs& a, const uint8_t* stage, int, int, int warp,
+                                                 int lane, Acc& acc) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+      uint32_t fa[4][4], fb[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ldsm_x4(fa[i], stage + a_row(warp, i, kk, lane));
+      load_b(a, stage, warp, kk, lane, fb);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) mma_s8(acc.c[i][nb], fa[i], fb[nb]);
+    }
+  }
+#endif
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -113,5 +184,13 @@ extern "C" __global__ void qserve_w4a8_gemm(const int8_t* x, const float* s_x, c
       });
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+}
+
+// The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
+// QServeTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0; groups of 32, 64 or 128).
+extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_tiled(
+    const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
+  tiled_gemm<qk::QServeTiled>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
 }
 #endif

@@ -127,8 +127,10 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    return GpuCall(_module(launch.module).get_function(launch.name), launch.grid, launch.block, args, out,
-                   launch.shared_mem)
+    function = _module(launch.module).get_function(launch.name)
+    if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
+        function.max_dynamic_shared_size_bytes = launch.shared_mem
+    return GpuCall(function, launch.grid, launch.block, args, out, launch.shared_mem)
 
 
 # Split-K sizing: warps wanted in flight on the whole GPU (an H100 has 132 SMs of up to 64 resident warps; 16 each,
@@ -150,6 +152,50 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
     return splits
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """The large-M path of a W4A8 layout (the kernel's *Tiled policy in kernels/): a block of `threads` computes
+    `bm` tokens x `bn` channels, walking K in steps of `bk` staged `stages` deep in shared memory."""
+
+    bm: int
+    bn: int
+    bk: int
+    threads: int
+    stage_bytes: int
+    stages: int = 4
+
+    def fits(self, n: int, k: int) -> bool:
+        return n % self.bn == 0 and k % self.bk == 0
+
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        return (n // self.bn, -(-m // self.bm))
+
+    @property
+    def shared_mem(self) -> int:
+        return self.stages * self.stage_bytes
+
+
+# Mirrors of the kernels' policies (QServeTiled, ...): a test checks them against the compiled ones (qk_tiles).
+TILES = {
+    "qserve": Tiles(128, 128, 64, 256, 128 * 64 + 128 * 64 // 2 + 2 * 2 * 128),
+    "qqq": Tiles(128, 128, 64, 256, 128 * 64 + 128 * 64 // 2 + 2 * 128),
+    "liquidquant": Tiles(128, 128, 64, 256, 128 * 64 + 2 * 2048 + 2 * 128),
+}
+# From this many tokens on, a launch takes the large-M path where the shape fits it. Not yet tuned on a GPU: the
+# small-M kernels re-read each operand tile from L2 once per 16 tokens, the tiled ones once per 128.
+TILED_MIN_M = 64
+
+
+def use_tiles(fmt: str, m: int, n: int, k: int, tiled: bool | None) -> bool:
+    """Whether a launch of layout `fmt` takes the large-M path: `tiled` if given (refused where the shape does not
+    fit the block tile), else from M and the shape."""
+    tiles = TILES[fmt]
+    if tiled and not tiles.fits(n, k):
+        raise ValueError(f"the large-M {fmt} kernel needs N % {tiles.bn} == 0 and K % {tiles.bk} == 0, got N={n}, "
+                         f"K={k}")
+    return tiles.fits(n, k) and m >= TILED_MIN_M if tiled is None else tiled
+
+
 def _c(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -159,9 +205,10 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                  t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
+                  t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
-    activations, needed per channel; `splits`: warps splitting K per output tile, default split_count's)."""
+    activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path, default
+    split_count's; `tiled`: the large-M path, default from M and the shape)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -173,6 +220,10 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
+    if use_tiles("qserve", m, n, k, tiled):
+        tiles = TILES["qserve"]
+        return Launch("qserve_w4a8", "qserve_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out,
+                      tiles.shared_mem)
     grid = (n // 32, -(-m // 16))
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
@@ -181,14 +232,18 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                       t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
+                       t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
     """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
-    tile splitting K)."""
+    tile splitting K on the small-M path; `tiled`: the large-M path, default from M and the shape)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
     n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), qweight, _c(tensors["s2a"].numpy(), np.uint8),
             _half_bits(tensors["s1_scales"]), out, m, n, k]
+    if use_tiles("liquidquant", m, n, k, tiled):
+        tiles = TILES["liquidquant"]
+        return Launch("liquidquant_w4a8", "liquidquant_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out,
+                      tiles.shared_mem)
     grid = (n // 64, -(-m // 32))
     partial_bytes = 128 * 16 * 4  # four warps' 16 accumulators per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
@@ -197,8 +252,9 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-               t_x: np.ndarray | None = None, splits: int | None = None) -> Launch:
-    """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile)."""
+               t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
+    """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
+    small-M path; `tiled`: the large-M path, default from M and the shape)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -206,6 +262,9 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), b, _c(tensors["s_channel"].float().numpy().reshape(-1),
                                                                 np.float32),
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
+    if use_tiles("qqq", m, n, k, tiled):
+        tiles = TILES["qqq"]
+        return Launch("qqq_w4a8", "qqq_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out, tiles.shared_mem)
     grid = (n // 64, -(-m // 16))
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
@@ -257,11 +316,12 @@ LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": q
 
 
 def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-         t_x: np.ndarray | None = None, device: str = "cpu") -> np.ndarray:
-    """The W4A8 kernel of layout `fmt` on one linear: fp16 out [M, N] from INT8 activations and their scales."""
+         t_x: np.ndarray | None = None, device: str = "cpu", tiled: bool | None = None) -> np.ndarray:
+    """The W4A8 kernel of layout `fmt` on one linear: fp16 out [M, N] from INT8 activations and their scales
+    (`tiled`: force the large-M path on or off; default from M and the shape)."""
     if fmt not in LAUNCHES:
         raise KernelUnavailable(f"no kernel for format {fmt!r} yet (kernels: {', '.join(sorted(LAUNCHES))})")
-    return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x), device).view(np.float16)
+    return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x, tiled=tiled), device).view(np.float16)
 
 
 def compiler_available() -> bool:
@@ -288,7 +348,8 @@ def resolve_device(kernel: str) -> str | None:
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
                       clip_ratio: float = 1.0) -> bool:
     """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
-    bit for bit (Any-Precision: at every width the artifact serves)."""
+    bit for bit (Any-Precision: at every width the artifact serves; W4A8: the small- and, where the shape fits it,
+    the large-M kernel, whatever M)."""
     from quantkit import emulate
 
     if fmt == "atom":
@@ -301,8 +362,10 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
                                   emulate.emulate_anyprec(tensors, x, b)[1].view(np.uint16)) for b in widths)
     reference = emulate.emulate(fmt, tensors, x)
     t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
-    out = gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device)
-    return bool(np.array_equal(out.view(np.uint16), reference.out.view(np.uint16)))
+    n, k = reference.out.shape[1], x.shape[1]
+    paths = (False, True) if TILES[fmt].fits(n, k) else (False,)  # the small- and the large-M kernel
+    return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, tiled).view(np.uint16),
+                              reference.out.view(np.uint16)) for tiled in paths)
 
 
 def cuda_available() -> bool:

@@ -76,6 +76,51 @@ def test_split_k_matches_the_emulation(fmt, group, k, partial_bytes, splits):
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
+LARGE_M_LAYOUTS = [("qserve", None), ("qserve", 128), ("qserve", 64), ("qserve", 32), ("qqq", None), ("qqq", 128),
+                   ("liquidquant", 64)]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (128, 128, 128), (130, 256, 384), (200, 128, 512)])
+def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
+    """The tiled kernels (operands staged in shared memory four K steps deep, ldmatrix of the swizzled activations)
+    give the emulation's bits: fewer K steps than the pipeline holds, more than its ring of stages, token counts
+    that end inside a block tile, several blocks each way."""
+    tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
+    x = activations(m, k, seed=k)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   tiled=True)
+    assert launch.name.endswith("_tiled") and launch.shared_mem == kernels.TILES[fmt].shared_mem
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", sorted(kernels.TILES))
+def test_large_m_tiles_mirror_the_kernels(fmt):
+    """quantkit.kernels.TILES sizes each tiled launch (grid, threads, shared memory): it must say what the kernel's
+    policy was compiled with."""
+    import ctypes
+
+    values = (ctypes.c_int * 6)()
+    assert kernels.host_library().qk_tiles(fmt.encode(), values)
+    t = kernels.TILES[fmt]
+    assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
+
+
+def test_launches_take_the_large_m_path_by_m_and_shape():
+    tensors = synthetic("qqq", 128, 256, seed=0)
+    x, s_x = np.zeros((kernels.TILED_MIN_M, 256), dtype=np.int8), np.ones(kernels.TILED_MIN_M, dtype=np.float32)
+    assert kernels.qqq_launch(tensors, x, s_x).name == "qqq_w4a8_tiled"
+    assert kernels.qqq_launch(tensors, x[:-1], s_x[:-1]).name == "qqq_w4a8_gemm"
+    assert kernels.qqq_launch(tensors, x, s_x, tiled=False).name == "qqq_w4a8_gemm"
+    narrow = synthetic("qqq", 64, 256, seed=0)  # N = 64: no whole block tile of 128 channels
+    assert kernels.qqq_launch(narrow, x, s_x).name == "qqq_w4a8_gemm"
+    with pytest.raises(ValueError, match="N % 128 == 0"):
+        kernels.qqq_launch(narrow, x, s_x, tiled=True)
+
+
 def test_split_count_fills_the_gpu_only_when_tiles_are_few():
     from quantkit.kernels import split_count
 
@@ -199,7 +244,11 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
         assert "shfl.sync.bfly" in ptx.read_text()
         return
     kind = "s4.s4" if mma == "m16n8k64" else "s8.s8"
-    assert f"mma.sync.aligned.{mma}.row.col.s32.{kind}.s32" in ptx.read_text()
+    text = ptx.read_text()
+    assert f"mma.sync.aligned.{mma}.row.col.s32.{kind}.s32" in text
+    if name.endswith("w4a8"):  # the large-M kernel: operands staged by cp.async, activations read by ldmatrix
+        assert f".entry {name}_tiled(" in text
+        assert "cp.async.cg.shared.global" in text and "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
@@ -216,6 +265,20 @@ def test_device_code_for_hopper_keeps_its_arrays_in_registers(name, tmp_path):
     assert done.returncode == 0, done.stderr
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
     assert frames and all(f == ("0", "0", "0") for f in frames), done.stderr
+
+
+@needs_gpu
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+def test_large_m_gpu_kernel_matches_the_emulation(fmt, group):
+    """The tiled kernels on the device: cp.async stages, ldmatrix and the barriers between them (what the warp
+    simulator cannot check), over several blocks each way and more K steps than stages."""
+    m, n, k = 300, 384, 1024
+    tensors = synthetic(fmt, n, k, seed=m, group=group)
+    x = activations(m, k, seed=n)
+    reference = emulate(fmt, tensors, x)
+    out = kernels.gemm(fmt, tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                       device="cuda", tiled=True)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
 @needs_gpu
