@@ -392,16 +392,18 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
   }
 }
 
-// The host twin of anyprec_gemv, the xor-shuffle tree included (each lane adds its partner's value).
-extern "C" void anyprec_gemv_host(const float* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,
-                                  int n, int k, int bits) {
-  const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
+// The host twin of anyprec_gemv at width BITS: each warp's table, then its chunks with the xor-shuffle tree
+// included (each lane adds its partner's value).
+template <int BITS>
+void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
+  std::vector<float> table(qk::AP_TABLE_FLOATS);
   float v[32][qk::AP_TOKENS], next[32][qk::AP_TOKENS];
-  for (int channel = 0; channel < n; ++channel) {
-    for (int m0 = 0; m0 < m; m0 += qk::AP_TOKENS) {
+  for (int channel = 0; channel < args.n; ++channel) {
+    for (int lane = 0; lane < 32; ++lane) qk::fill_table<BITS>(args, channel, lane, table.data());
+    for (int m0 = 0; m0 < args.m; m0 += qk::AP_TOKENS) {
       float sum[qk::AP_TOKENS] = {};
-      for (int c = 0; c < (k + qk::AP_CHUNK - 1) / qk::AP_CHUNK; ++c) {
-        for (int lane = 0; lane < 32; ++lane) qk::thread_partials(args, channel, c, m0, lane, v[lane]);
+      for (int c = 0; c < (args.k + qk::AP_CHUNK - 1) / qk::AP_CHUNK; ++c) {
+        for (int lane = 0; lane < 32; ++lane) qk::thread_partials_at<BITS>(args, table.data(), channel, c, m0, lane, v[lane]);
         for (int offset = 16; offset > 0; offset >>= 1) {
           for (int lane = 0; lane < 32; ++lane)
             for (int i = 0; i < qk::AP_TOKENS; ++i) next[lane][i] = qk::fadd(v[lane][i], v[lane ^ offset][i]);
@@ -409,7 +411,23 @@ extern "C" void anyprec_gemv_host(const float* x, const uint32_t* planes, const 
         }
         for (int i = 0; i < qk::AP_TOKENS; ++i) sum[i] = qk::fadd(sum[i], v[0][i]);
       }
-      for (int i = 0; i < qk::AP_TOKENS && m0 + i < m; ++i) out[(size_t)(m0 + i) * n + channel] = qk::float_to_half(sum[i]);
+      for (int i = 0; i < qk::AP_TOKENS && m0 + i < args.m; ++i)
+        args.out[(size_t)(m0 + i) * args.n + channel] = qk::float_to_half(sum[i]);
     }
+  }
+}
+
+extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,
+                                  int n, int k, int bits) {
+  const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
+  switch (bits) {
+    case 1: anyprec_gemv_host_at<1>(args); break;
+    case 2: anyprec_gemv_host_at<2>(args); break;
+    case 3: anyprec_gemv_host_at<3>(args); break;
+    case 4: anyprec_gemv_host_at<4>(args); break;
+    case 5: anyprec_gemv_host_at<5>(args); break;
+    case 6: anyprec_gemv_host_at<6>(args); break;
+    case 7: anyprec_gemv_host_at<7>(args); break;
+    default: anyprec_gemv_host_at<8>(args); break;
   }
 }

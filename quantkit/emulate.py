@@ -261,7 +261,8 @@ WORD_BITS = 32
 def emulate_anyprec(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The any-precision LUT GEMV at width `bits`: each thread decodes its 32 weights per 1024-column chunk from the
     first `bits` planes (`transpose_planes`), looks them up in the row's `lut{bits}`, multiplies them with the
-    activations of their columns and accumulates in float32 in word order; the 32 threads' sums are reduced by
+    activations of their columns (rounded to fp16, the kernel's input, so that every product is exact in float32)
+    and accumulates in float32 in word order; the 32 threads' sums are reduced by
     an xor-shuffle tree (16, 8, 4, 2, 1), chunks are added in order, and the result is rounded to fp16. Returns
     (codes [N, K] as decoded, y [M, N] fp16)."""
     from quantkit.formats.anyprec_layout import column_map
@@ -275,7 +276,7 @@ def emulate_anyprec(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) 
     codes = np.empty((n, k), dtype=np.int64)
     codes[:, cmap] = codes_w
     values = np.take_along_axis(lut, codes_w.reshape(n, -1), axis=1).reshape(n, words, WORD_BITS).astype(np.float32)
-    xs = np.asarray(x, dtype=np.float32)[:, cmap]  # [M, K/32, 32]
+    xs = np.asarray(x).astype(np.float16).astype(np.float32)[:, cmap]  # [M, K/32, 32], the kernel's fp16 input
     per_word = np.zeros((xs.shape[0], n, words), dtype=np.float32)
     for u in range(WORD_BITS):  # each thread in word order
         per_word += xs[:, None, :, u] * values[None, :, :, u]

@@ -285,7 +285,7 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
             launch = variant_launch(case.variant, tensors, m, case.k)
             stored = weight_bytes(tensors, case.variant)
             call = rotation(lambda _, launch=launch: upload(launch), stored)
-            act = m * case.k * (4 if case.variant.fmt == "anyprec" else 1)
+            act = m * case.k * (2 if case.variant.fmt == "anyprec" else 1)
             rows.append(Row(case.n, case.k, m, case.label, median_time(call, warmup, iters),
                             stored + act + 2 * m * case.n))
     return rows

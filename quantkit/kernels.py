@@ -5,7 +5,7 @@ that the kernels' own index and integer arithmetic is checked bit for bit agains
 Every kernel takes one linear's stored tensors exactly as the packer wrote them, plus its activations as the
 producing kernel leaves them: per-token INT8 codes and scales for the W4A8 GEMMs (`gemm`; for QServe per channel
 also the per-token sums of the unquantized activations), reordered INT4/INT8 codes and per-group scales for Atom
-(`atom_gemm`), float32 for the Any-Precision GEMV (`anyprec_gemv`). A `Launch` describes one call; `run` runs it
+(`atom_gemm`), fp16 for the Any-Precision GEMV (`anyprec_gemv`). A `Launch` describes one call; `run` runs it
 on either device.
 """
 
@@ -294,17 +294,22 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
     return run(atom_launch(tensors, x_codes, s_x), device).view(np.float16)
 
 
+ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
+
+
 def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -> Launch:
-    """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`."""
+    """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`, from activations x
+    [M, K] (rounded to fp16, the kernel's input)."""
     planes = _c(tensors["qweight"].numpy().view(np.uint32), np.uint32)
     if not 1 <= bits <= planes.shape[0] or f"lut{bits}" not in tensors:
         raise ValueError(f"this artifact serves widths up to {planes.shape[0]} with tables "
                          f"{sorted(k for k in tensors if k.startswith('lut'))}; asked for {bits}")
-    x = _c(x, np.float32)
-    m, n, k = x.shape[0], planes.shape[1], planes.shape[2] * 32
+    x16 = _half_bits(torch.from_numpy(np.ascontiguousarray(x)))  # the engine's fp16 activations
+    m, n, k = x16.shape[0], planes.shape[1], planes.shape[2] * 32
     out = np.zeros((m, n), dtype=np.uint16)
-    args = [x, planes, _half_bits(tensors[f"lut{bits}"]), out, m, n, k, bits]
-    return Launch("anyprec_gemv", "anyprec_gemv", args, (n, -(-m // 8)), 32, out)
+    args = [x16, planes, _half_bits(tensors[f"lut{bits}"]), out, m, n, k, bits]
+    return Launch("anyprec_gemv", "anyprec_gemv", args, (-(-n // ANYPREC_WARPS), -(-m // ANYPREC_TOKENS)),
+                  32 * ANYPREC_WARPS, out)
 
 
 def anyprec_gemv(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str = "cpu") -> np.ndarray:
