@@ -18,10 +18,8 @@ namespace qk {
 
 constexpr int AP_CHUNK = 1024, AP_TOKENS = 8, AP_WARPS = 8;
 
-// Floats of a channel's shared table at width BITS: the 4^BITS pairs (two floats each) up to 4 bits, else 2^BITS.
-template <int BITS>
-constexpr int table_floats() { return BITS <= 4 ? 2 << (2 * BITS) : 1 << BITS; }
-constexpr int AP_TABLE_FLOATS = 512;  // the largest: 4-bit pairs
+// Floats of a channel's shared table (fill_table): the 4^BITS pairs up to 4 bits, else 2^BITS; at most 4-bit pairs.
+constexpr int AP_TABLE_FLOATS = 512;
 
 struct AnyPrecArgs {
   const qk_half* x;       // [M, K] activations (fp16)
@@ -129,9 +127,236 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
   }
 }
 
+// ---- The tensor-core path (anyprec_gemm_tc), for more than a token or two. ----
+// A block owns 128 channels (8 warps of 16: two n8 blocks each), one 1024-column chunk and 16 tokens; grid
+// (ceil(N / 128), chunks, ceil(M / 16)). It stages the 16 tokens' activations of its chunk in shared memory and
+// its channels' tables (fp16 pairs up to 3 bits, single fp16 entries above). Lane (g, q) of a warp decodes words
+// t = 8 q + v (v = 0..7) of channels g and 8 + g of its warp: the 32 codes of a word are four weights for each of
+// 8 mma.m16n8k16 (s = 0..7), weights u = 4 s .. 4 s + 3 being its k = 2 q, 2 q + 1, 2 q + 8, 2 q + 9. Those are 4
+// consecutive columns (byte s / 2, bits 4 (s % 2) ..), so the A lane (g', q') reads them for token g' (and g' + 8)
+// as one 8-byte load: the activation tile keeps each 4-column group of word t at [token][s][v][q] (an 8-byte
+// slot), rows 2080 bytes apart, so that a warp's 8-byte loads fill 32 banks twice. The chunks' float32 partial
+// sums meet in a workspace [chunks, M, N]; the block that finishes a tile last (a counter per tile) adds them in
+// chunk order and rounds once to fp16, so the result is deterministic. Not bit-exact against the emulation: the
+// tensor cores' float32 accumulation has its own order and rounding (quantkit.kernels checks it within a bound).
+constexpr int APT_WARPS = 8, APT_CHANNELS = 16 * APT_WARPS, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
+constexpr int APT_ROW_BYTES = 2 * AP_CHUNK + 32, APT_X_BYTES = APT_TOKENS * APT_ROW_BYTES;
+
+// Bytes of one channel's table: 4^BITS fp16 pairs up to 3 bits, else 2^BITS fp16.
+template <int BITS>
+QK_FN constexpr int tc_table_bytes() { return BITS <= 3 ? 4 << (2 * BITS) : 2 << BITS; }
+
+struct AnyPrecTcArgs {
+  AnyPrecArgs a;
+  float* partials;  // [chunks, M, N] when chunks > 1
+  int* counters;    // [ceil(M / 16) * ceil(N / 128)], zero; each tile's last block resets its counter
+};
+
+QK_FN int tc_chunks(const AnyPrecArgs& a) { return (a.k + AP_CHUNK - 1) / AP_CHUNK; }
+QK_FN int tc_words(const AnyPrecArgs& a, int c) { return (c < a.k / AP_CHUNK ? AP_CHUNK : a.k % AP_CHUNK) / 32; }
+
+// The activations of tokens m0 .. m0 + 15 (zero past M) in chunk c, into the tile: threads tid, tid + threads, ...
+// each copy 8-byte slots (a 4-column group).
+QK_FN void tc_stage_x(const AnyPrecArgs& a, uint8_t* xs, int m0, int c, int tid, int threads) {
+  const int words = tc_words(a, c), width = 32 * words;
+  for (int i = tid; i < APT_TOKENS * 4 * words * 2; i += threads) {
+    const int h = i & 1, t = (i >> 1) % words, j = (i >> 1) / words % 4, r = (i >> 1) / words / 4;
+    const int token = m0 + r < a.m ? m0 + r : 0;
+    const qk_half* src = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + j * (width / 4) + 8 * t + 4 * h;
+    copy8(xs + r * APT_ROW_BYTES + ((2 * j + h) * 32 + (t % 8) * 4 + t / 8) * 8, src, m0 + r < a.m);
+  }
+}
+
+// The tables of channels n0 .. n0 + 127 (those below N): pair p = (c0 << BITS) | c1 as the fp16 pair
+// lut[c0] | lut[c1] << 16 up to 3 bits, else the fp16 entries as stored.
+template <int BITS>
+QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
+  constexpr int entries = BITS <= 3 ? 1 << (2 * BITS) : 1 << BITS;
+  for (int i = tid; i < APT_CHANNELS * entries; i += threads) {
+    const int ch = i / entries, e = i % entries;
+    if (n0 + ch >= a.n) continue;
+    const qk_half* lut = a.lut + (size_t)(n0 + ch) * (1 << BITS);
+    uint8_t* table = tables + ch * tc_table_bytes<BITS>();
+    if (BITS <= 3) {
+      const uint32_t pair = (uint32_t)lut[e >> BITS] | ((uint32_t)lut[e & ((1 << BITS) - 1)] << 16);
+      store_u32(table + 4 * e, pair);
+    } else {
+      store_u16(table + 2 * e, lut[e]);
+    }
+  }
+}
+
+// Lane (g, q)'s words 8 q .. 8 q + 7 of chunk c of `channel`, every plane (zero past the chunk or past N).
+template <int BITS>
+QK_FN void tc_load_words(const AnyPrecArgs& a, int channel, int c, int lane, uint32_t words[BITS][8]) {
+  const int q = frag_quad(lane), valid = channel < a.n ? tc_words(a, c) - 8 * q : 0;
+  const bool whole = valid >= 8 && a.k % 128 == 0;  // two 16-byte loads per plane (16-byte aligned rows)
+#pragma unroll
+  for (int p = 0; p < BITS; ++p) {
+    const uint32_t* src = a.planes + ((size_t)p * a.n + (channel < a.n ? channel : 0)) * (a.k / 32) + 32 * c + 8 * q;
+    if (whole) {
+      load_u128(src, words[p]);
+      load_u128(src + 4, words[p] + 4);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) words[p][i] = i < valid ? src[i] : 0u;
+    }
+  }
+}
+
+// Word v's B fragments: b[s] for MMA s, the fp16 weights of u = 4 s, 4 s + 1 and 4 s + 2, 4 s + 3 (`table`: the
+// channel's).
+template <int BITS>
+QK_FN void tc_decode_b(const uint8_t* table, const uint32_t words[BITS][8], int v, uint32_t b[8][2]) {
+  uint32_t word[BITS], codes[32];
+#pragma unroll
+  for (int p = 0; p < BITS; ++p) word[p] = words[p][v];
+  transpose_planes<BITS>(word, codes);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t c0 = codes[4 * s + 2 * r], c1 = codes[4 * s + 2 * r + 1];
+      if (BITS <= 3) {
+        b[s][r] = load_u32(table + 4 * ((c0 << BITS) | c1));
+      } else {
+        const qk_half* entries = reinterpret_cast<const qk_half*>(table);
+        b[s][r] = (uint32_t)entries[c0] | ((uint32_t)entries[c1] << 16);
+      }
+    }
+  }
+}
+
+// Lane (g', q')'s A fragment of MMA s for word group v: tokens g' and g' + 8, the 4 columns of word 8 q' + v at
+// u = 4 s ..: {row g' k 0-1, row g' + 8 k 0-1, row g' k 2-3, row g' + 8 k 2-3}; zero for a word past the chunk.
+QK_FN void tc_load_a(const uint8_t* xs, int s, int v, int lane, int words, uint32_t a[4]) {
+  const int g = frag_group(lane), q = frag_quad(lane);
+  if (8 * q + v >= words) {
+    a[0] = a[1] = a[2] = a[3] = 0u;
+    return;
+  }
+  const int slot = (s * 32 + v * 4 + q) * 8;
+  load_u64(xs + g * APT_ROW_BYTES + slot, a[0], a[2]);
+  load_u64(xs + (g + 8) * APT_ROW_BYTES + slot, a[1], a[3]);
+}
+
+// The warp's channel of n8 block nb for lane (its B column g).
+QK_FN int tc_channel(int n0, int warp, int nb, int lane) { return n0 + 16 * warp + 8 * nb + frag_group(lane); }
+
+// Lane's accumulators of n8 block nb: (token g, channels 2 q, 2 q + 1), (token g + 8, same): fp16 out when K is one
+// chunk, else float32 partials of chunk c.
+QK_FN void tc_store(const AnyPrecTcArgs& t, int m0, int n0, int c, int warp, int nb, int lane, const float acc[4]) {
+  const AnyPrecArgs& a = t.a;
+  for (int i = 0; i < 4; ++i) {
+    const int token = m0 + frag_group(lane) + 8 * (i >> 1);
+    const int channel = n0 + 16 * warp + 8 * nb + 2 * frag_quad(lane) + (i & 1);
+    if (token >= a.m || channel >= a.n) continue;
+    if (tc_chunks(a) == 1) a.out[(size_t)token * a.n + channel] = float_to_half(acc[i]);
+    else t.partials[((size_t)c * a.m + token) * a.n + channel] = acc[i];
+  }
+}
+
+// The last block of a tile: out = fp16 of the chunks' partial sums, added in chunk order.
+QK_FN void tc_finish(const AnyPrecTcArgs& t, int m0, int n0, int tid, int threads) {
+  const AnyPrecArgs& a = t.a;
+  for (int e = tid; e < APT_TOKENS * APT_CHANNELS; e += threads) {
+    const int token = m0 + e / APT_CHANNELS, channel = n0 + e % APT_CHANNELS;
+    if (token >= a.m || channel >= a.n) continue;
+    float sum = 0.0f;
+    for (int c = 0; c < tc_chunks(a); ++c) {
+      const float* p = t.partials + ((size_t)c * a.m + token) * a.n + channel;
+#if defined(__CUDA_ARCH__)
+      sum = fadd(sum, __ldcg(p));  // through L2: other blocks wrote it
+#else
+      sum = fadd(sum, *p);
+#endif
+    }
+    a.out[(size_t)token * a.n + channel] = float_to_half(sum);
+  }
+}
+
 }  // namespace qk
 
 #ifndef QK_HOST
+template <int BITS>
+__device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecTcArgs& args, uint8_t* smem) {
+  using namespace qk;
+  constexpr int AT_ONCE = BITS <= 4 ? 2 : 1;  // n8 blocks whose plane words a lane holds at once
+  const AnyPrecArgs& a = args.a;
+  uint8_t* xs = smem;
+  uint8_t* tables = smem + APT_X_BYTES;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int n0 = APT_CHANNELS * blockIdx.x, c = blockIdx.y, m0 = APT_TOKENS * blockIdx.z, words = tc_words(a, c);
+  tc_stage_x(a, xs, m0, c, tid, APT_THREADS);
+  cp_async_commit();
+  tc_fill_tables<BITS>(a, tables, n0, tid, APT_THREADS);
+  float acc[2][4] = {};
+#pragma unroll
+  for (int nb0 = 0; nb0 < 2; nb0 += AT_ONCE) {
+    uint32_t w[AT_ONCE][BITS][8];
+#pragma unroll
+    for (int i = 0; i < AT_ONCE; ++i) tc_load_words<BITS>(a, tc_channel(n0, warp, nb0 + i, lane), c, lane, w[i]);
+    if (nb0 == 0) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+#pragma unroll  // constant indices into w: a run-time v would put it in local memory
+    for (int v = 0; v < 8; ++v) {
+      uint32_t b[AT_ONCE][8][2];
+#pragma unroll
+      for (int i = 0; i < AT_ONCE; ++i) {
+        const int channel = tc_channel(n0, warp, nb0 + i, lane);
+        if (channel < a.n && 8 * frag_quad(lane) + v < words) {
+          tc_decode_b<BITS>(tables + (channel - n0) * tc_table_bytes<BITS>(), w[i], v, b[i]);
+        } else {
+#pragma unroll
+          for (int s = 0; s < 8; ++s) b[i][s][0] = b[i][s][1] = 0u;
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t fa[4];
+        tc_load_a(xs, s, v, lane, words, fa);
+#pragma unroll
+        for (int i = 0; i < AT_ONCE; ++i) mma_f16(acc[nb0 + i], fa, b[i][s]);
+      }
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) tc_store(args, m0, n0, c, warp, nb, lane, acc[nb]);
+  if (tc_chunks(a) == 1) return;
+  __shared__ int last;
+  __threadfence();  // this block's partials before its count
+  __syncthreads();
+  int* counter = args.counters + blockIdx.z * gridDim.x + blockIdx.x;
+  if (tid == 0) last = atomicAdd(counter, 1) == tc_chunks(a) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other blocks' partials after their counts
+  tc_finish(args, m0, n0, tid, APT_THREADS);
+  if (tid == 0) *counter = 0;
+}
+
+// grid (ceil(N / 128), ceil(K / 1024), ceil(M / 16)), block 256, dynamic shared memory APT_X_BYTES + 128 channels'
+// tables (33,280 + 128 tc_table_bytes<bits>()).
+extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc(const qk_half* x, const uint32_t* planes,
+                                                                  const qk_half* lut, qk_half* out, float* partials,
+                                                                  int* counters, int m, int n, int k, int bits) {
+  extern __shared__ uint4 qk_apt_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(qk_apt_smem);
+  const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
+  switch (bits) {
+    case 1: anyprec_gemm_tc_at<1>(args, smem); break;
+    case 2: anyprec_gemm_tc_at<2>(args, smem); break;
+    case 3: anyprec_gemm_tc_at<3>(args, smem); break;
+    case 4: anyprec_gemm_tc_at<4>(args, smem); break;
+    case 5: anyprec_gemm_tc_at<5>(args, smem); break;
+    case 6: anyprec_gemm_tc_at<6>(args, smem); break;
+    case 7: anyprec_gemm_tc_at<7>(args, smem); break;
+    default: anyprec_gemm_tc_at<8>(args, smem); break;
+  }
+}
+
 template <int BITS>
 __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_FLOATS]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -92,6 +92,31 @@ void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32]
   }
 }
 
+// D = A B + C for one warp's mma.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA fragments: A register r of lane 4 g + q
+// holds row g (+8 for r odd) at k 2 q, 2 q + 1 (+8 for r >= 2); B register r holds k 2 q, 2 q + 1 (+8 for r = 1)
+// of column g; C as for the integer MMAs). Each sum in double, rounded once to float: a model of the tensor cores,
+// whose own float32 accumulation rounds differently, so that kernel is checked within a bound, not bit for bit.
+void mma_warp_f16(float c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+  double A[16][16], B[16][8];
+  auto half = [](uint32_t reg, int e) { return (double)qk::half_to_float((qk_half)(reg >> (16 * e))); };
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int r = 0; r < 4; ++r)
+      for (int e = 0; e < 2; ++e) A[g + 8 * (r & 1)][2 * q + e + 8 * (r >> 1)] = half(a[lane][r], e);
+    for (int r = 0; r < 2; ++r)
+      for (int e = 0; e < 2; ++e) B[2 * q + e + 8 * r][g] = half(b[lane][r], e);
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
+      double sum = c[lane][i];
+      for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+      c[lane][i] = (float)sum;
+    }
+  }
+}
+
 // One warp's ldmatrix.x4 (PTX ISA): lane l receives, of each matrix j, the 4 bytes 4 (l % 4) .. of the row that
 // lane 8 j + l / 4 addressed (`rows`: byte offsets into `smem`).
 void ldsm_x4_warp(uint32_t d[32][4], const uint8_t* smem, const int rows[32]) {
@@ -429,5 +454,73 @@ extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, cons
     case 6: anyprec_gemv_host_at<6>(args); break;
     case 7: anyprec_gemv_host_at<7>(args); break;
     default: anyprec_gemv_host_at<8>(args); break;
+  }
+}
+
+// The host twin of anyprec_gemm_tc at width BITS: blocks tile by tile, chunk after chunk, so the tile's last block
+// (its counter at the chunk count) adds the partial sums, as on the GPU.
+template <int BITS>
+void anyprec_gemm_tc_host_at(const qk::AnyPrecTcArgs& args) {
+  using namespace qk;
+  const AnyPrecArgs& a = args.a;
+  std::vector<uint8_t> xs(APT_X_BYTES), tables((size_t)APT_CHANNELS * tc_table_bytes<BITS>());
+  const int tiles_n = (a.n + APT_CHANNELS - 1) / APT_CHANNELS, chunks = tc_chunks(a);
+  std::vector<uint32_t> w((size_t)32 * 2 * BITS * 8);
+  auto words_of = [&](int lane, int nb) { return reinterpret_cast<uint32_t(*)[8]>(&w[((size_t)lane * 2 + nb) * BITS * 8]); };
+  for (int z = 0; z * APT_TOKENS < a.m; ++z) {
+    for (int c = 0; c < chunks; ++c) {
+      for (int x = 0; x < tiles_n; ++x) {
+        const int m0 = APT_TOKENS * z, n0 = APT_CHANNELS * x, words = tc_words(a, c);
+        std::fill(xs.begin(), xs.end(), 0xA5);  // nothing read that the block did not write
+        std::fill(tables.begin(), tables.end(), 0xA5);
+        for (int tid = 0; tid < APT_THREADS; ++tid) tc_stage_x(a, xs.data(), m0, c, tid, APT_THREADS);
+        for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS>(a, tables.data(), n0, tid, APT_THREADS);
+        for (int warp = 0; warp < APT_WARPS; ++warp) {
+          float acc[2][32][4] = {};
+          for (int lane = 0; lane < 32; ++lane)
+            for (int nb = 0; nb < 2; ++nb) tc_load_words<BITS>(a, tc_channel(n0, warp, nb, lane), c, lane, words_of(lane, nb));
+          for (int v = 0; v < 8; ++v) {
+            uint32_t b[2][32][8][2] = {}, fa[32][4], bn[32][2];
+            for (int lane = 0; lane < 32; ++lane) {
+              for (int nb = 0; nb < 2; ++nb) {
+                const int channel = tc_channel(n0, warp, nb, lane);
+                if (channel < a.n && 8 * frag_quad(lane) + v < words)
+                  tc_decode_b<BITS>(tables.data() + (channel - n0) * tc_table_bytes<BITS>(), words_of(lane, nb), v,
+                                    b[nb][lane]);
+              }
+            }
+            for (int s = 0; s < 8; ++s) {
+              for (int lane = 0; lane < 32; ++lane) tc_load_a(xs.data(), s, v, lane, words, fa[lane]);
+              for (int nb = 0; nb < 2; ++nb) {
+                for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], b[nb][lane][s], sizeof(bn[lane]));
+                mma_warp_f16(acc[nb], fa, bn);
+              }
+            }
+          }
+          for (int lane = 0; lane < 32; ++lane)
+            for (int nb = 0; nb < 2; ++nb) tc_store(args, m0, n0, c, warp, nb, lane, acc[nb][lane]);
+        }
+        if (chunks == 1) continue;
+        int& counter = args.counters[z * tiles_n + x];
+        if (++counter < chunks) continue;
+        for (int tid = 0; tid < APT_THREADS; ++tid) tc_finish(args, m0, n0, tid, APT_THREADS);
+        counter = 0;
+      }
+    }
+  }
+}
+
+extern "C" void anyprec_gemm_tc_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out,
+                                     float* partials, int* counters, int m, int n, int k, int bits) {
+  const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
+  switch (bits) {
+    case 1: anyprec_gemm_tc_host_at<1>(args); break;
+    case 2: anyprec_gemm_tc_host_at<2>(args); break;
+    case 3: anyprec_gemm_tc_host_at<3>(args); break;
+    case 4: anyprec_gemm_tc_host_at<4>(args); break;
+    case 5: anyprec_gemm_tc_host_at<5>(args); break;
+    case 6: anyprec_gemm_tc_host_at<6>(args); break;
+    case 7: anyprec_gemm_tc_host_at<7>(args); break;
+    default: anyprec_gemm_tc_host_at<8>(args); break;
   }
 }

@@ -145,6 +145,22 @@ QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #endif
 }
 
+// Stores of 4 and 2 bytes (p aligned to their size).
+QK_FN void store_u32(void* p, uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint32_t*>(p) = v;
+#else
+  std::memcpy(p, &v, 4);
+#endif
+}
+QK_FN void store_u16(void* p, qk_half v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<qk_half*>(p) = v;
+#else
+  std::memcpy(p, &v, 2);
+#endif
+}
+
 // One 32-bit load of four bytes (p 4-byte aligned), the first byte in the low bits.
 QK_FN uint32_t load_u32(const void* p) {
 #if defined(__CUDA_ARCH__)
@@ -202,6 +218,28 @@ QK_FN void copy16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
 #else
   if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+#endif
+}
+
+// One 8-byte asynchronous copy global -> shared (cp.async.ca), or 8 zero bytes when !valid.
+QK_FN void copy8(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 8 : 0));
+#else
+  if (valid) std::memcpy(dst, src, 8); else std::memset(dst, 0, 8);
+#endif
+}
+
+// Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
+QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__)
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  lo = v.x;
+  hi = v.y;
+#else
+  std::memcpy(&lo, p, 4);
+  std::memcpy(&hi, static_cast<const uint8_t*>(p) + 4, 4);
 #endif
 }
 
@@ -316,6 +354,17 @@ __device__ __forceinline__ void mma_s8_k16(int32_t c[4], const uint32_t a[2], ui
       "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+// D = A B + D with fp16 operands and float32 accumulators (mma.m16n8k16 .f32.f16.f16.f32): A registers {row g,
+// k 2q..; row g + 8, k 2q..; row g, k 2q + 8..; row g + 8, k 2q + 8..}, B {k 2q.., k 2q + 8..} of column g, each
+// register two fp16, the lower k in the low half.
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 __device__ __forceinline__ void mma_s4(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {

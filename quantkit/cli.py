@@ -312,15 +312,16 @@ def inspect(output: Path) -> None:
 @click.option("--tolerance", type=float, default=4e-3, show_default=True,
               help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs.")
 @click.option("--kernel", type=click.Choice(["auto", "cuda", "sim", "none"]), default="auto", show_default=True,
-              help="Also run each linear's CUDA kernel (kernels/) and require its fp16 output to equal the "
-              "emulation's bit for bit: on the GPU (cuda), in quantkit's warp simulator on the CPU (sim, needs "
-              "g++), or not (none); auto takes the GPU if there is one, else the simulator if it can be built.")
+              help="Also run each linear's CUDA kernels (kernels/) and require their fp16 output to equal the "
+              "emulation's bit for bit (Any-Precision's tensor-core kernel: within its stated bound): on the GPU "
+              "(cuda), in quantkit's warp simulator on the CPU (sim, needs g++), or not (none); auto takes the GPU "
+              "if there is one, else the simulator if it can be built.")
 def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str) -> None:
     """Check every packed linear of OUTPUT through its kernel's bit-exact CPU emulation: the int32 accumulators
     must equal the reference integer product exactly and the fp16 outputs match the dequantized reference; and
-    run the CUDA kernel itself (on the GPU, or its lane code in the warp simulator), whose output must equal the
-    emulation's bit for bit. Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Exits 1
-    on any mismatch."""
+    run the CUDA kernels themselves (on the GPU, or their lane code in the warp simulator), whose output must
+    equal the emulation's bit for bit (Any-Precision's tensor-core kernel: within `anyprec_tc_bound`).
+    Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Exits 1 on any mismatch."""
     import numpy as np
 
     from quantkit import kernels

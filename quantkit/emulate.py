@@ -291,6 +291,21 @@ def emulate_anyprec(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) 
     return codes, y.astype(np.float16)
 
 
+def anyprec_tc_bound(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, reference: np.ndarray
+                     ) -> np.ndarray:
+    """How far the tensor-core Any-Precision kernel may land from the emulation's fp16 output `reference` [M, N]:
+    both add the same exact products of fp16 values in float32, only in another order and rounding, so the two
+    differ by one fp16 rounding of the output (2^-10 |y|, two half-ulps) plus float32 summation error, bounded
+    loosely by 2^-16 sum_k |x_k w_k|. A single wrong weight or column moves y by about sum_k |x_k w_k| / K, above
+    the bound for any K up to 2^16."""
+    from quantkit.formats.anyprec_layout import lut_dequantize, unpack_planes
+
+    codes = unpack_planes(tensors["qweight"].numpy(), bits)
+    weights = lut_dequantize(codes, tensors[f"lut{bits}"].float().numpy().astype(np.float64))
+    x16 = np.abs(np.asarray(x).astype(np.float16).astype(np.float64))
+    return 2.0**-10 * np.abs(reference.astype(np.float64)) + 2.0**-16 * (x16 @ np.abs(weights).T)
+
+
 def check_anyprec(tensors: dict[str, torch.Tensor], q, x: np.ndarray) -> Check:
     """Every width the artifact serves: the decoded codes equal the reference unpack's (`at_bits`), and the fp16
     GEMV output matches x W_b^T; the worst width is reported."""

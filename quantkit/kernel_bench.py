@@ -28,12 +28,14 @@ SHAPE_SETS: dict[str, tuple[tuple[int, int], ...]] = {
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel configuration: its label, layout and options (group, width)."""
+    """One kernel configuration: its label, layout and options (group, width; for Any-Precision, `tc` picks the
+    tensor-core kernel or the GEMV, None lets the launch choose by M)."""
 
     label: str
     fmt: str
     group: int | None = None
     bits: int | None = None
+    tc: bool | None = None
 
 
 VARIANTS = (
@@ -43,7 +45,8 @@ VARIANTS = (
     Variant("QQQ W4A8 per channel", "qqq"),
     Variant("QQQ W4A8 g128", "qqq", group=128),
     Variant("Atom W4A4 g128 + 128 INT8", "atom", group=128),
-    Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3),
+    Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3, tc=False),
+    Variant("Any-Precision 3-bit (tensor cores)", "anyprec", bits=3, tc=True),
 )
 
 
@@ -117,7 +120,7 @@ def variant_launch(variant: Variant, tensors: dict[str, torch.Tensor], m: int, k
     """The kernel call of `variant` on `tensors` with random activations of M tokens."""
     rng = np.random.default_rng(seed)
     if variant.fmt == "anyprec":
-        return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3)
+        return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3, variant.tc)
     if variant.fmt == "atom":
         codes = np.concatenate([rng.integers(-8, 8, (m, k - 128)), rng.integers(-128, 128, (m, 128))], axis=1)
         return atom_launch(tensors, codes, rng.random((m, (k - 128) // 128 + 1)).astype(np.float32))
@@ -280,7 +283,7 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
                 rows += baselines(m, case.n, case.k, warmup, iters)
                 timed.add((case.n, case.k, m))
             if case.variant.fmt == "anyprec" and m > 16:
-                continue  # a GEMV kernel: batches of a few tokens only
+                continue  # decode batches only: above a few tokens, dequantize and call cuBLAS (the paper)
             tensors = tensors if tensors is not None else case.tensors()
             launch = variant_launch(case.variant, tensors, m, case.k)
             stored = weight_bytes(tensors, case.variant)

@@ -75,7 +75,7 @@ class Launch:
     module: str
     name: str
     args: list[np.ndarray | int | None]
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     block: int
     out: np.ndarray
     shared_mem: int = 0  # bytes of dynamic shared memory (the split-K partial sums)
@@ -101,7 +101,7 @@ class GpuCall:
     """A launch whose arrays live on the GPU: calling it runs the kernel once (asynchronously)."""
 
     function: Any
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     block: int
     args: tuple
     out: Any
@@ -295,11 +295,22 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
 
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
+# anyprec_gemm_tc: channels and tokens per block, one chunk of columns each; the activation tile's bytes
+ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS, ANYPREC_TC_CHUNK, ANYPREC_TC_X_BYTES = 128, 16, 1024, 16 * (2 * 1024 + 32)
+# From this many tokens on, the Any-Precision launch takes the tensor-core kernel. Not yet tuned on a GPU: the
+# CUDA-core GEMV pays a float32 multiply-add per weight and token, the tensor-core kernel none.
+ANYPREC_TC_MIN_M = 2
 
 
-def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -> Launch:
+def anyprec_table_bytes(bits: int) -> int:
+    """Shared-memory bytes of one channel's table in anyprec_gemm_tc: fp16 pairs up to 3 bits, else fp16."""
+    return 4 << (2 * bits) if bits <= 3 else 2 << bits
+
+
+def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None) -> Launch:
     """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`, from activations x
-    [M, K] (rounded to fp16, the kernel's input)."""
+    [M, K] (rounded to fp16, the kernel's input): the CUDA-core GEMV (bit-exact against the emulation) or, with
+    `tc` (default: from ANYPREC_TC_MIN_M tokens on), the tensor-core kernel (within `anyprec_tc_bound`)."""
     planes = _c(tensors["qweight"].numpy().view(np.uint32), np.uint32)
     if not 1 <= bits <= planes.shape[0] or f"lut{bits}" not in tensors:
         raise ValueError(f"this artifact serves widths up to {planes.shape[0]} with tables "
@@ -307,14 +318,34 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int) -
     x16 = _half_bits(torch.from_numpy(np.ascontiguousarray(x)))  # the engine's fp16 activations
     m, n, k = x16.shape[0], planes.shape[1], planes.shape[2] * 32
     out = np.zeros((m, n), dtype=np.uint16)
-    args = [x16, planes, _half_bits(tensors[f"lut{bits}"]), out, m, n, k, bits]
+    lut = _half_bits(tensors[f"lut{bits}"])
+    if m >= ANYPREC_TC_MIN_M if tc is None else tc:
+        chunks, tiles_n, tiles_m = -(-k // ANYPREC_TC_CHUNK), -(-n // ANYPREC_TC_CHANNELS), -(-m // ANYPREC_TC_TOKENS)
+        partials = np.zeros((chunks, m, n) if chunks > 1 else (1,), dtype=np.float32)
+        counters = np.zeros(tiles_m * tiles_n, dtype=np.int32)
+        shared = ANYPREC_TC_X_BYTES + ANYPREC_TC_CHANNELS * anyprec_table_bytes(bits)
+        return Launch("anyprec_gemv", "anyprec_gemm_tc", [x16, planes, lut, out, partials, counters, m, n, k, bits],
+                      (tiles_n, chunks, tiles_m), 256, out, shared)
+    args = [x16, planes, lut, out, m, n, k, bits]
     return Launch("anyprec_gemv", "anyprec_gemv", args, (-(-n // ANYPREC_WARPS), -(-m // ANYPREC_TOKENS)),
                   32 * ANYPREC_WARPS, out)
 
 
-def anyprec_gemv(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str = "cpu") -> np.ndarray:
-    """The Any-Precision LUT GEMV at width `bits`: fp16 out [M, N] from float32 activations."""
-    return run(anyprec_launch(tensors, x, bits), device).view(np.float16)
+def anyprec_gemv(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str = "cpu",
+                 tc: bool | None = None) -> np.ndarray:
+    """The Any-Precision LUT GEMV at width `bits`: fp16 out [M, N] (`tc`: force the tensor-core kernel on or off)."""
+    return run(anyprec_launch(tensors, x, bits, tc), device).view(np.float16)
+
+
+def anyprec_matches(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str) -> bool:
+    """Both Any-Precision kernels at width `bits` against the emulation: the GEMV bit for bit, the tensor-core
+    kernel within `emulate.anyprec_tc_bound`."""
+    from quantkit import emulate
+
+    reference = emulate.emulate_anyprec(tensors, x, bits)[1]
+    exact = np.array_equal(anyprec_gemv(tensors, x, bits, device, tc=False).view(np.uint16), reference.view(np.uint16))
+    tc = anyprec_gemv(tensors, x, bits, device, tc=True).astype(np.float64)
+    return exact and bool(np.all(np.abs(tc - reference) <= emulate.anyprec_tc_bound(tensors, x, bits, reference)))
 
 
 LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": qqq_launch}
@@ -353,8 +384,8 @@ def resolve_device(kernel: str) -> str | None:
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
                       clip_ratio: float = 1.0) -> bool:
     """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
-    bit for bit (Any-Precision: at every width the artifact serves; W4A8: the small- and, where the shape fits it,
-    the large-M kernel, whatever M)."""
+    bit for bit (Any-Precision: at every width the artifact serves, the GEMV bit for bit and the tensor-core kernel
+    within its bound; W4A8: the small- and, where the shape fits it, the large-M kernel, whatever M)."""
     from quantkit import emulate
 
     if fmt == "atom":
@@ -363,8 +394,7 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
         return bool(np.array_equal(out.view(np.uint16), reference.out.view(np.uint16)))
     if fmt == "anyprec":
         widths = sorted(int(k[3:]) for k in tensors if k.startswith("lut"))
-        return all(np.array_equal(anyprec_gemv(tensors, x, b, device).view(np.uint16),
-                                  emulate.emulate_anyprec(tensors, x, b)[1].view(np.uint16)) for b in widths)
+        return all(anyprec_matches(tensors, x, b, device) for b in widths)
     reference = emulate.emulate(fmt, tensors, x)
     t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
     n, k = reference.out.shape[1], x.shape[1]

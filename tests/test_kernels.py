@@ -198,8 +198,51 @@ def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
         _, reference = emulate_anyprec(tensors, x, bits)
-        out = kernels.anyprec_gemv(tensors, x, bits)
+        out = kernels.anyprec_gemv(tensors, x, bits, tc=False)
         np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
+
+
+def assert_within_tc_bound(tensors, x, bits, out):
+    from quantkit.emulate import anyprec_tc_bound, emulate_anyprec
+
+    reference = emulate_anyprec(tensors, x, bits)[1]
+    bound = anyprec_tc_bound(tensors, x, bits, reference)
+    error = np.abs(out.astype(np.float64) - reference)
+    assert np.all(error <= bound), f"{bits} bits: {np.sum(error > bound)} outputs past the bound"
+    return reference
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,n,k", [(1, 13, 96), (5, 130, 1024), (17, 64, 2080), (3, 200, 3072)])
+def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n, k):
+    """The tensor-core kernel's lane code (staged activations in their 4-column slots, tables as fp16 pairs or
+    entries, B fragments decoded from the planes, the chunks' partial sums met by a tile's last block): within
+    `anyprec_tc_bound` of the emulation at every width, past the last whole chunk, past N % 128 and past 16 tokens."""
+    tensors = synthetic("anyprec", n, k, seed=k)
+    x = activations(m, k, seed=m)
+    for bits in range(3, 9):
+        launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
+        assert launch.name == "anyprec_gemm_tc" and launch.grid == (-(-n // 128), -(-k // 1024), -(-m // 16))
+        out = kernels.run(launch, "cpu").view(np.float16)
+        reference = assert_within_tc_bound(tensors, x, bits, out)
+        assert np.mean(out == reference) > 0.9  # mostly the same fp16: only rounding differs
+        assert not launch.args[5].any()  # every tile's counter is back at zero for the next call
+
+
+@needs_compiler
+def test_anyprec_tc_bound_catches_one_wrong_weight():
+    """The bound is tight enough to matter: one table entry off by its neighbour's distance moves an output past it."""
+    from quantkit.emulate import anyprec_tc_bound, emulate_anyprec
+
+    tensors = synthetic("anyprec", 8, 2048, seed=3)
+    x = activations(4, 2048, seed=5)
+    reference = emulate_anyprec(tensors, x, 3)[1]
+    wrong = dict(tensors)
+    lut = tensors["lut3"].clone()
+    lut[2, 5] = lut[2, 4]
+    wrong["lut3"] = lut
+    out = kernels.anyprec_gemv(wrong, x, 3, tc=True).astype(np.float64)
+    assert np.any(np.abs(out - reference) > anyprec_tc_bound(tensors, x, 3, reference))
 
 
 @needs_gpu
@@ -240,8 +283,9 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_80", "-std=c++17", "-ptx", str(src / f"{name}.cu"), "-o", str(ptx)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    if mma is None:  # a CUDA-core kernel: its warp reduction instead
-        assert "shfl.sync.bfly" in ptx.read_text()
+    if mma is None:  # the Any-Precision GEMV's warp reduction, and its tensor-core kernel's fp16 MMA
+        text = ptx.read_text()
+        assert "shfl.sync.bfly" in text and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
         return
     kind = "s4.s4" if mma == "m16n8k64" else "s8.s8"
     text = ptx.read_text()
@@ -333,8 +377,24 @@ def test_anyprec_gpu_kernel_matches_the_emulation():
     x = activations(11, 2080, seed=8)
     for bits in range(3, 9):
         _, reference = emulate_anyprec(tensors, x, bits)
-        out = kernels.anyprec_gemv(tensors, x, bits, device="cuda")
+        out = kernels.anyprec_gemv(tensors, x, bits, device="cuda", tc=False)
         np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
+
+
+@needs_gpu
+@pytest.mark.parametrize("k", [1024, 4096, 2080])
+def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k):
+    """On the device: within the bound at every width, and the same bits on every call (the chunks' partials meet
+    in a fixed order; the tile counters reset themselves, so a second call on the same buffers works too)."""
+    tensors = synthetic("anyprec", 300, k, seed=k)
+    x = activations(20, k, seed=1)
+    for bits in range(3, 9):
+        call = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True))
+        call()
+        first = call.result().copy()
+        call()
+        np.testing.assert_array_equal(call.result(), first, err_msg=f"{bits} bits: not deterministic")
+        assert_within_tc_bound(tensors, x, bits, first.view(np.float16))
 
 
 @needs_compiler
@@ -351,7 +411,10 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     launch = variant_launch(variant, tensors, m, k, seed=2)
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
-    if variant.fmt == "anyprec":
+    if variant.fmt == "anyprec" and variant.tc:
+        assert launch.name == "anyprec_gemm_tc"
+        assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
+    elif variant.fmt == "anyprec":
         np.testing.assert_array_equal(out, emulate_anyprec(tensors, launch.args[0].view(np.float16), variant.bits)[1])
     elif variant.fmt == "atom":  # from the same reordered codes and scales
         x4, x8, s_x = launch.args[:3]
