@@ -5,12 +5,14 @@
 2. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
-3. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8 (GPU only).
+3. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only).
+4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each W4A8 and
+   Any-Precision layout side by side, to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
 Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. On a machine
 without a GPU, `--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
 
-    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench]
+    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench] [--skip-sweep]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
+    parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work" if args.kernel == "sim" else Path("/tmp/quantkit-gpu-check")
@@ -72,6 +75,10 @@ def main() -> None:
 
     if not args.skip_bench and args.kernel == "cuda":
         step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results)
+    if not args.skip_sweep and args.kernel == "cuda":
+        step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
+                       "1,2,4,8,16,32,64,128,256,1024", "--formats", "qserve,qqq,liquidquant,anyprec", "--iters", "20"],
+             args.out, results)
 
     print("\n| step | exit code | seconds |\n|---|---|---|")
     for name, code, seconds in results:

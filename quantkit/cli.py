@@ -390,15 +390,20 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
               help="Comma-separated token counts (the GEMM's M); the Any-Precision GEMV runs only for M <= 16.")
 @click.option("--formats", default=None, help="Comma-separated layouts to time (qserve, liquidquant, qqq, atom, "
               "anyprec); default: all.")
+@click.option("--paths", type=click.Choice(["auto", "all"]), default="auto", show_default=True,
+              help="auto: each layout's kernel as its launch picks it by M and shape; all: every kernel of a layout "
+              "at every M (W4A8: small-M and tiled; Any-Precision: CUDA cores and tensor cores), to set the "
+              "thresholds between them.")
 @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
-def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, warmup: int,
-              iters: int) -> None:
+def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
+              warmup: int, iters: int) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm) on the same shapes, in one run: CUDA events, warm-up, medians; prints time, TOPS, achieved
-    GB/s against the device's measured copy bandwidth, and the speedups. OUTPUT: the linears of one layer of that
-    artifact, with its own stored tensors; otherwise every layout on synthetic tensors of the --shapes set.
-    Needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); the baselines need a CUDA build of torch."""
+    GB/s against the device's measured copy bandwidth, and the speedups; then issue #6's bars on every row they
+    apply to. OUTPUT: the linears of one layer of that artifact, with its own stored tensors; otherwise every
+    layout on synthetic tensors of the --shapes set. Needs a CUDA device and CuPy (pip install 'quantkit[cuda]');
+    the baselines need a CUDA build of torch."""
     from quantkit import kernel_bench, kernels
 
     if not kernels.cuda_available():
@@ -412,6 +417,8 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
         if not variants:
             raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
                                 f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
+        if paths == "all":
+            variants = kernel_bench.with_paths(variants)
         cases = kernel_bench.shape_cases(kernel_bench.SHAPE_SETS[shape_set], variants)
     import cupy
 
@@ -419,6 +426,7 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
     bandwidth = kernel_bench.copy_bandwidth()
     rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters)
     Console().print(kernel_bench.render(rows, bandwidth, device))
+    Console().print(kernel_bench.render_bars(kernel_bench.bars(rows, bandwidth), device))
 
 
 def _describe_weights(w: dict) -> str:

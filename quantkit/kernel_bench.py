@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,14 +28,14 @@ SHAPE_SETS: dict[str, tuple[tuple[int, int], ...]] = {
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel configuration: its label, layout and options (group, width; for Any-Precision, `tc` picks the
-    tensor-core kernel or the GEMV, None lets the launch choose by M)."""
+    """One kernel configuration: its label, layout and options (group, width, and `path`: one of the layout's
+    PATHS, or None for the one its launch picks by M and shape)."""
 
     label: str
     fmt: str
     group: int | None = None
     bits: int | None = None
-    tc: bool | None = None
+    path: str | None = None
 
 
 VARIANTS = (
@@ -45,9 +45,20 @@ VARIANTS = (
     Variant("QQQ W4A8 per channel", "qqq"),
     Variant("QQQ W4A8 g128", "qqq", group=128),
     Variant("Atom W4A4 g128 + 128 INT8", "atom", group=128),
-    Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3, tc=False),
-    Variant("Any-Precision 3-bit (tensor cores)", "anyprec", bits=3, tc=True),
+    Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3),
 )
+
+# The kernels a layout has, by path: the launch keyword that forces each.
+PATHS: dict[str, dict[str, dict[str, bool]]] = {
+    **{fmt: {"small-M": {"tiled": False}, "tiled": {"tiled": True}} for fmt in ("qserve", "qqq", "liquidquant")},
+    "anyprec": {"CUDA cores": {"tc": False}, "tensor cores": {"tc": True}},
+}
+
+
+def with_paths(variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
+    """Each variant once per kernel of its layout (`quantkit bench --paths all`), to set the M thresholds."""
+    return tuple(replace(v, label=f"{v.label} [{path}]", path=path) if v.fmt in PATHS else v
+                 for v in variants for path in PATHS.get(v.fmt, {None: {}}))
 
 
 def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None) -> dict[str, torch.Tensor]:
@@ -119,14 +130,15 @@ def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None)
 def variant_launch(variant: Variant, tensors: dict[str, torch.Tensor], m: int, k: int, seed: int = 0) -> Launch:
     """The kernel call of `variant` on `tensors` with random activations of M tokens."""
     rng = np.random.default_rng(seed)
+    force = PATHS[variant.fmt][variant.path] if variant.path else {}
     if variant.fmt == "anyprec":
-        return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3, variant.tc)
+        return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3, **force)
     if variant.fmt == "atom":
         codes = np.concatenate([rng.integers(-8, 8, (m, k - 128)), rng.integers(-128, 128, (m, 128))], axis=1)
         return atom_launch(tensors, codes, rng.random((m, (k - 128) // 128 + 1)).astype(np.float32))
     x = rng.integers(-128, 128, (m, k)).astype(np.int8)
     s_x = rng.random(m).astype(np.float32)
-    return LAUNCHES[variant.fmt](tensors, x, s_x, rng.standard_normal(m).astype(np.float32))
+    return LAUNCHES[variant.fmt](tensors, x, s_x, rng.standard_normal(m).astype(np.float32), **force)
 
 
 def weight_bytes(tensors: dict[str, torch.Tensor], variant: Variant) -> int:
@@ -141,7 +153,8 @@ def weight_bytes(tensors: dict[str, torch.Tensor], variant: Variant) -> int:
 
 @dataclass
 class Row:
-    """One timed (shape, M, kernel or baseline)."""
+    """One timed (shape, M, kernel or baseline): `kernel` the CUDA function that ran, `variant` what it ran as
+    (None for the cuBLAS baselines)."""
 
     n: int
     k: int
@@ -149,6 +162,8 @@ class Row:
     label: str
     seconds: float  # median
     bytes_moved: int  # weights + activations + outputs
+    kernel: str = "cuBLAS"
+    variant: Variant | None = None
 
     @property
     def tops(self) -> float:
@@ -223,7 +238,7 @@ def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
                 torch.randn(k, n, device="cuda", dtype=torch.float16))
         return lambda: torch.matmul(a, b)
 
-    rows.append(Row(n, k, m, "cuBLAS FP16 (torch.matmul)", median_time(rotation(fp16, 2 * k * n), warmup, iters),
+    rows.append(Row(n, k, m, FP16, median_time(rotation(fp16, 2 * k * n), warmup, iters),
                     2 * (m * k + k * n + m * n)))
     if m > 16 and m % 8 == 0 and k % 8 == 0 and n % 8 == 0:  # torch._int_mm's shape rules
         def int8(_: int) -> Callable[[], None]:
@@ -231,7 +246,7 @@ def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
             bi = torch.randint(-128, 128, (k, n), device="cuda", dtype=torch.int8)
             return lambda: torch._int_mm(ai, bi)
 
-        rows.append(Row(n, k, m, "cuBLAS INT8 (torch._int_mm)", median_time(rotation(int8, k * n), warmup, iters),
+        rows.append(Row(n, k, m, INT8, median_time(rotation(int8, k * n), warmup, iters),
                         m * k + k * n + 4 * m * n))
     return rows
 
@@ -290,8 +305,60 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
             call = rotation(lambda _, launch=launch: upload(launch), stored)
             act = m * case.k * (2 if case.variant.fmt == "anyprec" else 1)
             rows.append(Row(case.n, case.k, m, case.label, median_time(call, warmup, iters),
-                            stored + act + 2 * m * case.n))
+                            stored + act + 2 * m * case.n, launch.name, case.variant))
     return rows
+
+
+FP16, INT8 = "cuBLAS FP16 (torch.matmul)", "cuBLAS INT8 (torch._int_mm)"
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One of issue #6's performance bars applied to one timed row."""
+
+    row: Row
+    requirement: str
+    measured: str
+    met: bool
+
+
+def bars(rows: list[Row], bandwidth: float) -> list[Bar]:
+    """The issue's bars on every row they apply to, against the baselines of the same (N, K, M) in the same run:
+    W4A8 at M <= 16 at least 2.5x cuBLAS FP16 and 60% of the copy bandwidth; Any-Precision 3-bit at M <= 16 at
+    least 3x cuBLAS FP16; W4A8 at M = 1024 at least 0.8x cuBLAS INT8."""
+    base = {(r.n, r.k, r.m, r.label): r for r in rows if r.variant is None}
+    out = []
+    for r in rows:
+        v = r.variant
+        if v is None:
+            continue
+        fp16, int8 = base.get((r.n, r.k, r.m, FP16)), base.get((r.n, r.k, r.m, INT8))
+        w4a8 = v.fmt in ("qserve", "qqq", "liquidquant")
+        if r.m <= 16 and fp16 and (w4a8 or (v.fmt == "anyprec" and v.bits == 3)):
+            need = 2.5 if w4a8 else 3.0
+            speedup = fp16.seconds / r.seconds
+            out.append(Bar(r, f">= {need}x cuBLAS FP16", f"{speedup:.2f}x", speedup >= need))
+        if r.m <= 16 and w4a8:
+            share = r.gbps / bandwidth
+            out.append(Bar(r, ">= 60% of copy bandwidth", f"{100 * share:.0f}%", share >= 0.6))
+        if r.m == 1024 and w4a8 and int8:
+            ratio = int8.seconds / r.seconds
+            out.append(Bar(r, ">= 0.8x cuBLAS INT8", f"{ratio:.2f}x", ratio >= 0.8))
+    return out
+
+
+def render_bars(checks: list[Bar], device: str):
+    """A rich Table of the bars, one line each, and how many were met."""
+    from rich.table import Table
+
+    met = sum(c.met for c in checks)
+    table = Table(title=f"{device}: issue #6's bars, {met} of {len(checks)} met")
+    for column in ("N x K", "M", "kernel", "requirement", "measured", "met"):
+        table.add_column(column, justify="right" if column in ("M", "measured") else "left")
+    for c in checks:
+        table.add_row(f"{c.row.n} x {c.row.k}", str(c.row.m), f"{c.row.label} ({c.row.kernel})", c.requirement,
+                      c.measured, "yes" if c.met else "[bold red]NO[/]")
+    return table
 
 
 def render(rows: list[Row], bandwidth: float, device: str):
@@ -300,16 +367,17 @@ def render(rows: list[Row], bandwidth: float, device: str):
 
     table = Table(title=f"{device}: kernels against cuBLAS (median of CUDA-event timings); copy bandwidth "
                   f"{bandwidth:.0f} GB/s")
-    for column in ("N x K", "M", "kernel", "time (us)", "TOPS", "GB/s", "% copy BW", "vs FP16", "vs INT8"):
-        table.add_column(column, justify="left" if column in ("kernel", "N x K") else "right")
+    for column in ("N x K", "M", "kernel", "function", "time (us)", "TOPS", "GB/s", "% copy BW", "vs FP16",
+                   "vs INT8"):
+        table.add_column(column, justify="left" if column in ("kernel", "function", "N x K") else "right")
     by_case: dict[tuple[int, int, int], dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault((r.n, r.k, r.m), {})[r.label] = r
     for (n, k, m), case in by_case.items():
-        fp16 = case.get("cuBLAS FP16 (torch.matmul)")
-        int8 = case.get("cuBLAS INT8 (torch._int_mm)")
+        fp16, int8 = case.get(FP16), case.get(INT8)
         for r in case.values():
-            table.add_row(f"{n} x {k}", str(m), r.label, f"{r.seconds * 1e6:.1f}", f"{r.tops:.1f}", f"{r.gbps:.0f}",
-                          f"{100 * r.gbps / bandwidth:.0f}%", f"{fp16.seconds / r.seconds:.2f}x" if fp16 else "-",
+            table.add_row(f"{n} x {k}", str(m), r.label, r.kernel, f"{r.seconds * 1e6:.1f}", f"{r.tops:.1f}",
+                          f"{r.gbps:.0f}", f"{100 * r.gbps / bandwidth:.0f}%",
+                          f"{fp16.seconds / r.seconds:.2f}x" if fp16 else "-",
                           f"{int8.seconds / r.seconds:.2f}x" if int8 else "-")
     return table

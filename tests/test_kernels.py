@@ -397,22 +397,25 @@ def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k)
         assert_within_tc_bound(tensors, x, bits, first.view(np.float16))
 
 
+_bench = __import__("quantkit.kernel_bench", fromlist=["VARIANTS"])
+
+
 @needs_compiler
-@pytest.mark.parametrize("variant", __import__("quantkit.kernel_bench", fromlist=["VARIANTS"]).VARIANTS,
-                         ids=lambda v: v.label)
+@pytest.mark.parametrize("variant", _bench.VARIANTS + _bench.with_paths(_bench.VARIANTS), ids=lambda v: v.label)
 def test_every_bench_variant_launches_and_matches_the_emulation(variant):
-    """What `quantkit bench` times is the kernel the tests check: each variant's launch, on a small shape, gives
-    the emulation's output in the warp simulator."""
+    """What `quantkit bench` times is the kernel the tests check: each variant's launch (each path of `--paths
+    all` too), on a small shape, gives the emulation's output in the warp simulator."""
     from quantkit.emulate import emulate_anyprec, emulate_atom_quantized, emulate_quantized
     from quantkit.kernel_bench import variant_launch
 
-    n, k, m = 64, 256, 5
+    n, k, m = 128, 256, 5
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
     launch = variant_launch(variant, tensors, m, k, seed=2)
+    if variant.path in ("tiled", "tensor cores"):
+        assert launch.name.endswith(("_tiled", "_tc"))
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
-    if variant.fmt == "anyprec" and variant.tc:
-        assert launch.name == "anyprec_gemm_tc"
+    if launch.name == "anyprec_gemm_tc":
         assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
     elif variant.fmt == "anyprec":
         np.testing.assert_array_equal(out, emulate_anyprec(tensors, launch.args[0].view(np.float16), variant.bits)[1])
@@ -452,6 +455,25 @@ def test_bench_table_computes_rates_and_speedups():
     console.print(render(rows, bandwidth=3000.0, device="test GPU"))
     text = console.export_text()
     assert "4.00x" in text and "1.00x" in text and "test GPU" in text
+
+
+def test_bench_bars_apply_the_issue_thresholds():
+    from quantkit.kernel_bench import FP16, INT8, Row, Variant, bars
+
+    qserve, anyprec = Variant("QServe W4A8 g128", "qserve", group=128), Variant("AP 3-bit", "anyprec", bits=3)
+    n, k = 4096, 4096
+    rows = [Row(n, k, 16, FP16, 100e-6, 2 * n * k), Row(n, k, 1024, INT8, 50e-6, n * k),
+            Row(n, k, 16, "qs", 39e-6, n * k // 2, "qserve_w4a8_gemm", qserve),  # 2.56x; 8.4 MB / 39 us
+            Row(n, k, 16, "ap", 34e-6, n * k * 3 // 8, "anyprec_gemm_tc", anyprec),  # 2.94x
+            Row(n, k, 1024, "qs", 62e-6, n * k // 2, "qserve_w4a8_tiled", qserve)]  # 0.81x INT8
+    checks = {(c.row.label, c.row.m, c.requirement): c for c in bars(rows, bandwidth=300.0)}
+    assert checks[("qs", 16, ">= 2.5x cuBLAS FP16")].met
+    assert checks[("qs", 16, ">= 60% of copy bandwidth")].met  # 215 GB/s of 300
+    assert not checks[("ap", 16, ">= 3.0x cuBLAS FP16")].met
+    assert checks[("qs", 1024, ">= 0.8x cuBLAS INT8")].met
+    assert len(checks) == 4  # no bandwidth bar for Any-Precision, no INT8 bar at M = 16
+    low = bars(rows, bandwidth=400.0)  # 215 GB/s of 400 is 54%
+    assert not next(c for c in low if "bandwidth" in c.requirement).met
 
 
 def test_bench_rotates_operands_past_the_l2_cache():
