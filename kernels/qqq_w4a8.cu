@@ -98,11 +98,15 @@ QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
 }
 
 // The lane's accumulators of n8 block nb of chunk c: c0, c1 at token g, channels 2q, 2q + 1; c2, c3 at token g + 8.
+// The two adjacent outputs of a row go out as one 32-bit store.
 QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4]) {
-  const int g = frag_group(lane), q = frag_quad(lane);
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * mt + g + 8 * (i >> 1), col = 64 * c + 8 * nb + 2 * q + (i & 1);
-    if (row < a.m) a.out[(size_t)row * a.n + col] = epilogue(acc[i], a.s_channel[channel_scale_slot(col)], a.s_x[row]);
+  const int g = frag_group(lane), q = frag_quad(lane), col = 64 * c + 8 * nb + 2 * q;
+  for (int h = 0; h < 2; ++h) {
+    const int row = 16 * mt + g + 8 * h;
+    if (row >= a.m) continue;
+    const qk_half y0 = epilogue(acc[2 * h], a.s_channel[channel_scale_slot(col)], a.s_x[row]);
+    const qk_half y1 = epilogue(acc[2 * h + 1], a.s_channel[channel_scale_slot(col + 1)], a.s_x[row]);
+    store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y0 | ((uint32_t)y1 << 16));
   }
 }
 

@@ -78,15 +78,20 @@ QK_FN void unpack_b(const QServeArgs& a, const uint32_t w[4], uint32_t s, uint32
 }
 
 // Write the lane's accumulators of n8 block nb: c0, c1 at row g, columns 2q, 2q + 1; c2, c3 at row g + 8.
+// The two adjacent outputs of a row go out as one 32-bit store.
 QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const int32_t acc[4]) {
-  const int g = frag_group(lane), q = frag_quad(lane);
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * mt + g + 8 * (i >> 1), col = 32 * nt + 8 * nb + 2 * q + (i & 1);
+  const int g = frag_group(lane), q = frag_quad(lane), col = 32 * nt + 8 * nb + 2 * q;
+  for (int h = 0; h < 2; ++h) {
+    const int row = 16 * mt + g + 8 * h;
     if (row >= a.m) continue;
-    const float s_w = half_to_float(a.s1[col]);
-    a.out[(size_t)row * a.n + col] = a.szero != nullptr
-        ? epilogue_zero(acc[i], s_w, a.s_x[row], half_to_float(a.szero[col]), a.t_x[row])
-        : epilogue(acc[i], s_w, a.s_x[row]);
+    qk_half y[2];
+    for (int e = 0; e < 2; ++e) {
+      const float s_w = half_to_float(a.s1[col + e]);
+      y[e] = a.szero != nullptr
+          ? epilogue_zero(acc[2 * h + e], s_w, a.s_x[row], half_to_float(a.szero[col + e]), a.t_x[row])
+          : epilogue(acc[2 * h + e], s_w, a.s_x[row]);
+    }
+    store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y[0] | ((uint32_t)y[1] << 16));
   }
 }
 
