@@ -6,8 +6,8 @@
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
 3. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only).
-4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each W4A8 and
-   Any-Precision layout side by side, to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
+4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
+   to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
 Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. On a machine
 without a GPU, `--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
@@ -77,7 +77,7 @@ def main() -> None:
         step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results)
     if not args.skip_sweep and args.kernel == "cuda":
         step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
-                       "1,2,4,8,16,32,64,128,256,1024", "--formats", "qserve,qqq,liquidquant,anyprec", "--iters", "20"],
+                       "1,2,4,8,16,32,64,128,256,1024", "--iters", "20"],
              args.out, results)
 
     print("\n| step | exit code | seconds |\n|---|---|---|")

@@ -94,6 +94,113 @@ QK_FN void store(const AtomArgs& a, int mt, int nt, int nb, int lane, const floa
   }
 }
 
+// The large-M path: a block of 8 warps computes 128 tokens x 64 channels, 4 x 2 warps of 32 x 32 (the float32
+// accumulators beside the int32 ones leave no registers for more), one K step a group (qk_common.cuh tiled_gemm, 4 stages): step g < G stages the group's INT4 codes of the block's tokens and
+// channels ([128 or 64, 64 bytes], swizzled, both read by ldmatrix: the activations as A, the weights as B), the
+// tokens' scales of the group and the channels' 256 weight scales (their four copies, as stored); steps G and
+// G + 1 stage the two halves of the 128 INT8 outliers the same way. Each step runs two MMAs per m16 x n8 tile
+// (INT4 k64, or INT8 k32 on the outliers) into int32 partials, which are scaled into the float32 accumulators when
+// their group is complete (after every INT4 step, after the second outlier step), in the order of the small-M
+// kernel: the same bits.
+struct AtomTiled {
+  static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 4, THREADS = 256, WARPS_N = BN / 32;
+  static constexpr int W_OFF = BM * BK, SX_OFF = W_OFF + BN * BK, SW_OFF = SX_OFF + 4 * BM;
+  static constexpr int STAGE_BYTES = SW_OFF + 2 * 4 * BN;
+  struct Acc {
+    int32_t p[2][4][4];  // [m16 tile][n8 block][4]: the group's exact product
+    float f[2][4][4];    // the scaled sum of the groups so far
+  };
+
+  QK_FN static int groups(const AtomArgs& a) { return (a.k - ATOM_OUTLIERS) / ATOM_GROUP; }
+  QK_FN static int steps(const AtomArgs& a) { return groups(a) + 2; }
+
+  QK_FN static void copy_stage(const AtomArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
+    const int G = groups(a), g = kt < G ? kt : G;
+    if (kt < G) {
+      const size_t row_bytes = (size_t)(a.k - ATOM_OUTLIERS) / 2;
+      copy_rows<BM, BK>(stage, a.x4, row_bytes, a.m, m0, (size_t)kt * BK, tid, THREADS);
+      copy_rows<BN, BK>(stage + W_OFF, a.w4, row_bytes, a.n, n0, (size_t)kt * BK, tid, THREADS);
+    } else {
+      copy_rows<BM, BK>(stage, a.x8, ATOM_OUTLIERS, a.m, m0, (size_t)(kt - G) * BK, tid, THREADS);
+      copy_rows<BN, BK>(stage + W_OFF, a.w8, ATOM_OUTLIERS, a.n, n0, (size_t)(kt - G) * BK, tid, THREADS);
+    }
+    for (int r = tid; r < BM; r += THREADS)
+      copy4(stage + SX_OFF + 4 * r, a.s_x + (size_t)(m0 + r < a.m ? m0 + r : 0) * (G + 1) + g, m0 + r < a.m);
+    const qk_half* scales = kt < G ? a.scale_int4 + (size_t)kt * 4 * a.n + 4 * n0 : a.scale_int8 + 4 * n0;
+    copy_runs(stage + SW_OFF, reinterpret_cast<const uint8_t*>(scales), 0, 1, 8 * BN, tid, THREADS);
+  }
+
+  // Warp (wm, wn) = (warp / 2, warp % 2): tokens 32 wm + 16 i, channels 32 wn + 16 p (two n8 blocks a ldmatrix).
+  QK_FN static int a_row(int warp, int i, int kk, int lane) {
+    return ldsm_a_row<BK>(32 * (warp / WARPS_N) + 16 * i, 2 * kk, lane);
+  }
+  QK_FN static int b_row(int warp, int p, int kk, int lane) {
+    return W_OFF + ldsm_b_row<BK>(32 * (warp % WARPS_N) + 16 * p, 2 * kk, lane);
+  }
+  QK_FN static bool folds_after(const AtomArgs& a, int kt) { return kt < groups(a) || kt == groups(a) + 1; }
+
+  // acc.f += float(acc.p) * (s_x[token] * s_w[channel]) with the stage's scales, for the lane's entries; acc.p = 0.
+  QK_FN static void fold(const uint8_t* stage, int warp, int lane, Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = 32 * (warp / WARPS_N) + 16 * i + frag_group(lane) + 8 * (e >> 1);
+          const int channel = 32 * (warp % WARPS_N) + 8 * nb + 2 * frag_quad(lane) + (e & 1);
+          const float s_x = load_f32(stage + SX_OFF + 4 * token);
+          const float s_w = half_to_float(load_u16(stage + SW_OFF + 2 * atom_scale_slot(channel)));
+          acc.f[i][nb][e] = fadd(acc.f[i][nb][e], fmul((float)acc.p[i][nb][e], fmul(s_x, s_w)));
+          acc.p[i][nb][e] = 0;
+        }
+  }
+
+  QK_FN static void store(const AtomArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int token = m0 + 32 * (warp / WARPS_N) + 16 * i + frag_group(lane) + 8 * h;
+          const int channel = n0 + 32 * (warp % WARPS_N) + 8 * nb + 2 * frag_quad(lane);
+          if (token >= a.m) continue;
+          const uint32_t y0 = float_to_half(acc.f[i][nb][2 * h]), y1 = float_to_half(acc.f[i][nb][2 * h + 1]);
+          store_u32(a.out + (size_t)token * a.n + channel, y0 | (y1 << 16));
+        }
+  }
+
+#ifndef QK_HOST
+  __device__ __forceinline__ static void compute(const AtomArgs& a, const uint8_t* stage, int kt, int, int, int warp,
+                                                 int lane, Acc& acc) {
+    const bool int4 = kt < groups(a);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t fa[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ldsm_x4(fa[i], stage + a_row(warp, i, kk, lane));
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[4];
+        ldsm_x4(b, stage + b_row(warp, p, kk, lane));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (int4) {
+            mma_s4(acc.p[i][2 * p], fa[i], b);
+            mma_s4(acc.p[i][2 * p + 1], fa[i], b + 2);
+          } else {
+            mma_s8(acc.p[i][2 * p], fa[i], b);
+            mma_s8(acc.p[i][2 * p + 1], fa[i], b + 2);
+          }
+        }
+      }
+    }
+    if (folds_after(a, kt)) fold(stage, warp, lane, acc);
+  }
+#endif
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -124,5 +231,13 @@ extern "C" __global__ void atom_w4a4_gemm(const uint8_t* x4, const int8_t* x8, c
     for (int nb = 0; nb < 2; ++nb) qk::fold(args, mt, nt, nb, g, lane, partial[nb], acc_f[nb]);
   }
   for (int nb = 0; nb < 2; ++nb) qk::store(args, mt, nt, nb, lane, acc_f[nb]);
+}
+
+// The large-M path: grid (N / 64, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
+// AtomTiled::STAGE_BYTES (N % 64 == 0).
+extern "C" __global__ void __launch_bounds__(256) atom_w4a4_tiled(
+    const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4, const int8_t* w8,
+    const qk_half* scale_int4, const qk_half* scale_int8, qk_half* out, int m, int n, int k) {
+  tiled_gemm<qk::AtomTiled>(qk::AtomArgs{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k});
 }
 #endif

@@ -143,13 +143,13 @@ void mma_into(Mma mma, Acc* acc, int i, int j, const A& a, const B& b) {
 
 // The host twin of tiled_gemm (qk_common.cuh): the same ring of T::STAGES stages, each stage's copies complete as
 // they are issued (so a copy into a slot still in use would show), then the warps of the block one after another
-// (`compute(stage, warp, acc of its 32 lanes)`), then every thread's store.
+// (`compute(stage, kt, warp, acc of its 32 lanes)`), then every thread's store.
 template <class T, class Args, class Compute>
 void tiled_host(const Args& args, Compute compute) {
   constexpr int warps = T::THREADS / 32;
   std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
   std::vector<typename T::Acc> acc(T::THREADS);
-  const int steps = args.k / T::BK;
+  const int steps = T::steps(args);
   auto copy = [&](int m0, int n0, int kt) {
     for (int tid = 0; tid < T::THREADS; ++tid)
       T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, kt, tid);
@@ -162,7 +162,7 @@ void tiled_host(const Args& args, Compute compute) {
       for (int kt = 0; kt < steps; ++kt) {
         if (kt + T::STAGES - 1 < steps) copy(m0, n0, kt + T::STAGES - 1);
         const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
-        for (int w = 0; w < warps; ++w) compute(stage, w, &acc[32 * w]);
+        for (int w = 0; w < warps; ++w) compute(stage, kt, w, &acc[32 * w]);
       }
       for (int t = 0; t < T::THREADS; ++t) T::store(args, m0, n0, t / 32, t % 32, acc[t]);
     }
@@ -182,6 +182,7 @@ extern "C" bool qk_tiles(const char* fmt, int out[6]) {
   if (std::strcmp(fmt, "qserve") == 0) tiles_of<qk::QServeTiled>(out);
   else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
   else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
+  else if (std::strcmp(fmt, "atom") == 0) tiles_of<qk::AtomTiled>(out);
   else return false;
   return true;
 }
@@ -192,7 +193,7 @@ extern "C" void qserve_w4a8_tiled_host(const int8_t* x, const float* s_x, const 
                                        qk_half* out, int m, int n, int k, int group) {
   using T = qk::QServeTiled;
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
     for (int kk = 0; kk < T::BK / 32; ++kk) {
       uint32_t fa[4][32][4], fb[32][4][2], bn[32][2];
       for (int i = 0; i < 4; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
@@ -300,7 +301,7 @@ extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, c
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
   using T = qk::LiquidTiled;
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
     uint32_t fa[2][2][32][4], mine[2][4], b[4][32][4], bn[32][2];
     for (int s = 0; s < 2; ++s) {
       for (int lane = 0; lane < 32; ++lane) {
@@ -361,7 +362,7 @@ extern "C" void qqq_w4a8_tiled_host(const int8_t* x, const float* s_x, const uin
                                     const qk_half* s_group, qk_half* out, int m, int n, int k) {
   using T = qk::QQQTiled;
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  tiled_host<T>(args, [&](const uint8_t* stage, int warp, T::Acc* acc) {
+  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
     for (int kk = 0; kk < T::BK / 32; ++kk) {
       uint32_t fa[2][32][4], fb[32][8], ai[32][2], bn[32];
       for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
@@ -415,6 +416,35 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
         for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc_f[nb][lane]);
     }
   }
+}
+
+// The host twin of atom_w4a4_tiled.
+extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
+                                     const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
+                                     qk_half* out, int m, int n, int k) {
+  using T = qk::AtomTiled;
+  const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
+  tiled_host<T>(args, [&](const uint8_t* stage, int kt, int warp, T::Acc* acc) {
+    const bool int4 = kt < T::groups(args);
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t fa[2][32][4], b[32][4], bn[32][2];
+      for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+      for (int p = 0; p < 2; ++p) {
+        ldsm_x4_lanes(b, stage, [&](int lane) { return T::b_row(warp, p, kk, lane); });
+        for (int half = 0; half < 2; ++half) {
+          for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[lane][2 * half], sizeof(bn[lane]));
+          for (int i = 0; i < 2; ++i) {
+            int32_t c[32][4];  // the int32 partials of (i, n8 block 2 p + half)
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(c[lane], acc[lane].p[i][2 * p + half], sizeof(c[lane]));
+            if (int4) mma_warp_s4(c, fa[i], bn); else mma_warp(c, fa[i], bn);
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(acc[lane].p[i][2 * p + half], c[lane], sizeof(c[lane]));
+          }
+        }
+      }
+    }
+    if (T::folds_after(args, kt))
+      for (int lane = 0; lane < 32; ++lane) T::fold(stage, warp, lane, acc[lane]);
+  });
 }
 
 // The host twin of anyprec_gemv at width BITS: each warp's table, then its chunks with the xor-shuffle tree

@@ -85,6 +85,8 @@ struct LiquidTiled {
   static constexpr int W_OFF = BM * BK, P_OFF = W_OFF + BN / 64 * 2048, STAGE_BYTES = P_OFF + BN / 64 * 128;
   struct Acc { int32_t c[2][8][4]; };  // [m16 slice][n8 token block][4]
 
+  QK_FN static int steps(const LiquidArgs& a) { return a.k / BK; }
+
   QK_FN static void copy_stage(const LiquidArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
     const size_t block = (size_t)(n0 / 64) * (a.k / 64) + kt;
@@ -118,8 +120,8 @@ struct LiquidTiled {
   }
 
 #ifndef QK_HOST
-  __device__ __forceinline__ static void compute(const LiquidArgs&, const uint8_t* stage, int, int, int warp, int lane,
-                                                 Acc& acc) {
+  __device__ __forceinline__ static void compute(const LiquidArgs&, const uint8_t* stage, int, int, int, int warp,
+                                                 int lane, Acc& acc) {
     uint32_t fa[2][2][4];
 #pragma unroll
     for (int s = 0; s < 2; ++s) load_a(stage, warp, s, lane, fa[s]);

@@ -145,6 +145,26 @@ QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #endif
 }
 
+// Loads of a float and of 2 bytes (p aligned to their size).
+QK_FN float load_f32(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const float*>(p);
+#else
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+#endif
+}
+QK_FN qk_half load_u16(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const qk_half*>(p);
+#else
+  qk_half v;
+  std::memcpy(&v, p, 2);
+  return v;
+#endif
+}
+
 // Stores of 4 and 2 bytes (p aligned to their size).
 QK_FN void store_u32(void* p, uint32_t v) {
 #if defined(__CUDA_ARCH__)
@@ -243,14 +263,32 @@ QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #endif
 }
 
-// The activation tile of K step kt: rows m0 .. m0 + ROWS - 1 of x [M, K] (zero past M), BK bytes each, swizzled.
-// Threads tid, tid + threads, ... each copy 16 bytes.
+// One 4-byte asynchronous copy global -> shared (cp.async.ca), or 4 zero bytes when !valid.
+QK_FN void copy4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
+#else
+  if (valid) std::memcpy(dst, src, 4); else std::memset(dst, 0, 4);
+#endif
+}
+
+// A swizzled [ROWS, BK] byte tile from rows r0 .. r0 + ROWS - 1 of a row-major matrix (`stride` bytes a row, zero
+// past row `rows`), bytes `col` .. col + BK - 1 of each. Threads tid, tid + threads, ... each copy 16 bytes.
+template <int ROWS, int BK>
+QK_FN void copy_rows(uint8_t* tile, const void* base, size_t stride, int rows, int r0, size_t col, int tid,
+                     int threads) {
+  for (int c = tid; c < ROWS * (BK / 16); c += threads) {
+    const int row = c / (BK / 16), chunk = c % (BK / 16), r = r0 + row < rows ? r0 + row : 0;
+    copy16(tile + swizzled<BK>(row, chunk), static_cast<const uint8_t*>(base) + r * stride + col + 16 * chunk,
+           r0 + row < rows);
+  }
+}
+
+// The activation tile of K step kt: rows m0 .. m0 + ROWS - 1 of x [M, K] int8 (zero past M), BK bytes each.
 template <int ROWS, int BK>
 QK_FN void copy_activations(uint8_t* tile, const int8_t* x, int m, int k, int m0, int kt, int tid, int threads) {
-  for (int c = tid; c < ROWS * (BK / 16); c += threads) {
-    const int row = c / (BK / 16), chunk = c % (BK / 16), r = m0 + row < m ? m0 + row : 0;
-    copy16(tile + swizzled<BK>(row, chunk), x + (size_t)r * k + (size_t)kt * BK + 16 * chunk, m0 + row < m);
-  }
+  copy_rows<ROWS, BK>(tile, x, (size_t)k, m, m0, (size_t)kt * BK, tid, threads);
 }
 
 // `runs` runs of `run_bytes` bytes each, run r from src + r * stride, to consecutive shared memory.
@@ -316,12 +354,13 @@ __device__ __forceinline__ void ldsm_x4(uint32_t d[4], const void* row) {
 // The large-M GEMM of tile policy T: block (blockIdx.x, blockIdx.y) computes output channels BN blockIdx.x .. and
 // tokens BM blockIdx.y ..; T::STAGES K steps of operands in flight in shared memory (cp.async), the copy of step
 // kt + STAGES - 1 issued before the MMAs of step kt. At the barrier of step kt every warp is done with step kt - 1,
-// whose slot the new copy reuses. T supplies copy_stage (every thread), compute (one warp, one stage) and store.
+// whose slot the new copy reuses. T supplies steps (how many), copy_stage (every thread), compute (one warp, one
+// stage) and store.
 template <class T, class Args>
 __device__ __forceinline__ void tiled_gemm(const Args& args) {
   extern __shared__ uint4 qk_stages[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = args.k / T::BK;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = T::steps(args);
   const int n0 = T::BN * blockIdx.x, m0 = T::BM * blockIdx.y;
   typename T::Acc acc = {};
 #pragma unroll
@@ -335,7 +374,7 @@ __device__ __forceinline__ void tiled_gemm(const Args& args) {
     const int next = kt + T::STAGES - 1;
     if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
     cp_async_commit();
-    T::compute(args, smem + (kt % T::STAGES) * T::STAGE_BYTES, m0, n0, warp, lane, acc);
+    T::compute(args, smem + (kt % T::STAGES) * T::STAGE_BYTES, kt, m0, n0, warp, lane, acc);
   }
   T::store(args, m0, n0, warp, lane, acc);
 }

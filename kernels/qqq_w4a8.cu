@@ -119,6 +119,8 @@ struct QQQTiled {
   static constexpr int W_OFF = BM * BK, R_OFF = W_OFF + BN * BK / 2, STAGE_BYTES = R_OFF + 2 * BN;
   struct Acc { int32_t c[2][8][4]; };  // [m16 tile][n8 block][4]
 
+  QK_FN static int steps(const QQQArgs& a) { return a.k / BK; }
+
   QK_FN static void copy_stage(const QQQArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
     const uint8_t* b = reinterpret_cast<const uint8_t*>(a.b);
@@ -151,8 +153,8 @@ struct QQQTiled {
   }
 
 #ifndef QK_HOST
-  __device__ __forceinline__ static void compute(const QQQArgs& a, const uint8_t* stage, int, int, int warp, int lane,
-                                                 Acc& acc) {
+  __device__ __forceinline__ static void compute(const QQQArgs& a, const uint8_t* stage, int, int, int, int warp,
+                                                 int lane, Acc& acc) {
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) {
       uint32_t fa[2][4];

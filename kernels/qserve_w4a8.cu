@@ -105,6 +105,8 @@ struct QServeTiled {
   static constexpr int STAGE_BYTES = P_OFF + 2 * P_BYTES;
   struct Acc { int32_t c[4][4][4]; };  // [m16 tile][n8 block][4]
 
+  QK_FN static int steps(const QServeArgs& a) { return a.k / BK; }
+
   QK_FN static void copy_stage(const QServeArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
     copy_runs(stage + W_OFF, a.qweight + ((size_t)(n0 / 32) * (a.k / 32) + (size_t)kt * (BK / 32)) * 512,
@@ -144,7 +146,7 @@ struct QServeTiled {
   }
 
 #ifndef QK_HOST
-  __device__ __forceinline__ static void compute(const QServeArgs& a, const uint8_t* stage, int, int, int warp,
+  __device__ __forceinline__ static void compute(const QServeArgs& a, const uint8_t* stage, int, int, int, int warp,
                                                  int lane, Acc& acc) {
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) {

@@ -50,7 +50,7 @@ VARIANTS = (
 
 # The kernels a layout has, by path: the launch keyword that forces each.
 PATHS: dict[str, dict[str, dict[str, bool]]] = {
-    **{fmt: {"small-M": {"tiled": False}, "tiled": {"tiled": True}} for fmt in ("qserve", "qqq", "liquidquant")},
+    **{f: {"small-M": {"tiled": False}, "tiled": {"tiled": True}} for f in ("qserve", "qqq", "liquidquant", "atom")},
     "anyprec": {"CUDA cores": {"tc": False}, "tensor cores": {"tc": True}},
 }
 
@@ -135,7 +135,7 @@ def variant_launch(variant: Variant, tensors: dict[str, torch.Tensor], m: int, k
         return anyprec_launch(tensors, rng.standard_normal((m, k)).astype(np.float32), variant.bits or 3, **force)
     if variant.fmt == "atom":
         codes = np.concatenate([rng.integers(-8, 8, (m, k - 128)), rng.integers(-128, 128, (m, 128))], axis=1)
-        return atom_launch(tensors, codes, rng.random((m, (k - 128) // 128 + 1)).astype(np.float32))
+        return atom_launch(tensors, codes, rng.random((m, (k - 128) // 128 + 1)).astype(np.float32), **force)
     x = rng.integers(-128, 128, (m, k)).astype(np.int8)
     s_x = rng.random(m).astype(np.float32)
     return LAUNCHES[variant.fmt](tensors, x, s_x, rng.standard_normal(m).astype(np.float32), **force)

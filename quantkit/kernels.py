@@ -180,6 +180,7 @@ TILES = {
     "qserve": Tiles(128, 128, 64, 256, 128 * 64 + 128 * 64 // 2 + 2 * 2 * 128),
     "qqq": Tiles(128, 128, 64, 256, 128 * 64 + 128 * 64 // 2 + 2 * 128),
     "liquidquant": Tiles(128, 128, 64, 256, 128 * 64 + 2 * 2048 + 2 * 128),
+    "atom": Tiles(128, 64, 64, 256, 128 * 64 + 64 * 64 + 4 * 128 + 8 * 64),  # a K step per group of 128 INT4
 }
 # From this many tokens on, a launch takes the large-M path where the shape fits it. Not yet tuned on a GPU: the
 # small-M kernels re-read each operand tile from L2 once per 16 tokens, the tiled ones once per 128.
@@ -271,9 +272,11 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
 
 
-def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray) -> Launch:
+def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None
+                ) -> Launch:
     """kernels/atom_w4a4.cu on one linear's stored tensors, from the activations as the producing kernel leaves
-    them: codes [M, K] in `reorder_index` order (INT4 normal columns, INT8 outliers last) and scales [M, G + 1]."""
+    them: codes [M, K] in `reorder_index` order (INT4 normal columns, INT8 outliers last) and scales [M, G + 1]
+    (`tiled`: the large-M kernel, default from M and N)."""
     from quantkit.formats.atom import OUTLIERS
 
     x_codes = np.asarray(x_codes, dtype=np.int64)
@@ -285,13 +288,16 @@ def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.n
             _c(s_x, np.float32), _c(tensors["weight_int4"].numpy(), np.uint8),
             _c(tensors["weight_int8"].numpy(), np.int8), _half_bits(tensors["scale_int4"]),
             _half_bits(tensors["scale_int8"]), out, m, n, k]
+    if use_tiles("atom", m, n, k - OUTLIERS, tiled):  # K - 128: the INT4 columns, in groups of 128
+        tiles = TILES["atom"]
+        return Launch("atom_w4a4", "atom_w4a4_tiled", args, tiles.grid(m, n), tiles.threads, out, tiles.shared_mem)
     return Launch("atom_w4a4", "atom_w4a4_gemm", args, (n // 16, -(-m // 16)), 32, out)
 
 
-def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, device: str = "cpu"
-              ) -> np.ndarray:
-    """Atom's W4A4 kernel on one linear: fp16 out [M, N]."""
-    return run(atom_launch(tensors, x_codes, s_x), device).view(np.float16)
+def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, device: str = "cpu",
+              tiled: bool | None = None) -> np.ndarray:
+    """Atom's W4A4 kernel on one linear: fp16 out [M, N] (`tiled`: force the large-M kernel on or off)."""
+    return run(atom_launch(tensors, x_codes, s_x, tiled), device).view(np.float16)
 
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
@@ -390,8 +396,10 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
 
     if fmt == "atom":
         reference = emulate.emulate_atom(tensors, x, act_bits, clip_ratio)
-        out = atom_gemm(tensors, reference.x_codes, reference.s_x, device)
-        return bool(np.array_equal(out.view(np.uint16), reference.out.view(np.uint16)))
+        n, k = reference.out.shape[1], x.shape[1]
+        paths = (False, True) if TILES["atom"].fits(n, k - 128) else (False,)
+        return all(np.array_equal(atom_gemm(tensors, reference.x_codes, reference.s_x, device, tiled).view(np.uint16),
+                                  reference.out.view(np.uint16)) for tiled in paths)
     if fmt == "anyprec":
         widths = sorted(int(k[3:]) for k in tensors if k.startswith("lut"))
         return all(anyprec_matches(tensors, x, b, device) for b in widths)

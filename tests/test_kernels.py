@@ -97,6 +97,23 @@ def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
 
 
 @needs_compiler
+@pytest.mark.parametrize("m,n,groups", [(1, 64, 1), (128, 64, 2), (130, 128, 3), (200, 192, 5)])
+def test_atom_large_m_path_matches_the_emulation(m, n, groups):
+    """Atom's tiled kernel: a K step per group of 128 INT4 columns and two for the INT8 outliers, each group's
+    int32 partial scaled into the float32 sums once complete, in the small-M kernel's order: the same bits, with
+    fewer and more groups than the pipeline's stages."""
+    from quantkit.emulate import emulate_atom
+
+    k = 128 * groups + 128
+    tensors = synthetic("atom", n, k, seed=m + n)
+    x = activations(m, k, seed=groups)
+    reference = emulate_atom(tensors, x, 4, 0.9)
+    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=True)
+    assert launch.name == "atom_w4a4_tiled" and launch.grid == (n // 64, -(-m // 128))
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
 @pytest.mark.parametrize("fmt", sorted(kernels.TILES))
 def test_large_m_tiles_mirror_the_kernels(fmt):
     """quantkit.kernels.TILES sizes each tiled launch (grid, threads, shared memory): it must say what the kernel's
@@ -345,13 +362,14 @@ def test_qqq_gpu_kernel_matches_the_emulation(grouped):
 
 
 @needs_gpu
-def test_atom_gpu_kernel_matches_the_emulation():
+@pytest.mark.parametrize("tiled", [False, True])
+def test_atom_gpu_kernel_matches_the_emulation(tiled):
     from quantkit.emulate import emulate_atom
 
-    tensors = synthetic("atom", 64, 512, seed=1)
-    x = activations(20, 512, seed=6)
+    tensors = synthetic("atom", 192, 128 * 6 + 128, seed=1)
+    x = activations(300 if tiled else 20, 128 * 6 + 128, seed=6)
     reference = emulate_atom(tensors, x, 4, 0.9)
-    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda")
+    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda", tiled=tiled)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
@@ -413,6 +431,8 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     launch = variant_launch(variant, tensors, m, k, seed=2)
     if variant.path in ("tiled", "tensor cores"):
         assert launch.name.endswith(("_tiled", "_tc"))
+    elif variant.path is not None:
+        assert not launch.name.endswith(("_tiled", "_tc"))
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
     if launch.name == "anyprec_gemm_tc":
