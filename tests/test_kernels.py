@@ -496,6 +496,28 @@ def test_bench_bars_apply_the_issue_thresholds():
     assert not next(c for c in low if "bandwidth" in c.requirement).met
 
 
+def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
+    """`quantkit bench --paths all` without a GPU: the device calls stubbed, what is timed, under which label and
+    CUDA function, and which bars apply."""
+    from quantkit import kernel_bench as kb
+
+    monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
+    monkeypatch.setattr(kb, "l2_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 1e-5)
+    monkeypatch.setattr(kb, "baselines", lambda m, n, k, warmup, iters: [kb.Row(n, k, m, kb.FP16, 4e-5, 1)])
+    rows = kb.run_bench(kb.shape_cases(((256, 640),), kb.with_paths(kb.VARIANTS)), ms=(4, 64))
+    ran = {(r.label, r.m): r.kernel for r in rows}
+    assert ran[("QServe W4A8 g128 [tiled]", 4)] == "qserve_w4a8_tiled"
+    assert ran[("QServe W4A8 g128 [small-M]", 64)] == "qserve_w4a8_gemm"
+    assert ran[("Atom W4A4 g128 + 128 INT8 [tiled]", 4)] == "atom_w4a4_tiled"
+    assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc"
+    assert ran[("Any-Precision 3-bit GEMV [CUDA cores]", 4)] == "anyprec_gemv"
+    assert ("Any-Precision 3-bit GEMV [CUDA cores]", 64) not in ran  # decode batches only
+    checks = kb.bars(rows, bandwidth=1e9)
+    assert {c.row.label for c in checks} >= {"QQQ W4A8 g128 [small-M]", "Any-Precision 3-bit GEMV [tensor cores]"}
+    assert all(c.row.m == 4 for c in checks)  # no bar at M = 64
+
+
 def test_bench_rotates_operands_past_the_l2_cache():
     from quantkit.kernel_bench import rotation
 
