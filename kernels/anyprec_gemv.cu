@@ -39,18 +39,6 @@ QK_FN float fma_exact(float x, float w, float acc) {
 #endif
 }
 
-// Two consecutive floats of shared memory (p 8-byte aligned): one 64-bit load on the GPU.
-QK_FN void load_pair(const float* p, float& a, float& b) {
-#if defined(__CUDA_ARCH__)
-  const float2 v = *reinterpret_cast<const float2*>(p);
-  a = v.x;
-  b = v.y;
-#else
-  a = p[0];
-  b = p[1];
-#endif
-}
-
 // The bit transpose of one thread's BITS plane words into its 32 codes, in word order u (bit 31 - u of every plane
 // holds weight u): output word r takes bit (lanes - 1 - r) of each lane from every plane. BITS is a template
 // argument so that every index is a constant and the arrays stay in registers.
@@ -108,7 +96,10 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
     for (int e = 0; e < 8; e += 2) {
       const uint32_t c0 = codes[8 * j + e], c1 = codes[8 * j + e + 1];
       if (BITS <= 4) {
-        load_pair(table + 2 * ((c0 << BITS) | c1), w[e], w[e + 1]);
+        uint32_t lo, hi;  // the pair's two floats: one 64-bit load
+        load_u64(table + 2 * ((c0 << BITS) | c1), lo, hi);
+        w[e] = as_float(lo);
+        w[e + 1] = as_float(hi);
       } else {
         w[e] = table[c0];
         w[e + 1] = table[c1];
@@ -163,7 +154,7 @@ QK_FN void tc_stage_x(const AnyPrecArgs& a, uint8_t* xs, int m0, int c, int tid,
     const int h = i & 1, t = (i >> 1) % words, j = (i >> 1) / words % 4, r = (i >> 1) / words / 4;
     const int token = m0 + r < a.m ? m0 + r : 0;
     const qk_half* src = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + j * (width / 4) + 8 * t + 4 * h;
-    copy8(xs + r * APT_ROW_BYTES + ((2 * j + h) * 32 + (t % 8) * 4 + t / 8) * 8, src, m0 + r < a.m);
+    copy_async<8>(xs + r * APT_ROW_BYTES + ((2 * j + h) * 32 + (t % 8) * 4 + t / 8) * 8, src, m0 + r < a.m);
   }
 }
 
@@ -345,16 +336,7 @@ extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc(const qk_half*
   extern __shared__ uint4 qk_apt_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_apt_smem);
   const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
-  switch (bits) {
-    case 1: anyprec_gemm_tc_at<1>(args, smem); break;
-    case 2: anyprec_gemm_tc_at<2>(args, smem); break;
-    case 3: anyprec_gemm_tc_at<3>(args, smem); break;
-    case 4: anyprec_gemm_tc_at<4>(args, smem); break;
-    case 5: anyprec_gemm_tc_at<5>(args, smem); break;
-    case 6: anyprec_gemm_tc_at<6>(args, smem); break;
-    case 7: anyprec_gemm_tc_at<7>(args, smem); break;
-    default: anyprec_gemm_tc_at<8>(args, smem); break;
-  }
+  qk::with_width(bits, [&](auto width) { anyprec_gemm_tc_at<decltype(width)::value>(args, smem); });
 }
 
 template <int BITS>
@@ -389,15 +371,7 @@ extern "C" __global__ void __launch_bounds__(256) anyprec_gemv(const qk_half* x,
                                                                int bits) {
   __shared__ __align__(16) float tables[qk::AP_WARPS][qk::AP_TABLE_FLOATS];  // 16 KiB: one table a warp
   const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
-  switch (bits) {  // one instantiation per width: constant indices, registers only
-    case 1: anyprec_gemv_at<1>(args, tables); break;
-    case 2: anyprec_gemv_at<2>(args, tables); break;
-    case 3: anyprec_gemv_at<3>(args, tables); break;
-    case 4: anyprec_gemv_at<4>(args, tables); break;
-    case 5: anyprec_gemv_at<5>(args, tables); break;
-    case 6: anyprec_gemv_at<6>(args, tables); break;
-    case 7: anyprec_gemv_at<7>(args, tables); break;
-    default: anyprec_gemv_at<8>(args, tables); break;
-  }
+  // one instantiation per width: constant indices, registers only
+  qk::with_width(bits, [&](auto width) { anyprec_gemv_at<decltype(width)::value>(args, tables); });
 }
 #endif

@@ -124,8 +124,10 @@ struct AtomTiled {
       copy_rows<BM, BK>(stage, a.x8, ATOM_OUTLIERS, a.m, m0, (size_t)(kt - G) * BK, tid, THREADS);
       copy_rows<BN, BK>(stage + W_OFF, a.w8, ATOM_OUTLIERS, a.n, n0, (size_t)(kt - G) * BK, tid, THREADS);
     }
-    for (int r = tid; r < BM; r += THREADS)
-      copy4(stage + SX_OFF + 4 * r, a.s_x + (size_t)(m0 + r < a.m ? m0 + r : 0) * (G + 1) + g, m0 + r < a.m);
+    for (int r = tid; r < BM; r += THREADS) {
+      const float* src = a.s_x + (size_t)(m0 + r < a.m ? m0 + r : 0) * (G + 1) + g;
+      copy_async<4>(stage + SX_OFF + 4 * r, src, m0 + r < a.m);
+    }
     const qk_half* scales = kt < G ? a.scale_int4 + (size_t)kt * 4 * a.n + 4 * n0 : a.scale_int8 + 4 * n0;
     copy_runs(stage + SW_OFF, reinterpret_cast<const uint8_t*>(scales), 0, 1, 8 * BN, tid, THREADS);
   }

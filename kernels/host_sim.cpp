@@ -475,16 +475,7 @@ void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
 extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,
                                   int n, int k, int bits) {
   const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
-  switch (bits) {
-    case 1: anyprec_gemv_host_at<1>(args); break;
-    case 2: anyprec_gemv_host_at<2>(args); break;
-    case 3: anyprec_gemv_host_at<3>(args); break;
-    case 4: anyprec_gemv_host_at<4>(args); break;
-    case 5: anyprec_gemv_host_at<5>(args); break;
-    case 6: anyprec_gemv_host_at<6>(args); break;
-    case 7: anyprec_gemv_host_at<7>(args); break;
-    default: anyprec_gemv_host_at<8>(args); break;
-  }
+  qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
 }
 
 // The host twin of anyprec_gemm_tc at width BITS: blocks tile by tile, chunk after chunk, so the tile's last block
@@ -543,14 +534,5 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecTcArgs& args) {
 extern "C" void anyprec_gemm_tc_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out,
                                      float* partials, int* counters, int m, int n, int k, int bits) {
   const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
-  switch (bits) {
-    case 1: anyprec_gemm_tc_host_at<1>(args); break;
-    case 2: anyprec_gemm_tc_host_at<2>(args); break;
-    case 3: anyprec_gemm_tc_host_at<3>(args); break;
-    case 4: anyprec_gemm_tc_host_at<4>(args); break;
-    case 5: anyprec_gemm_tc_host_at<5>(args); break;
-    case 6: anyprec_gemm_tc_host_at<6>(args); break;
-    case 7: anyprec_gemm_tc_host_at<7>(args); break;
-    default: anyprec_gemm_tc_host_at<8>(args); break;
-  }
+  qk::with_width(bits, [&](auto width) { anyprec_gemm_tc_host_at<decltype(width)::value>(args); });
 }

@@ -28,6 +28,28 @@ namespace qk {
 QK_FN int frag_group(int lane) { return lane >> 2; }
 QK_FN int frag_quad(int lane) { return lane & 3; }
 
+// A compile-time width, so that a run-time `bits` picks one instantiation of a template per width.
+template <int B>
+struct Width {
+  static constexpr int value = B;
+};
+
+// fn(Width<bits>{}) for bits 1..8 (above 8: 8).
+#pragma nv_exec_check_disable
+template <class Fn>
+QK_FN void with_width(int bits, Fn fn) {
+  switch (bits) {
+    case 1: fn(Width<1>{}); break;
+    case 2: fn(Width<2>{}); break;
+    case 3: fn(Width<3>{}); break;
+    case 4: fn(Width<4>{}); break;
+    case 5: fn(Width<5>{}); break;
+    case 6: fn(Width<6>{}); break;
+    case 7: fn(Width<7>{}); break;
+    default: fn(Width<8>{}); break;
+  }
+}
+
 // Per-byte add modulo 256 of two words of four bytes, no carries between bytes (CUDA __vadd4).
 QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -145,6 +167,17 @@ QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #endif
 }
 
+// The float whose bits are v.
+QK_FN float as_float(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(v);
+#else
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+#endif
+}
+
 // Loads of a float and of 2 bytes (p aligned to their size).
 QK_FN float load_f32(const void* p) {
 #if defined(__CUDA_ARCH__)
@@ -230,24 +263,19 @@ QK_FN int ldsm_b_row(int row0, int chunk0, int lane) {
   return swizzled<BK>(row0 + 8 * (j >> 1) + (lane & 7), chunk0 + (j & 1));
 }
 
-// One 16-byte asynchronous copy global -> shared (cp.async.cg, through L2 only), or 16 zero bytes when !valid (a
-// row past M: the source is then not read).
-QK_FN void copy16(void* dst, const void* src, bool valid) {
+// One asynchronous copy of BYTES (4, 8 or 16) global -> shared, or BYTES zero bytes when !valid (a row past M:
+// the source is then not read). 16-byte copies go through L2 only (cp.async.cg), smaller ones through L1 too.
+template <int BYTES>
+QK_FN void copy_async(void* dst, const void* src, bool valid) {
 #if defined(__CUDA_ARCH__)
   const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(addr), "l"(src), "n"(BYTES),
+                 "r"(valid ? BYTES : 0));
 #else
-  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
-#endif
-}
-
-// One 8-byte asynchronous copy global -> shared (cp.async.ca), or 8 zero bytes when !valid.
-QK_FN void copy8(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__)
-  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 8 : 0));
-#else
-  if (valid) std::memcpy(dst, src, 8); else std::memset(dst, 0, 8);
+  if (valid) std::memcpy(dst, src, BYTES); else std::memset(dst, 0, BYTES);
 #endif
 }
 
@@ -263,16 +291,6 @@ QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #endif
 }
 
-// One 4-byte asynchronous copy global -> shared (cp.async.ca), or 4 zero bytes when !valid.
-QK_FN void copy4(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__)
-  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
-#else
-  if (valid) std::memcpy(dst, src, 4); else std::memset(dst, 0, 4);
-#endif
-}
-
 // A swizzled [ROWS, BK] byte tile from rows r0 .. r0 + ROWS - 1 of a row-major matrix (`stride` bytes a row, zero
 // past row `rows`), bytes `col` .. col + BK - 1 of each. Threads tid, tid + threads, ... each copy 16 bytes.
 template <int ROWS, int BK>
@@ -280,8 +298,8 @@ QK_FN void copy_rows(uint8_t* tile, const void* base, size_t stride, int rows, i
                      int threads) {
   for (int c = tid; c < ROWS * (BK / 16); c += threads) {
     const int row = c / (BK / 16), chunk = c % (BK / 16), r = r0 + row < rows ? r0 + row : 0;
-    copy16(tile + swizzled<BK>(row, chunk), static_cast<const uint8_t*>(base) + r * stride + col + 16 * chunk,
-           r0 + row < rows);
+    const uint8_t* src = static_cast<const uint8_t*>(base) + r * stride + col + 16 * chunk;
+    copy_async<16>(tile + swizzled<BK>(row, chunk), src, r0 + row < rows);
   }
 }
 
@@ -296,7 +314,7 @@ QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int runs, 
                      int threads) {
   for (int c = tid; c < runs * (run_bytes / 16); c += threads) {
     const int r = c / (run_bytes / 16), off = 16 * (c % (run_bytes / 16));
-    copy16(dst + (size_t)r * run_bytes + off, src + r * stride + off, true);
+    copy_async<16>(dst + (size_t)r * run_bytes + off, src + r * stride + off, true);
   }
 }
 

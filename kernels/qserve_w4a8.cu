@@ -115,7 +115,7 @@ struct QServeTiled {
     for (int c = tid; c < 2 * P_BYTES / 16; c += THREADS) {  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
       const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
       const int8_t* src = which ? a.z2 : a.s2;
-      copy16(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
+      copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
              src + (size_t)((kt * BK + 32 * kk) / a.group) * a.n + n0 + 16 * chunk, true);
     }
   }
