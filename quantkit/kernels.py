@@ -154,8 +154,8 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
 
 @dataclass(frozen=True)
 class Tiles:
-    """The large-M path of a W4A8 layout (the kernel's *Tiled policy in kernels/): a block of `threads` computes
-    `bm` tokens x `bn` channels, walking K in steps of `bk` staged `stages` deep in shared memory."""
+    """The large-M path of a layout (the kernel's *Tiled policy in kernels/): a block of `threads` computes `bm`
+    tokens x `bn` channels, walking K in steps of `bk` bytes of each row staged `stages` deep in shared memory."""
 
     bm: int
     bn: int
@@ -174,6 +174,10 @@ class Tiles:
     def shared_mem(self) -> int:
         return self.stages * self.stage_bytes
 
+    def launch(self, module: str, args: list, m: int, n: int, out: np.ndarray) -> Launch:
+        """The call of kernels/`module`.cu's `module`_tiled on `args`."""
+        return Launch(module, f"{module}_tiled", args, self.grid(m, n), self.threads, out, self.shared_mem)
+
 
 # Mirrors of the kernels' policies (QServeTiled, ...): a test checks them against the compiled ones (qk_tiles).
 TILES = {
@@ -187,10 +191,15 @@ TILES = {
 TILED_MIN_M = 64
 
 
+def tiled_k(fmt: str, k: int) -> int:
+    """The K the large-M path of layout `fmt` walks: Atom's INT4 columns (its 128 INT8 outliers come on top)."""
+    return k - 128 if fmt == "atom" else k
+
+
 def use_tiles(fmt: str, m: int, n: int, k: int, tiled: bool | None) -> bool:
     """Whether a launch of layout `fmt` takes the large-M path: `tiled` if given (refused where the shape does not
     fit the block tile), else from M and the shape."""
-    tiles = TILES[fmt]
+    tiles, k = TILES[fmt], tiled_k(fmt, k)
     if tiled and not tiles.fits(n, k):
         raise ValueError(f"the large-M {fmt} kernel needs N % {tiles.bn} == 0 and K % {tiles.bk} == 0, got N={n}, "
                          f"K={k}")
@@ -222,9 +231,7 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
     if use_tiles("qserve", m, n, k, tiled):
-        tiles = TILES["qserve"]
-        return Launch("qserve_w4a8", "qserve_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out,
-                      tiles.shared_mem)
+        return TILES["qserve"].launch("qserve_w4a8", args, m, n, out)
     grid = (n // 32, -(-m // 16))
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
@@ -242,9 +249,7 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), qweight, _c(tensors["s2a"].numpy(), np.uint8),
             _half_bits(tensors["s1_scales"]), out, m, n, k]
     if use_tiles("liquidquant", m, n, k, tiled):
-        tiles = TILES["liquidquant"]
-        return Launch("liquidquant_w4a8", "liquidquant_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out,
-                      tiles.shared_mem)
+        return TILES["liquidquant"].launch("liquidquant_w4a8", args, m, n, out)
     grid = (n // 64, -(-m // 32))
     partial_bytes = 128 * 16 * 4  # four warps' 16 accumulators per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
@@ -264,8 +269,7 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
                                                                 np.float32),
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
     if use_tiles("qqq", m, n, k, tiled):
-        tiles = TILES["qqq"]
-        return Launch("qqq_w4a8", "qqq_w4a8_tiled", args, tiles.grid(m, n), tiles.threads, out, tiles.shared_mem)
+        return TILES["qqq"].launch("qqq_w4a8", args, m, n, out)
     grid = (n // 64, -(-m // 16))
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
@@ -288,9 +292,8 @@ def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.n
             _c(s_x, np.float32), _c(tensors["weight_int4"].numpy(), np.uint8),
             _c(tensors["weight_int8"].numpy(), np.int8), _half_bits(tensors["scale_int4"]),
             _half_bits(tensors["scale_int8"]), out, m, n, k]
-    if use_tiles("atom", m, n, k - OUTLIERS, tiled):  # K - 128: the INT4 columns, in groups of 128
-        tiles = TILES["atom"]
-        return Launch("atom_w4a4", "atom_w4a4_tiled", args, tiles.grid(m, n), tiles.threads, out, tiles.shared_mem)
+    if use_tiles("atom", m, n, k, tiled):
+        return TILES["atom"].launch("atom_w4a4", args, m, n, out)
     return Launch("atom_w4a4", "atom_w4a4_gemm", args, (n // 16, -(-m // 16)), 32, out)
 
 
@@ -387,6 +390,12 @@ def resolve_device(kernel: str) -> str | None:
     return None
 
 
+def paths(fmt: str, n: int, k: int) -> tuple[bool, ...]:
+    """The `tiled` settings a linear [N, K] of layout `fmt` can run with: the small-M kernel, and the large-M one
+    where the shape fits it."""
+    return (False, True) if TILES[fmt].fits(n, tiled_k(fmt, k)) else (False,)
+
+
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
                       clip_ratio: float = 1.0) -> bool:
     """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
@@ -394,21 +403,18 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
     within its bound; W4A8: the small- and, where the shape fits it, the large-M kernel, whatever M)."""
     from quantkit import emulate
 
+    k = x.shape[1]
     if fmt == "atom":
         reference = emulate.emulate_atom(tensors, x, act_bits, clip_ratio)
-        n, k = reference.out.shape[1], x.shape[1]
-        paths = (False, True) if TILES["atom"].fits(n, k - 128) else (False,)
         return all(np.array_equal(atom_gemm(tensors, reference.x_codes, reference.s_x, device, tiled).view(np.uint16),
-                                  reference.out.view(np.uint16)) for tiled in paths)
+                                  reference.out.view(np.uint16)) for tiled in paths(fmt, reference.out.shape[1], k))
     if fmt == "anyprec":
-        widths = sorted(int(k[3:]) for k in tensors if k.startswith("lut"))
+        widths = sorted(int(key[3:]) for key in tensors if key.startswith("lut"))
         return all(anyprec_matches(tensors, x, b, device) for b in widths)
     reference = emulate.emulate(fmt, tensors, x)
     t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
-    n, k = reference.out.shape[1], x.shape[1]
-    paths = (False, True) if TILES[fmt].fits(n, k) else (False,)  # the small- and the large-M kernel
     return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, tiled).view(np.uint16),
-                              reference.out.view(np.uint16)) for tiled in paths)
+                              reference.out.view(np.uint16)) for tiled in paths(fmt, reference.out.shape[1], k))
 
 
 def cuda_available() -> bool:
