@@ -107,7 +107,7 @@ struct AtomTiled {
   static constexpr int W_OFF = BM * BK, SX_OFF = W_OFF + BN * BK, SW_OFF = SX_OFF + 4 * BM;
   static constexpr int STAGE_BYTES = SW_OFF + 2 * 4 * BN;
   struct Acc {
-    int32_t p[2][4][4];  // [m16 tile][n8 block][4]: the group's exact product
+    int32_t c[2][4][4];  // [m16 tile][n8 block][4]: the group's exact product
     float f[2][4][4];    // the scaled sum of the groups so far
   };
 
@@ -141,7 +141,7 @@ struct AtomTiled {
   }
   QK_FN static bool folds_after(const AtomArgs& a, int kt) { return kt < groups(a) || kt == groups(a) + 1; }
 
-  // acc.f += float(acc.p) * (s_x[token] * s_w[channel]) with the stage's scales, for the lane's entries; acc.p = 0.
+  // acc.f += float(acc.c) * (s_x[token] * s_w[channel]) with the stage's scales, for the lane's entries; acc.c = 0.
   QK_FN static void fold(const uint8_t* stage, int warp, int lane, Acc& acc) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -153,8 +153,8 @@ struct AtomTiled {
           const int channel = 32 * (warp % WARPS_N) + 8 * nb + 2 * frag_quad(lane) + (e & 1);
           const float s_x = load_f32(stage + SX_OFF + 4 * token);
           const float s_w = half_to_float(load_u16(stage + SW_OFF + 2 * atom_scale_slot(channel)));
-          acc.f[i][nb][e] = fadd(acc.f[i][nb][e], fmul((float)acc.p[i][nb][e], fmul(s_x, s_w)));
-          acc.p[i][nb][e] = 0;
+          acc.f[i][nb][e] = fadd(acc.f[i][nb][e], fmul((float)acc.c[i][nb][e], fmul(s_x, s_w)));
+          acc.c[i][nb][e] = 0;
         }
   }
 
@@ -189,11 +189,11 @@ struct AtomTiled {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           if (int4) {
-            mma_s4(acc.p[i][2 * p], fa[i], b);
-            mma_s4(acc.p[i][2 * p + 1], fa[i], b + 2);
+            mma_s4(acc.c[i][2 * p], fa[i], b);
+            mma_s4(acc.c[i][2 * p + 1], fa[i], b + 2);
           } else {
-            mma_s8(acc.p[i][2 * p], fa[i], b);
-            mma_s8(acc.p[i][2 * p + 1], fa[i], b + 2);
+            mma_s8(acc.c[i][2 * p], fa[i], b);
+            mma_s8(acc.c[i][2 * p + 1], fa[i], b + 2);
           }
         }
       }

@@ -124,7 +124,7 @@ void ldsm_x4_warp(uint32_t d[32][4], const uint8_t* smem, const int rows[32]) {
     for (int j = 0; j < 4; ++j) d[lane][j] = qk::load_u32(smem + rows[8 * j + lane / 4] + 4 * (lane % 4));
 }
 
-// The lanes' A fragments of one ldmatrix.x4: `row_of(lane)` is the offset lane gives.
+// One ldmatrix.x4 of the warp (A or B fragments): `row_of(lane)` is the offset lane gives.
 template <class RowOf>
 void ldsm_x4_lanes(uint32_t d[32][4], const uint8_t* smem, RowOf row_of) {
   int rows[32];
@@ -132,7 +132,8 @@ void ldsm_x4_lanes(uint32_t d[32][4], const uint8_t* smem, RowOf row_of) {
   ldsm_x4_warp(d, smem, rows);
 }
 
-// acc[lane].c[i][j] += A B for one warp's MMA `mma` (mma_warp or one of its kin), through [32][4] accumulators.
+// acc[lane].c[i][j] += A B for one warp's integer MMA `mma` (mma_warp or one of its kin), through [32][4]
+// accumulators.
 template <class Mma, class Acc, class A, class B>
 void mma_into(Mma mma, Acc* acc, int i, int j, const A& a, const B& b) {
   int32_t c[32][4];
@@ -433,12 +434,7 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
         ldsm_x4_lanes(b, stage, [&](int lane) { return T::b_row(warp, p, kk, lane); });
         for (int half = 0; half < 2; ++half) {
           for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[lane][2 * half], sizeof(bn[lane]));
-          for (int i = 0; i < 2; ++i) {
-            int32_t c[32][4];  // the int32 partials of (i, n8 block 2 p + half)
-            for (int lane = 0; lane < 32; ++lane) std::memcpy(c[lane], acc[lane].p[i][2 * p + half], sizeof(c[lane]));
-            if (int4) mma_warp_s4(c, fa[i], bn); else mma_warp(c, fa[i], bn);
-            for (int lane = 0; lane < 32; ++lane) std::memcpy(acc[lane].p[i][2 * p + half], c[lane], sizeof(c[lane]));
-          }
+          for (int i = 0; i < 2; ++i) mma_into(int4 ? mma_warp_s4 : mma_warp, acc, i, 2 * p + half, fa[i], bn);
         }
       }
     }

@@ -116,7 +116,7 @@ struct QServeTiled {
       const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
       const int8_t* src = which ? a.z2 : a.s2;
       copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
-             src + (size_t)((kt * BK + 32 * kk) / a.group) * a.n + n0 + 16 * chunk, true);
+                     src + (size_t)((kt * BK + 32 * kk) / a.group) * a.n + n0 + 16 * chunk, true);
     }
   }
 
