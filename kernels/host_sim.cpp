@@ -11,9 +11,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 namespace {
+
+// A kernel doing what the simulator cannot model is a bug in the kernel source: stop loudly.
+[[noreturn]] void fail(const char* what) {
+  std::fprintf(stderr, "quantkit warp simulator: %s\n", what);
+  std::abort();
+}
 
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
@@ -170,6 +178,95 @@ void tiled_host(const Args& args, Compute compute) {
   }
 }
 
+// One warpgroup's wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 with A from registers and B from shared
+// memory, from the PTX ISA's definitions (and CUTLASS's ALayout_64x32 / CLayout_64xN, which agree):
+//  - A [64 x 32]: thread t (warp w = t / 32, lane 4 g + q), register r, byte e holds row 16 w + g (+ 8 for r odd),
+//    k 4 q + e (+ 16 for r >= 2);
+//  - B [32 x 128] K-major through descriptor `desc`: element (k, n) at start + (n / 8) SBO + (n % 8) R + k, with
+//    R = 64 bytes per row for the 64-byte swizzle (the only mode modelled; LBO unused), then the swizzle of the
+//    address bits, bits 4-5 ^= bits 7-8 (CUTLASS Swizzle<2,4,3>);
+//  - D [64 x 128]: thread t, register 4 j + 2 h + e: row 16 w + g + 8 h, column 8 j + 2 q + e.
+// D = A B, plus D when `accumulate`; the int32 sums wrap.
+void wgmma_warpgroup(int32_t d[128][64], const uint32_t a[128][4], const uint8_t* smem, size_t smem_bytes,
+                     uint64_t desc, bool accumulate) {
+  const uint32_t start = (uint32_t)(desc & 0x3FFFu) << 4, lbo = (uint32_t)((desc >> 16) & 0x3FFFu) << 4;
+  const uint32_t sbo = (uint32_t)((desc >> 32) & 0x3FFFu) << 4, base_offset = (uint32_t)(desc >> 49) & 7u;
+  const int mode = (int)(desc >> 62);
+  if (mode != 2 || lbo != 16 || sbo != 512 || base_offset != 0) fail("wgmma: a descriptor the model does not cover");
+  int8_t A[64][32], B[128][32];
+  for (int t = 0; t < 128; ++t) {
+    const int w = t / 32, g = (t % 32) >> 2, q = t & 3;
+    for (int r = 0; r < 4; ++r)
+      for (int e = 0; e < 4; ++e) A[16 * w + g + 8 * (r & 1)][4 * q + e + 16 * (r >> 1)] = byte_of(a[t][r], e);
+  }
+  for (int n = 0; n < 128; ++n) {
+    for (int k = 0; k < 32; ++k) {
+      uint32_t addr = start + (uint32_t)(n / 8) * sbo + (uint32_t)(n % 8) * 64 + (uint32_t)k;
+      addr ^= ((addr >> 7) & 3u) << 4;
+      if (addr >= smem_bytes) fail("wgmma: B operand outside shared memory");
+      B[n][k] = (int8_t)smem[addr];
+    }
+  }
+  for (int t = 0; t < 128; ++t) {
+    const int w = t / 32, g = (t % 32) >> 2, q = t & 3;
+    for (int i = 0; i < 64; ++i) {
+      const int row = 16 * w + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * q + (i & 1);
+      uint32_t sum = accumulate ? (uint32_t)d[t][i] : 0u;
+      for (int k = 0; k < 32; ++k) sum += (uint32_t)((int32_t)A[row][k] * (int32_t)B[col][k]);
+      d[t][i] = (int32_t)sum;
+    }
+  }
+}
+
+// The host twin of wgmma_gemm (qk_common.cuh) for layout F: the same ring, copies issued two steps ahead, each
+// step's A fragments loaded by every thread, and its wgmmas run late, when the next step's copy has been issued
+// (the latest moment wgmma_wait<1> allows), so that a copy into a stage still being read would show. Shared
+// address 0 is the ring's start (aligned, as the kernel aligns it); the accumulators start as garbage, which the
+// first wgmma of each sum must ignore.
+template <class F>
+void wgmma_host(const typename F::Args& args) {
+  using T = qk::WgmmaTiles<F>;
+  constexpr int KS = T::BK / 32;
+  std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
+  std::vector<int32_t> acc((size_t)T::THREADS * 64);
+  std::vector<uint32_t> fa((size_t)T::THREADS * KS * 4);
+  const int steps = T::steps(args);
+  auto copy = [&](int m0, int n0, int kt) {
+    for (int tid = 0; tid < T::THREADS; ++tid)
+      T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, kt, tid);
+  };
+  auto run_wgmmas = [&](int kt) {  // both warpgroups, step kt, from the fragments loaded at step kt
+    for (int wg = 0; wg < T::THREADS / 128; ++wg) {
+      for (int kk = 0; kk < KS; ++kk) {
+        uint32_t a[128][4];
+        for (int t = 0; t < 128; ++t) std::memcpy(a[t], &fa[((size_t)(128 * wg + t) * KS + kk) * 4], sizeof(a[t]));
+        wgmma_warpgroup(reinterpret_cast<int32_t(*)[64]>(&acc[(size_t)128 * wg * 64]), a, smem.data(), smem.size(),
+                        T::b_desc((uint32_t)((kt % T::STAGES) * T::STAGE_BYTES), kk), kt > 0 || kk > 0);
+      }
+    }
+  };
+  for (int m0 = 0; m0 < args.m; m0 += T::BM) {
+    for (int n0 = 0; n0 < args.n; n0 += T::BN) {
+      std::fill(acc.begin(), acc.end(), 0x5A5A5A5A);
+      std::fill(smem.begin(), smem.end(), 0xA5);
+      for (int s = 0; s < T::STAGES - 2 && s < steps; ++s) copy(m0, n0, s);
+      for (int kt = 0; kt < steps; ++kt) {
+        if (kt + T::STAGES - 2 < steps) copy(m0, n0, kt + T::STAGES - 2);
+        if (kt > 0) run_wgmmas(kt - 1);
+        const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
+        for (int t = 0; t < T::THREADS; ++t)
+          F::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
+      }
+      run_wgmmas(steps - 1);
+      for (int t = 0; t < T::THREADS; ++t) {
+        typename T::Acc mine;
+        std::memcpy(mine.d, &acc[(size_t)t * 64], sizeof(mine.d));
+        T::store(args, m0, n0, t / 32, t % 32, mine);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // The block tile of a large-M kernel (BM, BN, BK, THREADS, STAGE_BYTES, STAGES) for quantkit.kernels.TILES to be
@@ -181,6 +278,9 @@ void tiles_of(int out[6]) {
 }
 extern "C" bool qk_tiles(const char* fmt, int out[6]) {
   if (std::strcmp(fmt, "qserve") == 0) tiles_of<qk::QServeTiled>(out);
+  else if (std::strcmp(fmt, "qserve-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma>>(out);
+  else if (std::strcmp(fmt, "qqq-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma>>(out);
+  else if (std::strcmp(fmt, "liquidquant-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma>>(out);
   else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
   else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
   else if (std::strcmp(fmt, "atom") == 0) tiles_of<qk::AtomTiled>(out);
@@ -205,6 +305,21 @@ extern "C" void qserve_w4a8_tiled_host(const int8_t* x, const float* s_x, const 
       }
     }
   });
+}
+
+// The host twins of the Hopper kernels (*_wgmma).
+extern "C" void qserve_w4a8_wgmma_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                       qk_half* out, int m, int n, int k, int group) {
+  wgmma_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+}
+extern "C" void qqq_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                    const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  wgmma_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+}
+extern "C" void liquidquant_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
+  wgmma_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its

@@ -142,6 +142,25 @@ struct LiquidTiled {
 #endif
 };
 
+// The Hopper path (qk_common.cuh WgmmaTiles, LiquidTiled's stages): warpgroup wg computes weight block wg, its
+// thread t holding rows 16 (t / 32) + g (+ 8) exactly as the 128 threads of the small-M kernel's block do, so its
+// two A fragments are unpack_weights' frag[0] and frag[1], with no byte of the block loaded twice.
+struct LiquidWgmma {
+  using Args = LiquidArgs;
+  using Tiled = LiquidTiled;
+
+  QK_FN static void load_a(const LiquidArgs&, const uint8_t* stage, int warp, int lane, uint32_t fa[2][4]) {
+    const int block = warp / 4;
+    uint32_t r[4], sa[2];
+    load_weights_at(stage + Tiled::W_OFF + block * 2048, stage + Tiled::P_OFF + block * 128, 32 * (warp % 4) + lane,
+                    r, sa);
+    unpack_weights(r, sa, fa);
+  }
+  QK_FN static qk_half out_value(const LiquidArgs& a, int32_t acc, int token, int channel) {
+    return epilogue(acc, half_to_float(a.s1[channel]), a.s_x[token]);
+  }
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -183,4 +202,15 @@ extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_tiled(const i
                                                                          int n, int k) {
   tiled_gemm<qk::LiquidTiled>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
+
+#if defined(QK_WGMMA)
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
+// WgmmaTiles<LiquidWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0).
+extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_wgmma(const int8_t* x, const float* s_x,
+                                                                         const uint8_t* qweight, const uint8_t* s2a,
+                                                                         const qk_half* s1, qk_half* out, int m,
+                                                                         int n, int k) {
+  wgmma_gemm<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+}
+#endif
 #endif

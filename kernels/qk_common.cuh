@@ -20,6 +20,7 @@ typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
+typedef unsigned long long uint64_t;
 #endif
 
 namespace qk {
@@ -318,6 +319,63 @@ QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int runs, 
   }
 }
 
+// The Hopper path (the *_wgmma kernels, sm_90a): wgmma.mma_async with the weights as its M operand, from
+// registers, and the activations as its N operand, read by the tensor cores from shared memory. A block of two
+// warpgroups computes BN = 128 channels (warp w: channels 16 w .. 16 w + 15) x BM = 128 tokens with one
+// m64n128k32 per warpgroup and k32, on the *Tiled policy's stages: the activation tile at offset 0 of a stage is
+// already the canonical K-major layout with the 64-byte swizzle (swizzled<64>: 16-byte chunk c of row r at
+// 64 r + 16 (c ^ (r / 2 % 4)), 8-row groups 512 bytes apart), so a descriptor names it; the stages are rounded up
+// to 1 KiB so that every tile starts where the swizzle pattern does. Layout F supplies the Tiled policy (stages),
+// load_a (a warp's A fragments of the stage's two k32 steps, each {row g k 4q.., row g + 8 k 4q.., row g
+// k 16 + 4q.., row g + 8 k 16 + 4q..} as for mma.m16n8k32) and out_value (the epilogue of one int32 sum).
+//
+// The descriptor of a K-major operand with the 64-byte swizzle at shared address addr (PTX ISA, "Matrix
+// Descriptor Format"): start address >> 4 in bits 0-13, leading byte offset 16 (unused by swizzled K-major
+// layouts) >> 4 in bits 16-29, stride byte offset 512 (between 8-row groups) >> 4 in bits 32-45, base offset 0,
+// swizzle mode 2 (64 bytes) in bits 62-63.
+QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(16 >> 4) << 16) | ((uint64_t)(512 >> 4) << 32) |
+         ((uint64_t)2 << 62);
+}
+
+template <class F>
+struct WgmmaTiles {
+  using Tiled = typename F::Tiled;
+  using Args = typename F::Args;
+  static constexpr int BM = Tiled::BM, BN = Tiled::BN, BK = Tiled::BK, THREADS = 256, STAGES = 5, ALIGN = 1024;
+  static constexpr int STAGE_BYTES = (Tiled::STAGE_BYTES + ALIGN - 1) / ALIGN * ALIGN;
+  static_assert(BM == 128 && BN == 128 && BK == 64 && Tiled::THREADS == THREADS, "one m64n128 per warpgroup");
+  struct Acc { int32_t d[64]; };  // d[4 j + 2 h + e]: channel 16 warp + g + 8 h, token 8 j + 2 q + e
+
+  QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
+  QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
+    Tiled::copy_stage(a, stage, m0, n0, kt, tid);
+  }
+  // The B descriptor of k32 step kk of the stage at shared address `stage`: 32 kk bytes into each row.
+  QK_FN static uint64_t b_desc(uint32_t stage, int kk) { return wgmma_desc_sw64(stage + 32 * kk); }
+
+  // In chunks of 16 outputs (8 tokens x 2 channels), each chunk's outputs before its stores: with no store in
+  // between, each scale of a chunk is loaded once (the output could alias the scales, so a store between would
+  // force them again), and the chunk's 16 values cost few registers.
+  QK_FN static void store(const Args& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+    const int g = frag_group(lane), q = frag_quad(lane);
+#pragma unroll
+    for (int c = 0; c < 64; c += 16) {
+      qk_half y[16];
+#pragma unroll
+      for (int i = c; i < c + 16; ++i) {
+        const int token = m0 + 8 * (i / 4) + 2 * q + i % 2, channel = n0 + 16 * warp + g + 8 * (i / 2 % 2);
+        y[i - c] = F::out_value(a, acc.d[i], token < a.m ? token : m0, channel);  // past M: computed, not stored
+      }
+#pragma unroll
+      for (int i = c; i < c + 16; ++i) {
+        const int token = m0 + 8 * (i / 4) + 2 * q + i % 2, channel = n0 + 16 * warp + g + 8 * (i / 2 % 2);
+        if (token < a.m) a.out[(size_t)token * a.n + channel] = y[i - c];
+      }
+    }
+  }
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -431,4 +489,80 @@ __device__ __forceinline__ void mma_s4(int32_t c[4], const uint32_t a[4], const 
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#if defined(QK_WGMMA)
+// The wgmma primitives (PTX ISA 8.0+, sm_90a only: built into the *_wgmma kernels when QK_WGMMA is defined).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Ties a register to this point of the program, so that no read of an accumulator moves above a wgmma_wait.
+__device__ __forceinline__ void fence_operand(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// D = A B (+ D when `accumulate`), wgmma.mma_async m64n128k32 .s32.s8.s8: A (64 x 32) from the warpgroup's
+// registers, B (32 x 128, K-major) from shared memory through descriptor `b`. The first product of a sum starts it
+// (accumulate false) rather than adding to zeros, so that no other instruction writes the accumulators while
+// wgmmas are in flight (which would make the compiler serialize them).
+__device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_t a[4], uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]),
+        "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]),
+        "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]),
+        "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]),
+        "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]),
+        "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]),
+        "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]),
+        "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"((int)accumulate));
+}
+
+// The Hopper GEMM of layout F (WgmmaTiles): a ring of STAGES stages in shared memory aligned to 1 KiB, filled by
+// cp.async as in tiled_gemm, but two steps behind instead of one: step kt's wgmmas may still be reading their stage
+// while the warpgroup unpacks step kt + 1's weights (wgmma_wait<1>), so the copy issued at step kt goes to the slot
+// of step kt - 2, which every warpgroup finished before the barrier. Each thread fences its completed copies into
+// the async proxy (the tensor cores' view of shared memory) before that barrier.
+template <class F>
+__device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
+  using T = qk::WgmmaTiles<F>;
+  extern __shared__ uint4 qk_stages[];
+  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(qk_stages), pad = (T::ALIGN - raw % T::ALIGN) % T::ALIGN;
+  uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages) + pad;
+  const uint32_t base = raw + pad;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = T::steps(args);
+  const int n0 = T::BN * blockIdx.x, m0 = T::BM * blockIdx.y;
+  typename T::Acc acc;  // the first wgmma starts the sums (K >= BK: a launch has at least one step)
+#pragma unroll
+  for (int s = 0; s < T::STAGES - 2; ++s) {
+    if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < steps; ++kt) {
+    cp_async_wait<T::STAGES - 3>();
+    fence_proxy_async();
+    __syncthreads();
+    const int next = kt + T::STAGES - 2;
+    if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
+    cp_async_commit();
+    const int slot = kt % T::STAGES;
+    uint32_t fa[T::BK / 32][4];
+    F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::BK / 32; ++kk)
+      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 64; ++i) fence_operand(acc.d[i]);
+  T::store(args, m0, n0, warp, lane, acc);
+}
+#endif  // QK_WGMMA
 #endif

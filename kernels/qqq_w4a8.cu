@@ -65,27 +65,31 @@ QK_FN const qk_half* ratio_row(const QQQArgs& a, int c, int i) {
   return a.s_group == nullptr ? nullptr : a.s_group + (size_t)(16 * i / 128) * a.n + 64 * c;
 }
 
-// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half (`ratios`: ratio_row's).
-QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
-  for (int tile = 0; tile < 4; ++tile) {
-    if (ratios == nullptr) {
-      frag[2 * tile] = w[tile] & 0xF0F0F0F0u;              // elements 0-3: column col
-      frag[2 * tile + 1] = (w[tile] << 4) & 0xF0F0F0F0u;   // elements 4-7: column col + 8
-      continue;
-    }
-    const int col = 16 * tile + frag_group(lane);  // within the chunk
-    for (int half = 0; half < 2; ++half) {
-      const qk_half r = ratios[group_scale_slot(col + 8 * half)];
-      uint32_t reg = 0;
-      for (int e = 0; e < 4; ++e) {  // element 4 half + e sits in nibble (e % 2) * 4 + (e / 2) + 2 half of word
-        const int element = 4 * half + e;
-        // interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j is in nibble (j % 2) * 4 + j / 2
-        const uint32_t nibble = (w[tile] >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
-        reg |= group_lane(nibble, r) << (8 * e);
-      }
-      frag[2 * tile + half] = reg;
-    }
+// Word `tile` of a lane's four -> the B fragments of n8 blocks 2 tile (frag[0]) and 2 tile + 1 (frag[1])
+// (`ratios`: ratio_row's).
+QK_FN void unpack_tile(const qk_half* ratios, int lane, uint32_t word, int tile, uint32_t frag[2]) {
+  if (ratios == nullptr) {
+    frag[0] = word & 0xF0F0F0F0u;         // elements 0-3: column col
+    frag[1] = (word << 4) & 0xF0F0F0F0u;  // elements 4-7: column col + 8
+    return;
   }
+  const int col = 16 * tile + frag_group(lane);  // within the chunk
+  for (int half = 0; half < 2; ++half) {
+    const qk_half r = ratios[group_scale_slot(col + 8 * half)];
+    uint32_t reg = 0;
+    for (int e = 0; e < 4; ++e) {  // element 4 half + e sits in nibble (e % 2) * 4 + (e / 2) + 2 half of word
+      const int element = 4 * half + e;
+      // interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j is in nibble (j % 2) * 4 + j / 2
+      const uint32_t nibble = (word >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
+      reg |= group_lane(nibble, r) << (8 * e);
+    }
+    frag[half] = reg;
+  }
+}
+
+// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half.
+QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
+  for (int tile = 0; tile < 4; ++tile) unpack_tile(ratios, lane, w[tile], tile, frag + 2 * tile);
 }
 
 // The lane's A fragment at k tile i: rows g and g + 8 of token tile mt, k 16 i + 4 q ...
@@ -97,6 +101,11 @@ QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
   }
 }
 
+// The output of token `row`, channel `col` from its int32 sum: (acc * s_channel) * s_x.
+QK_FN qk_half out_value(const QQQArgs& a, int32_t acc, int row, int col) {
+  return epilogue(acc, a.s_channel[channel_scale_slot(col)], a.s_x[row]);
+}
+
 // The lane's accumulators of n8 block nb of chunk c: c0, c1 at token g, channels 2q, 2q + 1; c2, c3 at token g + 8.
 // The two adjacent outputs of a row go out as one 32-bit store.
 QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4]) {
@@ -104,8 +113,7 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
     if (row >= a.m) continue;
-    const qk_half y0 = epilogue(acc[2 * h], a.s_channel[channel_scale_slot(col)], a.s_x[row]);
-    const qk_half y1 = epilogue(acc[2 * h + 1], a.s_channel[channel_scale_slot(col + 1)], a.s_x[row]);
+    const qk_half y0 = out_value(a, acc[2 * h], row, col), y1 = out_value(a, acc[2 * h + 1], row, col + 1);
     store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y0 | ((uint32_t)y1 << 16));
   }
 }
@@ -176,6 +184,26 @@ struct QQQTiled {
 #endif
 };
 
+// The Hopper path (qk_common.cuh WgmmaTiles, QQQTiled's stages): warp w's 16 channels are tile w % 4 of chunk w / 4,
+// one word of each lane's four per k16 tile, so a lane loads just that word.
+struct QQQWgmma {
+  using Args = QQQArgs;
+  using Tiled = QQQTiled;
+
+  QK_FN static void load_a(const QQQArgs& a, const uint8_t* stage, int warp, int lane, uint32_t fa[2][4]) {
+    const int chunk = warp / 4, tile = warp % 4;
+    const qk_half* ratios =
+        a.s_group == nullptr ? nullptr : reinterpret_cast<const qk_half*>(stage + Tiled::R_OFF) + 64 * chunk;
+    for (int r = 0; r < 4; ++r) {  // k16 tile r: registers {a0, a1} (r even) or {a2, a3} (r odd) of k32 step r / 2
+      const uint32_t word = load_u32(stage + Tiled::W_OFF + (r * Tiled::WARPS_N + chunk) * 512 + 16 * lane + 4 * tile);
+      unpack_tile(ratios, lane, word, tile, fa[r / 2] + 2 * (r % 2));
+    }
+  }
+  QK_FN static qk_half out_value(const QQQArgs& a, int32_t acc, int token, int channel) {
+    return qk::out_value(a, acc, token, channel);
+  }
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -210,4 +238,14 @@ extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_tiled(const int8_t* x
                                                                  qk_half* out, int m, int n, int k) {
   tiled_gemm<qk::QQQTiled>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
 }
+
+#if defined(QK_WGMMA)
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
+// WgmmaTiles<QQQWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
+extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_wgmma(const int8_t* x, const float* s_x, const uint32_t* b,
+                                                                 const float* s_channel, const qk_half* s_group,
+                                                                 qk_half* out, int m, int n, int k) {
+  wgmma_gemm<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+}
+#endif
 #endif

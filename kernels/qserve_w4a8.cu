@@ -61,20 +61,28 @@ QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint
   }
 }
 
-// The lane's 16 weight bytes and group parameters -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2a + b.
+// One weight word -> the four INT8 weights of half h (0: its low nibbles, channels 32t + 8b + g; 1: its high
+// nibbles, 32t + 16 + 8b + g): per group, q * s2 + (-(z * s2)) per byte lane, wrapping (subtraction after
+// multiplication), with the s2 and z2 bytes 2 h + b of the lane's group parameters.
+QK_FN uint32_t unpack_half(const QServeArgs& a, uint32_t word, uint32_t s, uint32_t z, int h, int b) {
+  const uint32_t codes = h ? hi_nibbles(word) : lo_nibbles(word);
+  if (a.s2 == nullptr) return codes;
+  const int lane = 8 * (2 * h + b);
+  return vadd4(codes * ((s >> lane) & 0xFFu), ((z >> lane) & 0xFFu) * 0x01010101u);
+}
+
+// The lane's 16 weight bytes and group parameters -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2 h + b.
 QK_FN void unpack_b(const QServeArgs& a, const uint32_t w[4], uint32_t s, uint32_t z, uint32_t frag[4][2]) {
-  for (int b = 0; b < 2; ++b) {
-    for (int p = 0; p < 2; ++p) {
-      const uint32_t word = w[2 * p + b];
-      uint32_t lo = lo_nibbles(word), hi = hi_nibbles(word);
-      if (a.s2 != nullptr) {  // progressive group: q * s2 + (-(z * s2)) per byte lane, wrapping
-        lo = vadd4(lo * ((s >> (8 * b)) & 0xFFu), ((z >> (8 * b)) & 0xFFu) * 0x01010101u);
-        hi = vadd4(hi * ((s >> (8 * (2 + b))) & 0xFFu), ((z >> (8 * (2 + b))) & 0xFFu) * 0x01010101u);
-      }
-      frag[b][p] = lo;      // channels 32t + 8b + g
-      frag[2 + b][p] = hi;  // channels 32t + 16 + 8b + g
-    }
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int b = 0; b < 2; ++b)
+      for (int p = 0; p < 2; ++p) frag[2 * h + b][p] = unpack_half(a, w[2 * p + b], s, z, h, b);
+}
+
+// The output of token `row`, channel `col` from its int32 sum: (acc * s1) * s_x (- s1_szeros * t_x per channel).
+QK_FN qk_half out_value(const QServeArgs& a, int32_t acc, int row, int col) {
+  const float s_w = half_to_float(a.s1[col]);
+  return a.szero != nullptr ? epilogue_zero(acc, s_w, a.s_x[row], half_to_float(a.szero[col]), a.t_x[row])
+                            : epilogue(acc, s_w, a.s_x[row]);
 }
 
 // Write the lane's accumulators of n8 block nb: c0, c1 at row g, columns 2q, 2q + 1; c2, c3 at row g + 8.
@@ -84,13 +92,7 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
     if (row >= a.m) continue;
-    qk_half y[2];
-    for (int e = 0; e < 2; ++e) {
-      const float s_w = half_to_float(a.s1[col + e]);
-      y[e] = a.szero != nullptr
-          ? epilogue_zero(acc[2 * h + e], s_w, a.s_x[row], half_to_float(a.szero[col + e]), a.t_x[row])
-          : epilogue(acc[2 * h + e], s_w, a.s_x[row]);
-    }
+    const qk_half y[2] = {out_value(a, acc[2 * h], row, col), out_value(a, acc[2 * h + 1], row, col + 1)};
     store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y[0] | ((uint32_t)y[1] << 16));
   }
 }
@@ -163,6 +165,33 @@ struct QServeTiled {
 #endif
 };
 
+// The Hopper path (qk_common.cuh WgmmaTiles, QServeTiled's stages): warp w's 16 channels are half w % 2 of weight
+// tile w / 2 (low nibbles: the tile's channels 0..15, high: 16..31). A lane still loads all 16 bytes of its tile
+// (the other half is its neighbour warp's) and unpacks its half as the small-M kernel does.
+struct QServeWgmma {
+  using Args = QServeArgs;
+  using Tiled = QServeTiled;
+
+  QK_FN static void load_a(const QServeArgs& a, const uint8_t* stage, int warp, int lane, uint32_t fa[2][4]) {
+    const int nt = warp / 2, h = warp % 2;
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t w[4], s = 0, z = 0;
+      load_u128(stage + Tiled::W_OFF + (nt * 2 + kk) * 512 + 16 * lane, w);
+      if (a.s2 != nullptr) {
+        const uint8_t* p = stage + Tiled::P_OFF + kk * Tiled::BN + 32 * nt;
+        group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + Tiled::P_BYTES), lane,
+                        s, z);
+      }
+      for (int b = 0; b < 2; ++b)    // channel g + 8 b: registers a_b (k 4q..) and a_{2+b} (k 16 + 4q..)
+        for (int p = 0; p < 2; ++p)  // word 2 p + b, byte lane 2 h + b of the group parameters (unpack_b's order)
+          fa[kk][2 * p + b] = unpack_half(a, w[2 * p + b], s, z, h, b);
+    }
+  }
+  QK_FN static qk_half out_value(const QServeArgs& a, int32_t acc, int token, int channel) {
+    return qk::out_value(a, acc, token, channel);
+  }
+};
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -200,4 +229,14 @@ extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_tiled(
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
   tiled_gemm<qk::QServeTiled>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
 }
+
+#if defined(QK_WGMMA)
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
+// WgmmaTiles<QServeWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
+extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_wgmma(
+    const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
+  wgmma_gemm<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+}
+#endif
 #endif

@@ -392,8 +392,8 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
               "anyprec); default: all.")
 @click.option("--paths", type=click.Choice(["auto", "all"]), default="auto", show_default=True,
               help="auto: each layout's kernel as its launch picks it by M and shape; all: every kernel of a layout "
-              "at every M (W4A8: small-M and tiled; Any-Precision: CUDA cores and tensor cores), to set the "
-              "thresholds between them.")
+              "at every M (W4A8: small-M, tiled and, on a Hopper GPU, wgmma; Any-Precision: CUDA cores and tensor "
+              "cores), to set the thresholds between them.")
 @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
 def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
@@ -418,7 +418,7 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
             raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
                                 f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
         if paths == "all":
-            variants = kernel_bench.with_paths(variants)
+            variants = kernel_bench.with_paths(variants, hopper=kernels.hopper_available())
         cases = kernel_bench.shape_cases(kernel_bench.SHAPE_SETS[shape_set], variants)
     import cupy
 

@@ -50,15 +50,18 @@ VARIANTS = (
 
 # The kernels a layout has, by path: the launch keyword that forces each.
 PATHS: dict[str, dict[str, dict[str, bool]]] = {
-    **{f: {"small-M": {"tiled": False}, "tiled": {"tiled": True}} for f in ("qserve", "qqq", "liquidquant", "atom")},
+    **{f: {"small-M": {"tiled": False}, "tiled": {"tiled": True}, "wgmma": {"wgmma": True}}
+       for f in ("qserve", "qqq", "liquidquant")},
+    "atom": {"small-M": {"tiled": False}, "tiled": {"tiled": True}},
     "anyprec": {"CUDA cores": {"tc": False}, "tensor cores": {"tc": True}},
 }
 
 
-def with_paths(variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
-    """Each variant once per kernel of its layout (`quantkit bench --paths all`), to set the M thresholds."""
+def with_paths(variants: tuple[Variant, ...], hopper: bool = True) -> tuple[Variant, ...]:
+    """Each variant once per kernel of its layout (`quantkit bench --paths all`), to set the M thresholds; the
+    Hopper (wgmma) kernels only with `hopper`."""
     return tuple(replace(v, label=f"{v.label} [{path}]", path=path) if v.fmt in PATHS else v
-                 for v in variants for path in PATHS.get(v.fmt, {None: {}}))
+                 for v in variants for path in PATHS.get(v.fmt, {None: {}}) if hopper or path != "wgmma")
 
 
 def synthetic(fmt: str, n: int, k: int, seed: int = 0, group: int | None = None) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import hashlib
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -127,7 +127,7 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    function = _module(launch.module).get_function(launch.name)
+    function = _module(launch.module, hopper=launch.name.endswith("_wgmma")).get_function(launch.name)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
         function.max_dynamic_shared_size_bytes = launch.shared_mem
     return GpuCall(function, launch.grid, launch.block, args, out, launch.shared_mem)
@@ -163,6 +163,8 @@ class Tiles:
     threads: int
     stage_bytes: int
     stages: int = 4
+    kernel: str = "tiled"  # the kernel's name is the module's, then _tiled or _wgmma
+    slack: int = 0  # extra shared memory the kernel uses to align its stages
 
     def fits(self, n: int, k: int) -> bool:
         return n % self.bn == 0 and k % self.bk == 0
@@ -172,11 +174,11 @@ class Tiles:
 
     @property
     def shared_mem(self) -> int:
-        return self.stages * self.stage_bytes
+        return self.stages * self.stage_bytes + self.slack
 
     def launch(self, module: str, args: list, m: int, n: int, out: np.ndarray) -> Launch:
-        """The call of kernels/`module`.cu's `module`_tiled on `args`."""
-        return Launch(module, f"{module}_tiled", args, self.grid(m, n), self.threads, out, self.shared_mem)
+        """The call of kernels/`module`.cu's `module`_tiled (or _wgmma) on `args`."""
+        return Launch(module, f"{module}_{self.kernel}", args, self.grid(m, n), self.threads, out, self.shared_mem)
 
 
 # Mirrors of the kernels' policies (QServeTiled, ...): a test checks them against the compiled ones (qk_tiles).
@@ -186,6 +188,10 @@ TILES = {
     "liquidquant": Tiles(128, 128, 64, 256, 128 * 64 + 2 * 2048 + 2 * 128),
     "atom": Tiles(128, 64, 64, 256, 128 * 64 + 64 * 64 + 4 * 128 + 8 * 64),  # a K step per group of 128 INT4
 }
+# The Hopper path of the W4A8 layouts (qk_common.cuh WgmmaTiles, sm_90a only): the tiled policy's stages rounded up
+# to 1 KiB, five deep, wgmma.mma_async with the weights in registers. Opt-in (`wgmma=True`) until measured on a GPU.
+WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024, stages=5, kernel="wgmma",
+                      slack=1024) for fmt in ("qserve", "qqq", "liquidquant")}
 # From this many tokens on, a launch takes the large-M path where the shape fits it. Not yet tuned on a GPU: the
 # small-M kernels re-read each operand tile from L2 once per 16 tokens, the tiled ones once per 128.
 TILED_MIN_M = 64
@@ -206,6 +212,16 @@ def use_tiles(fmt: str, m: int, n: int, k: int, tiled: bool | None) -> bool:
     return tiles.fits(n, k) and m >= TILED_MIN_M if tiled is None else tiled
 
 
+def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, out: np.ndarray,
+                   tiled: bool | None, wgmma: bool) -> Launch | None:
+    """The large-M launch of W4A8 layout `fmt` (the Hopper kernel with `wgmma`), or None for the small-M kernel."""
+    if wgmma:
+        if not WGMMA[fmt].fits(n, k):
+            raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+        return WGMMA[fmt].launch(module, args, m, n, out)
+    return TILES[fmt].launch(module, args, m, n, out) if use_tiles(fmt, m, n, k, tiled) else None
+
+
 def _c(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -215,10 +231,11 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                  t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
+                  t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
+                  wgmma: bool = False) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
     activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path, default
-    split_count's; `tiled`: the large-M path, default from M and the shape)."""
+    split_count's; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -230,8 +247,8 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
-    if use_tiles("qserve", m, n, k, tiled):
-        return TILES["qserve"].launch("qserve_w4a8", args, m, n, out)
+    if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
+        return large
     grid = (n // 32, -(-m // 16))
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
@@ -240,16 +257,18 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-                       t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
+                       t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
+                       wgmma: bool = False) -> Launch:
     """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
-    tile splitting K on the small-M path; `tiled`: the large-M path, default from M and the shape)."""
+    tile splitting K on the small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the
+    Hopper kernel)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
     n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), qweight, _c(tensors["s2a"].numpy(), np.uint8),
             _half_bits(tensors["s1_scales"]), out, m, n, k]
-    if use_tiles("liquidquant", m, n, k, tiled):
-        return TILES["liquidquant"].launch("liquidquant_w4a8", args, m, n, out)
+    if large := large_m_launch("liquidquant", "liquidquant_w4a8", args, m, n, k, out, tiled, wgmma):
+        return large
     grid = (n // 64, -(-m // 32))
     partial_bytes = 128 * 16 * 4  # four warps' 16 accumulators per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
@@ -258,9 +277,10 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-               t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None) -> Launch:
+               t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
+               wgmma: bool = False) -> Launch:
     """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
-    small-M path; `tiled`: the large-M path, default from M and the shape)."""
+    small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -268,8 +288,8 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), b, _c(tensors["s_channel"].float().numpy().reshape(-1),
                                                                 np.float32),
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
-    if use_tiles("qqq", m, n, k, tiled):
-        return TILES["qqq"].launch("qqq_w4a8", args, m, n, out)
+    if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma):
+        return large
     grid = (n // 64, -(-m // 16))
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
@@ -361,12 +381,13 @@ LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": q
 
 
 def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
-         t_x: np.ndarray | None = None, device: str = "cpu", tiled: bool | None = None) -> np.ndarray:
+         t_x: np.ndarray | None = None, device: str = "cpu", tiled: bool | None = None,
+         wgmma: bool = False) -> np.ndarray:
     """The W4A8 kernel of layout `fmt` on one linear: fp16 out [M, N] from INT8 activations and their scales
-    (`tiled`: force the large-M path on or off; default from M and the shape)."""
+    (`tiled`: force the large-M path on or off, default from M and the shape; `wgmma`: the Hopper kernel)."""
     if fmt not in LAUNCHES:
         raise KernelUnavailable(f"no kernel for format {fmt!r} yet (kernels: {', '.join(sorted(LAUNCHES))})")
-    return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x, tiled=tiled), device).view(np.float16)
+    return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x, tiled=tiled, wgmma=wgmma), device).view(np.float16)
 
 
 def compiler_available() -> bool:
@@ -390,10 +411,16 @@ def resolve_device(kernel: str) -> str | None:
     return None
 
 
-def paths(fmt: str, n: int, k: int) -> tuple[bool, ...]:
-    """The `tiled` settings a linear [N, K] of layout `fmt` can run with: the small-M kernel, and the large-M one
-    where the shape fits it."""
-    return (False, True) if TILES[fmt].fits(n, tiled_k(fmt, k)) else (False,)
+def paths(fmt: str, n: int, k: int, device: str = "cpu") -> tuple[dict[str, bool], ...]:
+    """The launch options of every kernel a linear [N, K] of layout `fmt` can run with on `device`: the small-M
+    kernel, the large-M one where the shape fits it, and the Hopper one where it also fits and the device can run
+    it (the warp simulator always can)."""
+    found = [{"tiled": False}]
+    if TILES[fmt].fits(n, tiled_k(fmt, k)):
+        found.append({"tiled": True})
+    if fmt in WGMMA and WGMMA[fmt].fits(n, k) and (device == "cpu" or hopper_available()):
+        found.append({"wgmma": True})
+    return tuple(found)
 
 
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
@@ -406,15 +433,17 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
     k = x.shape[1]
     if fmt == "atom":
         reference = emulate.emulate_atom(tensors, x, act_bits, clip_ratio)
-        return all(np.array_equal(atom_gemm(tensors, reference.x_codes, reference.s_x, device, tiled).view(np.uint16),
-                                  reference.out.view(np.uint16)) for tiled in paths(fmt, reference.out.shape[1], k))
+        return all(np.array_equal(atom_gemm(tensors, reference.x_codes, reference.s_x, device, **path).view(np.uint16),
+                                  reference.out.view(np.uint16))
+                   for path in paths(fmt, reference.out.shape[1], k, device))
     if fmt == "anyprec":
         widths = sorted(int(key[3:]) for key in tensors if key.startswith("lut"))
         return all(anyprec_matches(tensors, x, b, device) for b in widths)
     reference = emulate.emulate(fmt, tensors, x)
     t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
-    return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, tiled).view(np.uint16),
-                              reference.out.view(np.uint16)) for tiled in paths(fmt, reference.out.shape[1], k))
+    return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, **path).view(np.uint16),
+                              reference.out.view(np.uint16))
+               for path in paths(fmt, reference.out.shape[1], k, device))
 
 
 def cuda_available() -> bool:
@@ -429,12 +458,51 @@ def cuda_available() -> bool:
         return False
 
 
+def hopper_available() -> bool:
+    """True when the CUDA device is a Hopper GPU (compute capability 9.0), which runs the *_wgmma kernels."""
+    if not cuda_available():
+        return False
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
 @cache
-def _module(name: str) -> Any:
-    """The CuPy RawModule of kernels/NAME.cu (compiled by NVRTC on first use, cached by CuPy)."""
+def _module(name: str, hopper: bool = False) -> Any:
+    """The CuPy RawModule of kernels/NAME.cu, compiled by NVRTC on first use (cached by CuPy). With `hopper`, the
+    build with the *_wgmma kernels (QK_WGMMA) for sm_90a, which CuPy's own compile cannot target: NVRTC builds it
+    here and the cubin is cached by source digest beside the warp simulator's library."""
     if not cuda_available():
         raise KernelUnavailable("the CUDA kernels need CuPy (pip install 'quantkit[cuda]') and a CUDA device")
     import cupy
 
     src = source_dir()
-    return cupy.RawModule(code=(src / f"{name}.cu").read_text(), options=("-std=c++17", f"-I{src}"))
+    code = (src / f"{name}.cu").read_text()
+    if not hopper:
+        return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src}"))
+    if not hopper_available():
+        raise KernelUnavailable("the *_wgmma kernels need a Hopper GPU (compute capability 9.0, sm_90a)")
+    from cupy._core import core
+    from cupy_backends.cuda.libs import nvrtc
+
+    sources = sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh"))
+    digest = hashlib.sha256(repr(nvrtc.getVersion()).encode()
+                            + b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    cubin = default_cache_dir() / "kernels" / f"{name}-sm90a-{digest}.cubin"
+    if not cubin.exists():
+        # CuPy's own include directories (cuda_fp16.h from the CUDA toolkit or its wheels), as RawModule passes them
+        options = core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", "-DQK_WGMMA",
+                                                       "--gpu-architecture=sm_90a"))
+        prog = nvrtc.createProgram(code, f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as e:
+            raise KernelUnavailable(f"NVRTC could not build {name}.cu for sm_90a: {e}\n"
+                                    f"{nvrtc.getProgramLog(prog)[-2000:]}") from e
+        binary = nvrtc.getCUBIN(prog)
+        nvrtc.destroyProgram(prog)
+        cubin.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(binary)
+        tmp.replace(cubin)
+    return cupy.RawModule(path=str(cubin))

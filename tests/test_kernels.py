@@ -97,6 +97,24 @@ def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
 
 
 @needs_compiler
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (128, 128, 256), (130, 256, 384), (200, 128, 640)])
+def test_hopper_path_matches_the_emulation(fmt, group, m, n, k):
+    """The *_wgmma kernels as the simulator models wgmma (weights as the A operand from registers, activations
+    through a 64-byte-swizzle descriptor, the first product of a sum ignoring the garbage accumulators, each step's
+    products run only when the copy two steps ahead has been issued): the emulation's bits, with fewer K steps than
+    the ring holds, more than it holds, and token counts that end inside a block."""
+    tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
+    x = activations(m, k, seed=k)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    assert launch.name.endswith("_wgmma") and launch.shared_mem == kernels.WGMMA[fmt].shared_mem
+    assert launch.grid == (n // 128, -(-m // 128)) and launch.block == 256
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
 @pytest.mark.parametrize("m,n,groups", [(1, 64, 1), (128, 64, 2), (130, 128, 3), (200, 192, 5)])
 def test_atom_large_m_path_matches_the_emulation(m, n, groups):
     """Atom's tiled kernel: a K step per group of 128 INT4 columns and two for the INT8 outliers, each group's
@@ -124,6 +142,11 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
     assert kernels.host_library().qk_tiles(fmt.encode(), values)
     t = kernels.TILES[fmt]
     assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
+    if fmt in kernels.WGMMA:
+        assert kernels.host_library().qk_tiles(f"{fmt}-wgmma".encode(), values)
+        t = kernels.WGMMA[fmt]
+        assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
+        assert t.stage_bytes % 1024 == 0 and t.slack == 1024
 
 
 def test_launches_take_the_large_m_path_by_m_and_shape():
@@ -342,6 +365,48 @@ def test_large_m_gpu_kernel_matches_the_emulation(fmt, group):
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+@pytest.mark.skipif(not kernels.hopper_available(), reason="needs a Hopper GPU (sm_90a) and CuPy for wgmma")
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+@pytest.mark.parametrize("m", [1, 300])
+def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m):
+    """The *_wgmma kernels on the device, built by NVRTC for sm_90a: what the simulator's model of wgmma (operand
+    layouts, descriptor, swizzle) and of the asynchronous ring stands for, over several blocks each way and more K
+    steps than stages."""
+    n, k = 384, 1024
+    tensors = synthetic(fmt, n, k, seed=m, group=group)
+    x = activations(m, k, seed=n)
+    reference = emulate(fmt, tensors, x)
+    out = kernels.gemm(fmt, tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                       device="cuda", wgmma=True)
+    np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
+@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
+def test_hopper_device_code_pipelines_its_wgmmas(name, tmp_path):
+    """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
+    registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
+    not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
+    they are in flight)."""
+    import re
+    import subprocess
+
+    src = kernels.source_dir()
+    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", "-std=c++17", "-cubin",
+                           "-Xptxas", "-v", str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    log = done.stderr
+    assert "serialized" not in log, log
+    entry = log[log.index(f"'{name}_wgmma'"):]
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+    registers = re.search(r"Used (\d+) registers", entry)
+    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, log
+    ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
+                          "-o", "-"], capture_output=True, text=True).stdout
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
+
+
 @needs_gpu
 def test_liquidquant_gpu_kernel_matches_the_emulation():
     tensors = synthetic("liquidquant", 256, 512, seed=5)
@@ -429,10 +494,10 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     n, k, m = 128, 256, 5
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
     launch = variant_launch(variant, tensors, m, k, seed=2)
-    if variant.path in ("tiled", "tensor cores"):
-        assert launch.name.endswith(("_tiled", "_tc"))
+    if variant.path in ("tiled", "tensor cores", "wgmma"):
+        assert launch.name.endswith({"tiled": "_tiled", "tensor cores": "_tc", "wgmma": "_wgmma"}[variant.path])
     elif variant.path is not None:
-        assert not launch.name.endswith(("_tiled", "_tc"))
+        assert not launch.name.endswith(("_tiled", "_tc", "_wgmma"))
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
     if launch.name == "anyprec_gemm_tc":
@@ -509,6 +574,8 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     ran = {(r.label, r.m): r.kernel for r in rows}
     assert ran[("QServe W4A8 g128 [tiled]", 4)] == "qserve_w4a8_tiled"
     assert ran[("QServe W4A8 g128 [small-M]", 64)] == "qserve_w4a8_gemm"
+    assert ran[("LiquidQuant W4A8 g64 [wgmma]", 64)] == "liquidquant_w4a8_wgmma"
+    assert not any(v.path == "wgmma" for v in kb.with_paths(kb.VARIANTS, hopper=False))  # not on other GPUs
     assert ran[("Atom W4A4 g128 + 128 INT8 [tiled]", 4)] == "atom_w4a4_tiled"
     assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc"
     assert ran[("Any-Precision 3-bit GEMV [CUDA cores]", 4)] == "anyprec_gemv"
