@@ -1,7 +1,9 @@
 """Everything issue #6 needs a GPU for, in one command, for a lent device whose time is short.
 
 1. The kernel tests (`tests/test_kernels.py`): on a CUDA device with CuPy every GPU kernel must equal the
-   emulation bit for bit, the split-K paths included.
+   emulation bit for bit, the split-K paths included. The Hopper (wgmma) kernels' tests run first in a process of
+   their own: if they fail, every later step runs with QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky
+   CUDA error ends the process's context) costs none of the other kernels' results.
 2. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
@@ -9,8 +11,9 @@
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. On a machine
-without a GPU, `--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
+Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. Each step has a time
+limit (a hung kernel ends its step with exit code 124, not the whole run). On a machine without a GPU,
+`--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench] [--skip-sweep]
 """
@@ -21,6 +24,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,18 +32,26 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anyprec-3to8")
 
 
-def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, float]]) -> int:
-    """Run `cmd` from the repository root, its output to OUT/NAME.log and to the console; record its exit code."""
+def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, float]], limit: float = 300,
+         env: dict[str, str] | None = None) -> int:
+    """Run `cmd` from the repository root, its output to OUT/NAME.log and to the console, for at most `limit`
+    seconds (then killed: exit code 124); record its exit code."""
     print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(limit, proc.kill)
+        timer.start()
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
         code = proc.wait()
+        timer.cancel()
+        if time.time() - t0 >= limit:
+            code = 124
+            print(f"=== {name}: killed after {limit:.0f} s", flush=True)
     results.append((name, code, time.time() - t0))
     return code
 
@@ -56,8 +68,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     py, results = sys.executable, []
 
-    step("kernel-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"], args.out,
-         results)
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    env = {}
+    if args.kernel == "cuda" and step("wgmma-tests", [*pytest, "-k", "hopper_gpu"], args.out, results, 120) != 0:
+        env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
+    step("kernel-tests", [*pytest, "-k", "not hopper_gpu"], args.out, results, 300, env)
 
     from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
 
@@ -68,17 +83,17 @@ def main() -> None:
         artifact = work / recipe
         code = step(f"quantize-{recipe}", [py, "-m", "quantkit.cli", "quantize", str(model), "--recipe", recipe,
                                            "-o", str(artifact), "--calib", str(calib), "--num-samples", "8",
-                                           "--seq-len", "128", "--overwrite"], args.out, results)
+                                           "--seq-len", "128", "--overwrite"], args.out, results, 300, env)
         if code == 0:
             step(f"validate-{recipe}", [py, "-m", "quantkit.cli", "validate", str(artifact), "--kernel", args.kernel],
-                 args.out, results)
+                 args.out, results, 300, env)
 
     if not args.skip_bench and args.kernel == "cuda":
-        step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results)
+        step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results, 300, env)
     if not args.skip_sweep and args.kernel == "cuda":
         step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
                        "1,2,4,8,16,32,64,128,256,1024", "--iters", "20"],
-             args.out, results)
+             args.out, results, 400, env)
 
     print("\n| step | exit code | seconds |\n|---|---|---|")
     for name, code, seconds in results:

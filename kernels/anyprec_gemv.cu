@@ -75,19 +75,32 @@ QK_FN void fill_table(const AnyPrecArgs& a, int n, int lane, float* table) {
   }
 }
 
-// Thread `lane`'s partial sums of chunk c for channel n (its table filled) and the tokens m0 .. m0 + 7 at width
-// BITS (0 for idle threads of a narrow last chunk and for tokens past M).
+// The width of chunk c (the last may be narrower than AP_CHUNK).
+QK_FN int chunk_width(const AnyPrecArgs& a, int c) {
+  const int full = a.k / AP_CHUNK;
+  return c < full ? AP_CHUNK : a.k - full * AP_CHUNK;
+}
+
+// Thread `lane`'s word of each of the first BITS planes of channel n in chunk c (zeros for idle threads of a narrow
+// last chunk): the loads, apart from the arithmetic, so that a warp can have several chunks' loads in flight.
 template <int BITS>
-QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, int c, int m0, int lane,
-                              float partial[AP_TOKENS]) {
+QK_FN void chunk_words(const AnyPrecArgs& a, int n, int c, int lane, uint32_t words[BITS]) {
+  const bool active = 32 * lane < chunk_width(a, c);
+#pragma unroll
+  for (int j = 0; j < BITS; ++j)
+    words[j] = active ? a.planes[((size_t)j * a.n + n) * (a.k / 32) + 32 * c + lane] : 0u;
+}
+
+// Thread `lane`'s partial sums of chunk c for the tokens m0 .. m0 + 7 at width BITS from its plane words (the
+// channel's table filled; 0 for idle threads of a narrow last chunk and for tokens past M).
+template <int BITS>
+QK_FN void partials_of_words(const AnyPrecArgs& a, const float* table, const uint32_t words[BITS], int c, int m0,
+                             int lane, float partial[AP_TOKENS]) {
 #pragma unroll
   for (int i = 0; i < AP_TOKENS; ++i) partial[i] = 0.0f;
-  const int full = a.k / AP_CHUNK, start = c * AP_CHUNK;
-  const int width = c < full ? AP_CHUNK : a.k - full * AP_CHUNK;
+  const int start = c * AP_CHUNK, width = chunk_width(a, c);
   if (32 * lane >= width) return;
-  uint32_t words[BITS], codes[32];
-#pragma unroll
-  for (int j = 0; j < BITS; ++j) words[j] = a.planes[((size_t)j * a.n + n) * (a.k / 32) + 32 * c + lane];
+  uint32_t codes[32];
   transpose_planes<BITS>(words, codes);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // byte j: columns start + j W / 4 + 8 lane + e, weights u = 8 j + e
@@ -116,6 +129,15 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
         partial[i] = fma_exact(half_to_float((qk_half)(h[e / 2] >> (16 * (e % 2)))), w[e], partial[i]);
     }
   }
+}
+
+// Both: thread `lane`'s partial sums of chunk c for channel n.
+template <int BITS>
+QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, int c, int m0, int lane,
+                              float partial[AP_TOKENS]) {
+  uint32_t words[BITS];
+  chunk_words<BITS>(a, n, c, lane, words);
+  partials_of_words<BITS>(a, table, words, c, m0, lane, partial);
 }
 
 // ---- The tensor-core path (anyprec_gemm_tc), for more than a token or two. ----
@@ -347,17 +369,24 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
   qk::fill_table<BITS>(args, channel, lane, tables[warp]);
   __syncwarp();
   float sum[qk::AP_TOKENS] = {};
-  for (int c = 0; c < (args.k + qk::AP_CHUNK - 1) / qk::AP_CHUNK; ++c) {
-    float partial[qk::AP_TOKENS];
-    qk::thread_partials_at<BITS>(args, tables[warp], channel, c, m0, lane, partial);
+  // The plane words of AP_AHEAD chunks are loaded before the first of them is used (a decode GEMV is bound by how
+  // many bytes are in flight); the chunks are still summed in order, so the bits do not change.
+  struct Words { uint32_t w[BITS]; };
+  constexpr int AP_AHEAD = BITS <= 4 ? 4 : 2;
+  pipelined_steps<AP_AHEAD, Words>(
+      0, 1, (args.k + qk::AP_CHUNK - 1) / qk::AP_CHUNK,
+      [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); },
+      [&](int c, const Words& st) {
+        float partial[qk::AP_TOKENS];
+        qk::partials_of_words<BITS>(args, tables[warp], st.w, c, m0, lane, partial);
 #pragma unroll
-    for (int i = 0; i < qk::AP_TOKENS; ++i) {
-      float v = partial[i];
+        for (int i = 0; i < qk::AP_TOKENS; ++i) {
+          float v = partial[i];
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) v = qk::fadd(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-      sum[i] = qk::fadd(sum[i], v);
-    }
-  }
+          for (int offset = 16; offset > 0; offset >>= 1) v = qk::fadd(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+          sum[i] = qk::fadd(sum[i], v);
+        }
+      });
   if (lane < qk::AP_TOKENS && m0 + lane < args.m) {
 #pragma unroll
     for (int i = 0; i < qk::AP_TOKENS; ++i)

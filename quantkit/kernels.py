@@ -459,8 +459,9 @@ def cuda_available() -> bool:
 
 
 def hopper_available() -> bool:
-    """True when the CUDA device is a Hopper GPU (compute capability 9.0), which runs the *_wgmma kernels."""
-    if not cuda_available():
+    """True when the CUDA device is a Hopper GPU (compute capability 9.0), which runs the *_wgmma kernels, and
+    QUANTKIT_WGMMA=0 does not turn them off (validate and bench then leave them out)."""
+    if os.environ.get("QUANTKIT_WGMMA") == "0" or not cuda_available():
         return False
     import cupy
 
