@@ -155,9 +155,23 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 constexpr int APT_WARPS = 8, APT_CHANNELS = 16 * APT_WARPS, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
 constexpr int APT_ROW_BYTES = 2 * AP_CHUNK + 32, APT_X_BYTES = APT_TOKENS * APT_ROW_BYTES;
 
-// Bytes of one channel's table: 4^BITS fp16 pairs up to 3 bits, else 2^BITS fp16.
+// Up to 3 bits a lookup reads one fp16 pair of 4 bytes, and the tables are interleaved: per group of 8 channels (an
+// n8 block, channel 8 G + g), pair p of channel g is word (G 4^BITS + p) 8 + g, held APT_COPIES times side by side,
+// lane (g, q) reading copy q % APT_COPIES. A lookup of the warp then lands in bank (16 p + 2 g + q % 2) % 32:
+// lanes of different g never collide and the four of one g at most in pairs, so it takes 2 wavefronts, where
+// channel-major tables (bank p % 32 for every lane) take the most of 32 random draws in 32 banks, about 3.5.
+constexpr int APT_COPIES = 2;
+
+// Bytes of one channel's table: 4^BITS fp16 pairs, APT_COPIES times, up to 3 bits; else 2^BITS fp16.
 template <int BITS>
-QK_FN constexpr int tc_table_bytes() { return BITS <= 3 ? 4 << (2 * BITS) : 2 << BITS; }
+QK_FN constexpr int tc_table_bytes() { return BITS <= 3 ? APT_COPIES * (4 << (2 * BITS)) : 2 << BITS; }
+
+// The byte offset in the block's tables of entry e (a pair up to 3 bits) of its channel ch (0..127), copy `copy`.
+template <int BITS>
+QK_FN int tc_table_offset(int ch, int e, int copy) {
+  if (BITS > 3) return ch * tc_table_bytes<BITS>() + 2 * e;
+  return 4 * ((((ch / 8) * (1 << (2 * BITS)) + e) * 8 + ch % 8) * APT_COPIES + copy);
+}
 
 struct AnyPrecTcArgs {
   AnyPrecArgs a;
@@ -180,8 +194,8 @@ QK_FN void tc_stage_x(const AnyPrecArgs& a, uint8_t* xs, int m0, int c, int tid,
   }
 }
 
-// The tables of channels n0 .. n0 + 127 (those below N): pair p = (c0 << BITS) | c1 as the fp16 pair
-// lut[c0] | lut[c1] << 16 up to 3 bits, else the fp16 entries as stored.
+// The tables of channels n0 .. n0 + 127 (those below N), at tc_table_offset: pair p = (c0 << BITS) | c1 as the
+// fp16 pair lut[c0] | lut[c1] << 16 up to 3 bits, else the fp16 entries as stored.
 template <int BITS>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
   constexpr int entries = BITS <= 3 ? 1 << (2 * BITS) : 1 << BITS;
@@ -189,12 +203,11 @@ QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid
     const int ch = i / entries, e = i % entries;
     if (n0 + ch >= a.n) continue;
     const qk_half* lut = a.lut + (size_t)(n0 + ch) * (1 << BITS);
-    uint8_t* table = tables + ch * tc_table_bytes<BITS>();
     if (BITS <= 3) {
       const uint32_t pair = (uint32_t)lut[e >> BITS] | ((uint32_t)lut[e & ((1 << BITS) - 1)] << 16);
-      store_u32(table + 4 * e, pair);
+      for (int copy = 0; copy < APT_COPIES; ++copy) store_u32(tables + tc_table_offset<BITS>(ch, e, copy), pair);
     } else {
-      store_u16(table + 2 * e, lut[e]);
+      store_u16(tables + tc_table_offset<BITS>(ch, e, 0), lut[e]);
     }
   }
 }
@@ -217,10 +230,11 @@ QK_FN void tc_load_words(const AnyPrecArgs& a, int channel, int c, int lane, uin
   }
 }
 
-// Word v's B fragments: b[s] for MMA s, the fp16 weights of u = 4 s, 4 s + 1 and 4 s + 2, 4 s + 3 (`table`: the
-// channel's).
+// Word v's B fragments for lane `lane` of the warp: b[s] for MMA s, the fp16 weights of u = 4 s, 4 s + 1 and
+// 4 s + 2, 4 s + 3 (`ch`: the block's channel the lane decodes, in `tables`).
 template <int BITS>
-QK_FN void tc_decode_b(const uint8_t* table, const uint32_t words[BITS][8], int v, uint32_t b[8][2]) {
+QK_FN void tc_decode_b(const uint8_t* tables, int ch, int lane, const uint32_t words[BITS][8], int v, uint32_t b[8][2]) {
+  const int copy = frag_quad(lane) % APT_COPIES;
   uint32_t word[BITS], codes[32];
 #pragma unroll
   for (int p = 0; p < BITS; ++p) word[p] = words[p][v];
@@ -231,10 +245,10 @@ QK_FN void tc_decode_b(const uint8_t* table, const uint32_t words[BITS][8], int 
     for (int r = 0; r < 2; ++r) {
       const uint32_t c0 = codes[4 * s + 2 * r], c1 = codes[4 * s + 2 * r + 1];
       if (BITS <= 3) {
-        b[s][r] = load_u32(table + 4 * ((c0 << BITS) | c1));
+        b[s][r] = load_u32(tables + tc_table_offset<BITS>(ch, (c0 << BITS) | c1, copy));
       } else {
-        const qk_half* entries = reinterpret_cast<const qk_half*>(table);
-        b[s][r] = (uint32_t)entries[c0] | ((uint32_t)entries[c1] << 16);
+        b[s][r] = (uint32_t)load_u16(tables + tc_table_offset<BITS>(ch, c0, 0)) |
+                  ((uint32_t)load_u16(tables + tc_table_offset<BITS>(ch, c1, 0)) << 16);
       }
     }
   }
@@ -320,7 +334,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecTcArgs& args
       for (int i = 0; i < AT_ONCE; ++i) {
         const int channel = tc_channel(n0, warp, nb0 + i, lane);
         if (channel < a.n && 8 * frag_quad(lane) + v < words) {
-          tc_decode_b<BITS>(tables + (channel - n0) * tc_table_bytes<BITS>(), w[i], v, b[i]);
+          tc_decode_b<BITS>(tables, channel - n0, lane, w[i], v, b[i]);
         } else {
 #pragma unroll
           for (int s = 0; s < 8; ++s) b[i][s][0] = b[i][s][1] = 0u;

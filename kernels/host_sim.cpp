@@ -617,7 +617,7 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecTcArgs& args) {
               for (int nb = 0; nb < 2; ++nb) {
                 const int channel = tc_channel(n0, warp, nb, lane);
                 if (channel < a.n && 8 * frag_quad(lane) + v < words)
-                  tc_decode_b<BITS>(tables.data() + (channel - n0) * tc_table_bytes<BITS>(), words_of(lane, nb), v,
+                  tc_decode_b<BITS>(tables.data(), channel - n0, lane, words_of(lane, nb), v,
                                     b[nb][lane]);
               }
             }

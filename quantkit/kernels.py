@@ -331,9 +331,13 @@ ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS, ANYPREC_TC_CHUNK, ANYPREC_TC_X_BYTES = 1
 ANYPREC_TC_MIN_M = 2
 
 
+ANYPREC_TC_COPIES = 2  # anyprec_gemm_tc's copies of each table up to 3 bits (APT_COPIES: fewer bank conflicts)
+
+
 def anyprec_table_bytes(bits: int) -> int:
-    """Shared-memory bytes of one channel's table in anyprec_gemm_tc: fp16 pairs up to 3 bits, else fp16."""
-    return 4 << (2 * bits) if bits <= 3 else 2 << bits
+    """Shared-memory bytes of one channel's table in anyprec_gemm_tc: fp16 pairs up to 3 bits (ANYPREC_TC_COPIES
+    times), else fp16."""
+    return ANYPREC_TC_COPIES * (4 << (2 * bits)) if bits <= 3 else 2 << bits
 
 
 def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None) -> Launch:
