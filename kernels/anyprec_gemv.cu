@@ -233,7 +233,8 @@ QK_FN void tc_load_words(const AnyPrecArgs& a, int channel, int c, int lane, uin
 // Word v's B fragments for lane `lane` of the warp: b[s] for MMA s, the fp16 weights of u = 4 s, 4 s + 1 and
 // 4 s + 2, 4 s + 3 (`ch`: the block's channel the lane decodes, in `tables`).
 template <int BITS>
-QK_FN void tc_decode_b(const uint8_t* tables, int ch, int lane, const uint32_t words[BITS][8], int v, uint32_t b[8][2]) {
+QK_FN void tc_decode_b(const uint8_t* tables, int ch, int lane, const uint32_t words[BITS][8], int v,
+                       uint32_t b[8][2]) {
   const int copy = frag_quad(lane) % APT_COPIES;
   uint32_t word[BITS], codes[32];
 #pragma unroll
