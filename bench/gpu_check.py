@@ -1,9 +1,10 @@
 """Everything issue #6 needs a GPU for, in one command, for a lent device whose time is short.
 
-1. The kernel tests (`tests/test_kernels.py`): on a CUDA device with CuPy every GPU kernel must equal the
-   emulation bit for bit, the split-K paths included. The Hopper (wgmma) kernels' tests run first in a process of
-   their own: if they fail, every later step runs with QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky
-   CUDA error ends the process's context) costs none of the other kernels' results.
+1. The device tests (pytest -m gpu; CI runs all the others): every GPU kernel must equal the emulation bit for
+   bit, the split-K paths included, and a quantize run on the GPU must match the CPU's. The Hopper (wgmma)
+   kernels' tests (-m hopper) run first in a process of their own: if they fail, every later step runs with
+   QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky CUDA error ends the process's context) costs none of
+   the other kernels' results. With --kernel sim, the kernel tests of tests/test_kernels.py instead.
 2. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
@@ -68,11 +69,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     py, results = sys.executable, []
 
-    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/"]
     env = {}
-    if args.kernel == "cuda" and step("wgmma-tests", [*pytest, "-k", "hopper_gpu"], args.out, results, 120) != 0:
-        env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
-    step("kernel-tests", [*pytest, "-k", "not hopper_gpu"], args.out, results, 300, env)
+    if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
+        if step("wgmma-tests", [*pytest, "-m", "hopper"], args.out, results, 120) != 0:
+            env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
+        step("gpu-tests", [*pytest, "-m", "gpu and not hopper"], args.out, results, 300, env)
+    else:
+        step("kernel-tests", [*pytest[:-1], "tests/test_kernels.py"], args.out, results, 300, env)
 
     from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
 

@@ -17,8 +17,20 @@ from quantkit.kernel_bench import synthetic
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="the warp simulator compiles the kernels with a host C++ compiler "
                                     "(g++ or c++), and none is on PATH")
-needs_gpu = pytest.mark.skipif(not kernels.cuda_available(),
+_gpu_skip = pytest.mark.skipif(not kernels.cuda_available(),
                                reason="needs a CUDA device and CuPy (pip install 'quantkit[cuda]')")
+_hopper_skip = pytest.mark.skipif(not kernels.hopper_available(),
+                                  reason="needs a Hopper GPU (sm_90a) and CuPy for the wgmma kernels")
+
+
+def needs_gpu(test):
+    """A test of the CUDA kernels on the device: marked `gpu` (what bench/gpu_check.py runs) and skipped without one."""
+    return pytest.mark.gpu(_gpu_skip(test))
+
+
+def needs_hopper(test):
+    """A test of the *_wgmma kernels on the device: marked `gpu` and `hopper`, skipped on other machines."""
+    return pytest.mark.hopper(pytest.mark.gpu(_hopper_skip(test)))
 
 
 def extreme_qserve_group(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
@@ -365,7 +377,7 @@ def test_large_m_gpu_kernel_matches_the_emulation(fmt, group):
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
-@pytest.mark.skipif(not kernels.hopper_available(), reason="needs a Hopper GPU (sm_90a) and CuPy for wgmma")
+@needs_hopper
 @pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
 @pytest.mark.parametrize("m", [1, 300])
 def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m):

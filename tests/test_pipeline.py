@@ -190,6 +190,7 @@ def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path)
     assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (--device cuda)")
 def test_cuda_calibration_matches_cpu(synthetic, calib_txt, tmp_path):
     """The same run on the GPU gives codes that differ from the CPU run only where fp32 rounding flips a tie."""
