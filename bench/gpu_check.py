@@ -93,10 +93,11 @@ def main() -> None:
                  args.out, results, 300, env)
 
     if not args.skip_bench and args.kernel == "cuda":
-        step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b"], args.out, results, 300, env)
+        step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
+                       str(args.out / "bench.json")], args.out, results, 300, env)
     if not args.skip_sweep and args.kernel == "cuda":
         step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
-                       "1,2,4,8,16,32,64,128,256,1024", "--iters", "20"],
+                       "1,2,4,8,16,32,64,128,256,1024", "--iters", "20", "--json", str(args.out / "sweep.json")],
              args.out, results, 400, env)
 
     print("\n| step | exit code | seconds |\n|---|---|---|")

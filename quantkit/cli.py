@@ -396,8 +396,10 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
               "cores), to set the thresholds between them.")
 @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write every row and bar, with the device and its copy bandwidth, to this JSON file.")
 def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
-              warmup: int, iters: int) -> None:
+              warmup: int, iters: int, json_path: Path | None) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm) on the same shapes, in one run: CUDA events, warm-up, medians; prints time, TOPS, achieved
     GB/s against the device's measured copy bandwidth, and the speedups; then issue #6's bars on every row they
@@ -425,8 +427,13 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     bandwidth = kernel_bench.copy_bandwidth()
     rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters)
+    checks = kernel_bench.bars(rows, bandwidth)
     Console().print(kernel_bench.render(rows, bandwidth, device))
-    Console().print(kernel_bench.render_bars(kernel_bench.bars(rows, bandwidth), device))
+    Console().print(kernel_bench.render_bars(checks, device))
+    if json_path is not None:
+        from quantkit.files import atomic_write
+
+        atomic_write(json_path, json.dumps(kernel_bench.report(rows, checks, bandwidth, device), indent=1))
 
 
 def _describe_weights(w: dict) -> str:

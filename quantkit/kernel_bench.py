@@ -350,6 +350,19 @@ def bars(rows: list[Row], bandwidth: float) -> list[Bar]:
     return out
 
 
+def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) -> dict:
+    """The run as plain data (`quantkit bench --json`), for the README's tables and later comparisons: every row's
+    median seconds and rates, and every bar with its verdict."""
+    def row(r: Row) -> dict:
+        return {"n": r.n, "k": r.k, "m": r.m, "label": r.label, "function": r.kernel,
+                "format": r.variant.fmt if r.variant else None, "path": r.variant.path if r.variant else None,
+                "seconds": r.seconds, "tops": r.tops, "gbps": r.gbps, "bytes_moved": r.bytes_moved}
+
+    return {"device": device, "copy_bandwidth_gbps": bandwidth, "rows": [row(r) for r in rows],
+            "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
+                     for c in checks]}
+
+
 def render_bars(checks: list[Bar], device: str):
     """A rich Table of the bars, one line each, and how many were met."""
     from rich.table import Table

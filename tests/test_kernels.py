@@ -3,6 +3,7 @@ emulation (bit for bit), and, on a machine with a CUDA device and CuPy, the GPU 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -595,6 +596,11 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     checks = kb.bars(rows, bandwidth=1e9)
     assert {c.row.label for c in checks} >= {"QQQ W4A8 g128 [small-M]", "Any-Precision 3-bit GEMV [tensor cores]"}
     assert all(c.row.m == 4 for c in checks)  # no bar at M = 64
+    data = json.loads(json.dumps(kb.report(rows, checks, 1e9, "test GPU")))  # `quantkit bench --json`
+    assert data["device"] == "test GPU" and len(data["rows"]) == len(rows) and len(data["bars"]) == len(checks)
+    wgmma = next(r for r in data["rows"] if r["path"] == "wgmma")
+    assert wgmma["function"].endswith("_wgmma") and wgmma["seconds"] == 1e-5 and wgmma["format"] in kb.PATHS
+    assert {b["met"] for b in data["bars"]} <= {True, False}
 
 
 def test_bench_rotates_operands_past_the_l2_cache():
