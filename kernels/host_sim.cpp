@@ -258,11 +258,12 @@ void wgmma_host(const typename F::Args& args) {
           F::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
       }
       run_wgmmas(steps - 1);
-      for (int t = 0; t < T::THREADS; ++t) {
+      for (int t = 0; t < T::THREADS; ++t) {  // the epilogue's two phases, a barrier between them
         typename T::Acc mine;
         std::memcpy(mine.d, &acc[(size_t)t * 64], sizeof(mine.d));
-        T::store(args, m0, n0, t / 32, t % 32, mine);
+        T::stage_out(args, smem.data(), m0, n0, t / 32, t % 32, mine);
       }
+      for (int t = 0; t < T::THREADS; ++t) T::write_out(args, smem.data(), m0, n0, t);
     }
   }
 }

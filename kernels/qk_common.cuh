@@ -158,6 +158,15 @@ QK_FN qk_half epilogue_zero(int32_t acc, float s_w, float s_x, float szero, floa
   return float_to_half(fsub(fmul(fmul((float)acc, s_w), s_x), fmul(szero, t_x)));
 }
 
+// One 128-bit store of four little-endian 32-bit words (p 16-byte aligned).
+QK_FN void store_u128(void* p, const uint32_t w[4]) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+#else
+  std::memcpy(p, w, 16);
+#endif
+}
+
 // One 128-bit load (a single LDG.128 on the GPU) of four little-endian 32-bit words.
 QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #if defined(__CUDA_ARCH__)
@@ -354,10 +363,15 @@ struct WgmmaTiles {
   // The B descriptor of k32 step kk of the stage at shared address `stage`: 32 kk bytes into each row.
   QK_FN static uint64_t b_desc(uint32_t stage, int kk) { return wgmma_desc_sw64(stage + 32 * kk); }
 
-  // In chunks of 16 outputs (8 tokens x 2 channels), each chunk's outputs before its stores: with no store in
-  // between, each scale of a chunk is loaded once (the output could alias the scales, so a store between would
-  // force them again), and the chunk's 16 values cost few registers.
-  QK_FN static void store(const Args& a, int m0, int n0, int warp, int lane, const Acc& acc) {
+  // The epilogue goes through shared memory (the ring's, free once every wgmma is done), so that the outputs leave
+  // as whole 16-byte stores along each token's row rather than 2-byte stores scattered over four rows a warp.
+  // Staged row stride: 2 BN bytes plus 16, so that the four tokens of a warp's 2-byte writes fall in distinct banks.
+  static constexpr int OUT_STRIDE = 2 * BN + 16;
+  static_assert(BM * OUT_STRIDE <= STAGES * STAGE_BYTES, "the staged outputs fit in the ring");
+
+  // Phase 1: the thread's 64 outputs into the staged tile [BM tokens][BN channels], in chunks of 16 (8 tokens x 2
+  // channels) so that each scale is loaded once a chunk and the chunk's values cost few registers.
+  QK_FN static void stage_out(const Args& a, uint8_t* smem, int m0, int n0, int warp, int lane, const Acc& acc) {
     const int g = frag_group(lane), q = frag_quad(lane);
 #pragma unroll
     for (int c = 0; c < 64; c += 16) {
@@ -365,13 +379,24 @@ struct WgmmaTiles {
 #pragma unroll
       for (int i = c; i < c + 16; ++i) {
         const int token = m0 + 8 * (i / 4) + 2 * q + i % 2, channel = n0 + 16 * warp + g + 8 * (i / 2 % 2);
-        y[i - c] = F::out_value(a, acc.d[i], token < a.m ? token : m0, channel);  // past M: computed, not stored
+        y[i - c] = F::out_value(a, acc.d[i], token < a.m ? token : m0, channel);  // past M: staged, not written
       }
 #pragma unroll
       for (int i = c; i < c + 16; ++i) {
-        const int token = m0 + 8 * (i / 4) + 2 * q + i % 2, channel = n0 + 16 * warp + g + 8 * (i / 2 % 2);
-        if (token < a.m) a.out[(size_t)token * a.n + channel] = y[i - c];
+        const int row = 8 * (i / 4) + 2 * q + i % 2, col = 16 * warp + g + 8 * (i / 2 % 2);
+        store_u16(smem + row * OUT_STRIDE + 2 * col, y[i - c]);
       }
+    }
+  }
+
+  // Phase 2 (after a barrier): the staged rows below M to `out`, 16 bytes a thread, a row's 256 bytes contiguous.
+  QK_FN static void write_out(const Args& a, const uint8_t* smem, int m0, int n0, int tid) {
+    for (int c = tid; c < BM * (BN / 8); c += THREADS) {
+      const int row = c / (BN / 8), chunk = c % (BN / 8);
+      if (m0 + row >= a.m) continue;
+      uint32_t w[4];
+      load_u128(smem + row * OUT_STRIDE + 16 * chunk, w);
+      store_u128(a.out + (size_t)(m0 + row) * a.n + n0 + 8 * chunk, w);
     }
   }
 };
@@ -562,9 +587,13 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     wgmma_wait<1>();
   }
   wgmma_wait<0>();
+  cp_async_wait<0>();
 #pragma unroll
   for (int i = 0; i < 64; ++i) fence_operand(acc.d[i]);
-  T::store(args, m0, n0, warp, lane, acc);
+  __syncthreads();  // every warpgroup done with the ring: the outputs are staged where the stages were
+  T::stage_out(args, smem, m0, n0, warp, lane, acc);
+  __syncthreads();
+  T::write_out(args, smem, m0, n0, tid);
 }
 #endif  // QK_WGMMA
 #endif
