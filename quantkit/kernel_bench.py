@@ -12,6 +12,7 @@ shared with the kernel tests.
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -361,6 +362,40 @@ def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) ->
     return {"device": device, "copy_bandwidth_gbps": bandwidth, "rows": [row(r) for r in rows],
             "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
                      for c in checks]}
+
+
+def markdown_bars(report: dict) -> str:
+    """The bars of a `report` (`quantkit bench --json`) as a Markdown table, with the device and how many were
+    met: the README's kernel table."""
+    bars = report["bars"]
+    met = sum(b["met"] for b in bars)
+    lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s: "
+             f"{met} of {len(bars)} bars met.", "",
+             "| N x K | M | kernel | function | time (us) | requirement | measured | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b in bars:
+        lines.append(f"| {b['n']} x {b['k']} | {b['m']} | {b['label']} | `{b['function']}` | "
+                     f"{b['seconds'] * 1e6:.1f} | {b['requirement']} | {b['measured']} | "
+                     f"{'yes' if b['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def markdown_sweep(report: dict) -> str:
+    """From a `--paths all` report: per kernel variant and M, each path's time summed over the shapes, and the
+    fastest path (what the M thresholds between the paths are set from)."""
+    totals: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in report["rows"]:
+        if r["path"] is None:
+            continue
+        variant = r["label"].rsplit(" [", 1)[0]
+        totals[(variant, r["m"])][r["path"]] += r["seconds"]
+    paths = sorted({p for case in totals.values() for p in case})
+    lines = ["| kernel | M | " + " | ".join(f"{p} (us, all shapes)" for p in paths) + " | fastest |",
+             "|---|---|" + "---|" * len(paths) + "---|"]
+    for (variant, m), case in sorted(totals.items()):
+        cells = [f"{case[p] * 1e6:.1f}" if p in case else "-" for p in paths]
+        lines.append(f"| {variant} | {m} | " + " | ".join(cells) + f" | {min(case, key=case.get)} |")
+    return "\n".join(lines)
 
 
 def render_bars(checks: list[Bar], device: str):

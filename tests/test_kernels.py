@@ -601,6 +601,11 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     wgmma = next(r for r in data["rows"] if r["path"] == "wgmma")
     assert wgmma["function"].endswith("_wgmma") and wgmma["seconds"] == 1e-5 and wgmma["format"] in kb.PATHS
     assert {b["met"] for b in data["bars"]} <= {True, False}
+    table = kb.markdown_bars(data)  # bench/kernels_table.py: the README's tables from that file
+    assert table.startswith("test GPU, copy bandwidth 1000000000 GB/s") and table.count("\n| ") == len(checks) + 1
+    sweep = kb.markdown_sweep(data).splitlines()
+    assert any(line.startswith("| QServe W4A8 g128 | 4 |") for line in sweep)
+    assert all(line.count("|") == sweep[0].count("|") for line in sweep)
 
 
 def test_bench_rotates_operands_past_the_l2_cache():

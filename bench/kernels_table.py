@@ -1,0 +1,32 @@
+"""The README's kernel tables from `quantkit bench --json` output (bench/gpu_check.py writes bench.json and
+sweep.json to its --out folder), as Markdown:
+
+1. issue #6's bars, one line per (shape, M, kernel) they apply to, with the device and its copy bandwidth;
+2. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
+   what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from.
+
+    PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--sweep OUT/sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from quantkit.kernel_bench import markdown_bars, markdown_sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bench", type=Path, help="quantkit bench --json output (the default paths)")
+    parser.add_argument("--sweep", type=Path, help="quantkit bench --paths all --json output")
+    args = parser.parse_args()
+    print(markdown_bars(json.loads(args.bench.read_text())))
+    if args.sweep:
+        print()
+        print(markdown_sweep(json.loads(args.sweep.read_text())))
+
+
+if __name__ == "__main__":
+    main()
