@@ -189,9 +189,12 @@ TILES = {
     "atom": Tiles(128, 64, 64, 256, 128 * 64 + 64 * 64 + 4 * 128 + 8 * 64),  # a K step per group of 128 INT4
 }
 # The Hopper path of the W4A8 layouts (qk_common.cuh WgmmaTiles, sm_90a only): the tiled policy's stages rounded up
-# to 1 KiB, five deep, wgmma.mma_async with the weights in registers. Opt-in (`wgmma=True`) until measured on a GPU.
+# to 1 KiB, five deep, wgmma.mma_async with the weights in registers.
 WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024, stages=5, kernel="wgmma",
                       slack=1024) for fmt in ("qserve", "qqq", "liquidquant")}
+# From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel; None: only when
+# asked (`wgmma=True`), until a GPU has measured where it overtakes the others (bench/gpu_check.py's sweep).
+WGMMA_MIN_M: int | None = None
 # From this many tokens on, a launch takes the large-M path where the shape fits it. Not yet tuned on a GPU: the
 # small-M kernels re-read each operand tile from L2 once per 16 tokens, the tiled ones once per 128.
 TILED_MIN_M = 64
@@ -212,10 +215,20 @@ def use_tiles(fmt: str, m: int, n: int, k: int, tiled: bool | None) -> bool:
     return tiles.fits(n, k) and m >= TILED_MIN_M if tiled is None else tiled
 
 
+def use_wgmma(fmt: str, m: int, n: int, k: int, tiled: bool | None, wgmma: bool | None) -> bool:
+    """Whether a W4A8 launch takes the Hopper kernel: `wgmma` if given; with neither it nor `tiled` given, from
+    WGMMA_MIN_M tokens on a Hopper GPU where the shape fits (never while WGMMA_MIN_M is None)."""
+    if wgmma is not None:
+        return wgmma
+    return (tiled is None and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M and WGMMA[fmt].fits(n, k)
+            and hopper_available())
+
+
 def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, out: np.ndarray,
-                   tiled: bool | None, wgmma: bool) -> Launch | None:
-    """The large-M launch of W4A8 layout `fmt` (the Hopper kernel with `wgmma`), or None for the small-M kernel."""
-    if wgmma:
+                   tiled: bool | None, wgmma: bool | None) -> Launch | None:
+    """The large-M launch of W4A8 layout `fmt` (the Hopper kernel per `use_wgmma`), or None for the small-M
+    kernel."""
+    if use_wgmma(fmt, m, n, k, tiled, wgmma):
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
         return WGMMA[fmt].launch(module, args, m, n, out)
@@ -232,10 +245,11 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-                  wgmma: bool = False) -> Launch:
+                  wgmma: bool | None = None) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
     activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path, default
-    split_count's; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel)."""
+    split_count's; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
+    default per use_wgmma)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -258,10 +272,10 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                        t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-                       wgmma: bool = False) -> Launch:
+                       wgmma: bool | None = None) -> Launch:
     """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
     tile splitting K on the small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the
-    Hopper kernel)."""
+    Hopper kernel on or off, default per use_wgmma)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
     n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -278,9 +292,10 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-               wgmma: bool = False) -> Launch:
+               wgmma: bool | None = None) -> Launch:
     """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
-    small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel)."""
+    small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
+    default per use_wgmma)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -386,9 +401,10 @@ LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": q
 
 def gemm(fmt: str, tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
          t_x: np.ndarray | None = None, device: str = "cpu", tiled: bool | None = None,
-         wgmma: bool = False) -> np.ndarray:
+         wgmma: bool | None = None) -> np.ndarray:
     """The W4A8 kernel of layout `fmt` on one linear: fp16 out [M, N] from INT8 activations and their scales
-    (`tiled`: force the large-M path on or off, default from M and the shape; `wgmma`: the Hopper kernel)."""
+    (`tiled`: force the large-M path on or off, default from M and the shape; `wgmma`: the Hopper kernel on or
+    off, default per use_wgmma)."""
     if fmt not in LAUNCHES:
         raise KernelUnavailable(f"no kernel for format {fmt!r} yet (kernels: {', '.join(sorted(LAUNCHES))})")
     return run(LAUNCHES[fmt](tensors, x_int8, s_x, t_x, tiled=tiled, wgmma=wgmma), device).view(np.float16)

@@ -162,6 +162,25 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
         assert t.stage_bytes % 1024 == 0 and t.slack == 1024
 
 
+def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
+    """WGMMA_MIN_M None (until a GPU has measured the kernels): no launch takes a *_wgmma kernel unasked. Set, a
+    launch that names no path takes it on a Hopper GPU from that many tokens, and a named path still wins."""
+    tensors = synthetic("qserve", 128, 256, seed=0, group=128)
+    x, s_x = np.zeros((128, 256), dtype=np.int8), np.ones(128, dtype=np.float32)
+    monkeypatch.setattr(kernels, "hopper_available", lambda: True)
+    assert kernels.qserve_launch(tensors, x, s_x).name == "qserve_w4a8_tiled"
+    monkeypatch.setattr(kernels, "WGMMA_MIN_M", 128)
+    assert kernels.qserve_launch(tensors, x, s_x).name == "qserve_w4a8_wgmma"
+    assert kernels.qserve_launch(tensors, x[:-1], s_x[:-1]).name == "qserve_w4a8_tiled"
+    assert kernels.qserve_launch(tensors, x, s_x, tiled=True).name == "qserve_w4a8_tiled"
+    assert kernels.qserve_launch(tensors, x, s_x, wgmma=False).name == "qserve_w4a8_tiled"
+    monkeypatch.setattr(kernels, "hopper_available", lambda: False)
+    assert kernels.qserve_launch(tensors, x, s_x).name == "qserve_w4a8_tiled"
+    monkeypatch.undo()  # the real hopper_available: QUANTKIT_WGMMA=0 turns the kernels off
+    monkeypatch.setenv("QUANTKIT_WGMMA", "0")
+    assert not kernels.hopper_available()
+
+
 def test_launches_take_the_large_m_path_by_m_and_shape():
     tensors = synthetic("qqq", 128, 256, seed=0)
     x, s_x = np.zeros((kernels.TILED_MIN_M, 256), dtype=np.int8), np.ones(kernels.TILED_MIN_M, dtype=np.float32)
