@@ -349,11 +349,14 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     columns = ["layer", "linear", "int32 exact", "max rel. err (plain)", "max rel. err (outliers)"]
     for column in columns + ([f"kernel = emulation ({where})"] if device else []):
         table.add_column(column, justify="right" if column != "linear" else "left")
-    failures = 0
+    failures, ran = 0, {}
     for linear in packed_linears(output):
         i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
         weight = q.dequantize()
         k = weight.shape[1]
+        if device:
+            for label in kernels.path_labels(fmt, weight.shape[0], k, device):
+                ran[label] = ran.get(label, 0) + 1
         plain = rng.standard_normal((tokens, k)).astype(np.float32)
         heavy = plain.copy()
         heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
@@ -374,6 +377,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
                       *(f"{style}{c.rel_error:.2e}" for c in checks),
                       *([style + ("yes" if same else "NO")] if device else []))
     Console().print(table)
+    if ran:
+        console.print("kernels run against the emulation: " + ", ".join(f"{label} on {count} linear(s)"
+                                                                      for label, count in ran.items()))
     if failures:
         console.print(f"[bold red]{failures} linear(s) do not match their reference[/]")
         sys.exit(1)

@@ -443,6 +443,14 @@ def paths(fmt: str, n: int, k: int, device: str = "cpu") -> tuple[dict[str, bool
     return tuple(found)
 
 
+def path_labels(fmt: str, n: int, k: int, device: str) -> list[str]:
+    """What `matches_emulation` runs for a linear [N, K] of layout `fmt` on `device`, in words."""
+    if fmt == "anyprec":
+        return ["CUDA-core GEMV (bit for bit)", "tensor cores (within anyprec_tc_bound)"]
+    names = {"tiled": "tiled (large-M)", "wgmma": "wgmma (Hopper)"}
+    return [next((names[key] for key, on in path.items() if on), "small-M") for path in paths(fmt, n, k, device)]
+
+
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
                       clip_ratio: float = 1.0) -> bool:
     """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
