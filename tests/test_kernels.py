@@ -601,9 +601,15 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
     monkeypatch.setattr(kb, "l2_bytes", lambda: 1 << 20)
     monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 1e-5)
+    graphs = []  # short kernels are timed again in CUDA graphs that cover every operand copy
+    monkeypatch.setattr(kb, "graph_time", lambda fn, calls, replays, torch_graph=False:
+                        graphs.append((calls, fn.copies, torch_graph)) or 0.8e-5)
     monkeypatch.setattr(kb, "baselines", lambda m, n, k, warmup, iters: [kb.Row(n, k, m, kb.FP16, 4e-5, 1)])
     rows = kb.run_bench(kb.shape_cases(((256, 640),), kb.with_paths(kb.VARIANTS)), ms=(4, 64))
     ran = {(r.label, r.m): r.kernel for r in rows}
+    assert all(r.seconds == 0.8e-5 and r.launch_seconds == 1e-5 for r in rows if r.variant is not None)
+    assert graphs and all(calls >= max(copies, 10) for calls, copies, _ in graphs)  # >= 100 us of 10-us calls
+    assert {torch_graph for _, _, torch_graph in graphs} == {False}  # the baselines are stubbed here
     assert ran[("QServe W4A8 g128 [tiled]", 4)] == "qserve_w4a8_tiled"
     assert ran[("QServe W4A8 g128 [small-M]", 64)] == "qserve_w4a8_gemm"
     assert ran[("LiquidQuant W4A8 g64 [wgmma]", 64)] == "liquidquant_w4a8_wgmma"
@@ -618,13 +624,38 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     data = json.loads(json.dumps(kb.report(rows, checks, 1e9, "test GPU")))  # `quantkit bench --json`
     assert data["device"] == "test GPU" and len(data["rows"]) == len(rows) and len(data["bars"]) == len(checks)
     wgmma = next(r for r in data["rows"] if r["path"] == "wgmma")
-    assert wgmma["function"].endswith("_wgmma") and wgmma["seconds"] == 1e-5 and wgmma["format"] in kb.PATHS
+    assert wgmma["function"].endswith("_wgmma") and (wgmma["seconds"], wgmma["launch_seconds"]) == (0.8e-5, 1e-5)
+    assert wgmma["format"] in kb.PATHS
     assert {b["met"] for b in data["bars"]} <= {True, False}
     table = kb.markdown_bars(data)  # bench/kernels_table.py: the README's tables from that file
     assert table.startswith("test GPU, copy bandwidth 1000000000 GB/s") and table.count("\n| ") == len(checks) + 1
     sweep = kb.markdown_sweep(data).splitlines()
     assert any(line.startswith("| QServe W4A8 g128 | 4 |") for line in sweep)
     assert all(line.count("|") == sweep[0].count("|") for line in sweep)
+
+
+def test_bench_replays_short_kernels_in_cuda_graphs(monkeypatch):
+    """A single launch's event time carries microseconds of launch overhead, as much as a decode GEMM takes: below
+    GRAPH_BELOW a kernel is timed per call in CUDA-graph replays covering every operand copy; a long kernel, or one
+    that cannot be captured, by its single launches."""
+    from quantkit import kernel_bench as kb
+
+    asked = []
+    monkeypatch.setattr(kb, "graph_time", lambda fn, calls, replays, torch_graph=False: asked.append(calls) or 3e-6)
+
+    def call():
+        pass
+
+    call.copies = 40
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 5e-6)
+    assert kb.timing(call, 1, 8) == (3e-6, 5e-6) and asked == [40]  # 20 calls make 100 us; 40 copies to cover
+    call.copies = 1
+    assert kb.timing(call, 1, 8) == (3e-6, 5e-6) and asked[-1] == 20
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 2e-4)
+    assert kb.timing(call, 1, 8) == (2e-4, 2e-4) and len(asked) == 2  # long enough alone
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 5e-6)
+    monkeypatch.setattr(kb, "graph_time", lambda fn, calls, replays, torch_graph=False: None)
+    assert kb.timing(call, 1, 8) == (5e-6, 5e-6)  # capture failed: single launches
 
 
 def test_bench_rotates_operands_past_the_l2_cache():
