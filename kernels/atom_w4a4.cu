@@ -7,9 +7,14 @@
 // Activations arrive as the producing kernel leaves them: reordered by `reorder_index`, the normal columns as
 // two's-complement INT4 (even column in the low nibble) [M, (K - 128) / 2], the outliers INT8 [M, 128], and the
 // per-(token, group) scales s_x [M, G + 1]. The activations are the MMA's A operand (16 tokens), the weights its
-// B operand read straight from `weight_int4` / `weight_int8` rows (a lane's B register is 4 consecutive bytes of
-// one output channel). One warp computes 16 tokens x 16 channels; grid (N / 16, ceil(M / 16)). A straightforward
-// correct kernel (no shared-memory staging yet); quantkit's warp simulator runs the same functions.
+// B operand read straight from `weight_int4` / `weight_int8` rows. One warp computes 16 tokens x 16 channels;
+// grid (N / 16, ceil(M / 16)). A group's product is an exact integer sum, so the MMAs may take its columns in any
+// order that A and B share: lane (g, q) takes columns 32 q .. 32 q + 31 of the group for every row it serves, one
+// 16-byte load per row (32 bytes for the INT8 outliers), and feeds its registers 2 s and 2 s + 1 to MMA step s.
+// For small M the block holds `splits` copies of the warp: in each round copy c takes group r splits + c, and
+// copy 0 scales the round's int32 products into its float32 sums in group order (the others hand theirs over in
+// shared memory), so the bits equal one warp walking every group. quantkit's warp simulator runs the same
+// functions.
 #include "qk_common.cuh"
 
 namespace qk {
@@ -28,46 +33,43 @@ struct AtomArgs {
 
 constexpr int ATOM_GROUP = 128, ATOM_OUTLIERS = 128;
 
-QK_FN uint32_t load_word(const uint8_t* p) {
-  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-
 // Row r's scale in Atom's fragment layout (the first of its four copies).
 QK_FN int atom_scale_slot(int r) { return (r / 16) * 64 + (r % 8) * 8 + (r / 8) % 2; }
 
-// INT4 A fragment of MMA `step` (k 64 step ..) inside group g: rows g0 = group, g0 + 8; k 8 q .. 8 q + 7 and + 32.
-QK_FN void load_a4(const AtomArgs& a, int mt, int g, int step, int lane, uint32_t frag[4]) {
-  const int row_bytes = (a.k - ATOM_OUTLIERS) / 2, q = frag_quad(lane);
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * mt + frag_group(lane) + 8 * (i & 1);
-    const int col = ATOM_GROUP * g + 64 * step + 32 * (i >> 1) + 8 * q;  // in codes; 2 per byte
-    frag[i] = row < a.m ? load_word(a.x4 + (size_t)row * row_bytes + col / 2) : 0u;
+// Lane (g, q)'s bytes of group gi (gi < G: its INT4 codes; gi == G: the 128 INT8 outliers), columns 32 q .. 32 q + 31
+// of the group, for the rows it serves: tokens 16 mt + g and + 8 (x[0], x[1]; zero past M) and channels
+// 16 nt + 8 nb + g (w[nb]). INT4: 16 bytes a row (registers 0-3), INT8: 32 (registers 0-7).
+struct AtomLane {
+  uint32_t x[2][8], w[2][8];
+};
+
+QK_FN void load_group(const AtomArgs& a, int mt, int nt, int gi, int lane, AtomLane& r) {
+  const int groups = (a.k - ATOM_OUTLIERS) / ATOM_GROUP, q = frag_quad(lane), g = frag_group(lane);
+  const bool int4 = gi < groups;
+  const size_t row_bytes = int4 ? (size_t)(a.k - ATOM_OUTLIERS) / 2 : ATOM_OUTLIERS;
+  const size_t col = int4 ? (size_t)ATOM_GROUP / 2 * gi + 16 * q : 32 * q;
+  const uint8_t* xs = int4 ? a.x4 : reinterpret_cast<const uint8_t*>(a.x8);
+  const uint8_t* ws = int4 ? a.w4 : reinterpret_cast<const uint8_t*>(a.w8);
+  for (int h = 0; h < 2; ++h) {
+    const int token = 16 * mt + g + 8 * h;
+    for (int c = 0; c < (int4 ? 1 : 2); ++c) {
+      if (token < a.m) load_u128(xs + (size_t)token * row_bytes + col + 16 * c, r.x[h] + 4 * c);
+      else r.x[h][4 * c] = r.x[h][4 * c + 1] = r.x[h][4 * c + 2] = r.x[h][4 * c + 3] = 0u;
+      load_u128(ws + (size_t)(16 * nt + 8 * h + g) * row_bytes + col + 16 * c, r.w[h] + 4 * c);
+    }
   }
 }
 
-// INT4 B fragment: output channel 16 nt + 8 nb + group, k 8 q .. 8 q + 7 (register 0) and + 32 (register 1).
-QK_FN void load_b4(const AtomArgs& a, int nt, int nb, int g, int step, int lane, uint32_t frag[2]) {
-  const int row_bytes = (a.k - ATOM_OUTLIERS) / 2;
-  const int channel = 16 * nt + 8 * nb + frag_group(lane);
-  for (int i = 0; i < 2; ++i) {
-    const int col = ATOM_GROUP * g + 64 * step + 32 * i + 8 * frag_quad(lane);
-    frag[i] = load_word(a.w4 + (size_t)channel * row_bytes + col / 2);
-  }
-}
-
-// INT8 A fragment of the outliers' MMA `step` (k 32 step ..): rows group, group + 8; k 4 q .. and 16 + 4 q ...
-QK_FN void load_a8(const AtomArgs& a, int mt, int step, int lane, uint32_t frag[4]) {
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * mt + frag_group(lane) + 8 * (i & 1), col = 32 * step + 16 * (i >> 1) + 4 * frag_quad(lane);
-    frag[i] = row < a.m ? load_word(reinterpret_cast<const uint8_t*>(a.x8) + (size_t)row * ATOM_OUTLIERS + col) : 0u;
-  }
-}
-
-QK_FN void load_b8(const AtomArgs& a, int nt, int nb, int step, int lane, uint32_t frag[2]) {
-  const int channel = 16 * nt + 8 * nb + frag_group(lane);
-  for (int i = 0; i < 2; ++i) {
-    const int col = 32 * step + 16 * i + 4 * frag_quad(lane);
-    frag[i] = load_word(reinterpret_cast<const uint8_t*>(a.w8) + (size_t)channel * ATOM_OUTLIERS + col);
+// MMA step s's fragments from those registers: A {x0[2s], x1[2s], x0[2s+1], x1[2s+1]} (rows g, g + 8; k halves),
+// B of n8 block nb {w[nb][2s], w[nb][2s+1]}. Steps 0-1 (INT4 mma.m16n8k64) or 0-3 (INT8 mma.m16n8k32).
+QK_FN void step_fragments(const AtomLane& r, int s, uint32_t fa[4], uint32_t fb[2][2]) {
+  fa[0] = r.x[0][2 * s];
+  fa[1] = r.x[1][2 * s];
+  fa[2] = r.x[0][2 * s + 1];
+  fa[3] = r.x[1][2 * s + 1];
+  for (int nb = 0; nb < 2; ++nb) {
+    fb[nb][0] = r.w[nb][2 * s];
+    fb[nb][1] = r.w[nb][2 * s + 1];
   }
 }
 
@@ -206,33 +208,59 @@ struct AtomTiled {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 16, ceil(M / 16)), block 32.
+// Warp's int32 products of group gi for its 16 tokens x 16 channels: partial[nb] of n8 block nb.
+__device__ __forceinline__ void atom_group_products(const qk::AtomArgs& a, int mt, int nt, int gi, int lane,
+                                                    int32_t partial[2][4]) {
+  qk::AtomLane r;
+  qk::load_group(a, mt, nt, gi, lane, r);
+  const bool int4 = gi < (a.k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    if (int4 && s >= 2) break;
+    uint32_t fa[4], fb[2][2];
+    qk::step_fragments(r, s, fa, fb);
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      if (int4) mma_s4(partial[nb], fa, fb[nb]);
+      else mma_s8(partial[nb], fa, fb[nb]);
+    }
+  }
+}
+
+// grid (N / 16, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) KiB: copy c of the warp takes
+// groups c, c + splits, ...; per round, copy 0 folds the round's products in group order.
 extern "C" __global__ void atom_w4a4_gemm(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
                                           const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
-                                          qk_half* out, int m, int n, int k) {
+                                          qk_half* out, int m, int n, int k, int splits) {
   const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
-  const int lane = threadIdx.x, nt = blockIdx.x, mt = blockIdx.y;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   const int groups = (k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
+  extern __shared__ int32_t qk_partials[];
   float acc_f[2][4] = {};
-  for (int g = 0; g <= groups; ++g) {
+  for (int g0 = 0; g0 <= groups; g0 += splits) {
     int32_t partial[2][4] = {};
-    for (int step = 0; step < (g < groups ? 2 : 4); ++step) {
-      uint32_t fa[4];
-      if (g < groups) qk::load_a4(args, mt, g, step, lane, fa); else qk::load_a8(args, mt, step, lane, fa);
-      for (int nb = 0; nb < 2; ++nb) {
-        uint32_t fb[2];
-        if (g < groups) {
-          qk::load_b4(args, nt, nb, g, step, lane, fb);
-          mma_s4(partial[nb], fa, fb);
-        } else {
-          qk::load_b8(args, nt, nb, step, lane, fb);
-          mma_s8(partial[nb], fa, fb);
-        }
+    if (g0 + copy <= groups) atom_group_products(args, mt, nt, g0 + copy, lane, partial);
+    if (splits > 1) {
+      if (copy > 0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) qk_partials[qk::splitk_slot(copy, j, lane, 8, 32)] = partial[j / 4][j % 4];
+      }
+      __syncthreads();
+    }
+    if (copy == 0) {
+      for (int c = 0; c < splits && g0 + c <= groups; ++c) {
+        int32_t mine[2][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          mine[j / 4][j % 4] = c == 0 ? partial[j / 4][j % 4] : qk_partials[qk::splitk_slot(c, j, lane, 8, 32)];
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) qk::fold(args, mt, nt, nb, g0 + c, lane, mine[nb], acc_f[nb]);
       }
     }
-    for (int nb = 0; nb < 2; ++nb) qk::fold(args, mt, nt, nb, g, lane, partial[nb], acc_f[nb]);
+    if (splits > 1) __syncthreads();  // the slots are refilled next round
   }
-  for (int nb = 0; nb < 2; ++nb) qk::store(args, mt, nt, nb, lane, acc_f[nb]);
+  if (copy == 0)
+    for (int nb = 0; nb < 2; ++nb) qk::store(args, mt, nt, nb, lane, acc_f[nb]);
 }
 
 // The large-M path: grid (N / 64, ceil(M / 128)), block 256, dynamic shared memory 4 stages of

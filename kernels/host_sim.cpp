@@ -500,34 +500,51 @@ extern "C" void qqq_w4a8_tiled_host(const int8_t* x, const float* s_x, const uin
   });
 }
 
-// The host twin of atom_w4a4_gemm.
+// One warp's int32 products of Atom group gi (16 tokens x 16 channels), from its lanes' loads and fragments.
+void atom_group_products_host(const qk::AtomArgs& a, int mt, int nt, int gi, int32_t partial[2][32][4]) {
+  static thread_local qk::AtomLane r[32];
+  for (int lane = 0; lane < 32; ++lane) qk::load_group(a, mt, nt, gi, lane, r[lane]);
+  const bool int4 = gi < (a.k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
+  for (int s = 0; s < (int4 ? 2 : 4); ++s) {
+    uint32_t fa[32][4], fb[2][32][2], b[2][2];
+    for (int lane = 0; lane < 32; ++lane) {
+      qk::step_fragments(r[lane], s, fa[lane], b);
+      for (int nb = 0; nb < 2; ++nb) std::memcpy(fb[nb][lane], b[nb], sizeof(b[nb]));
+    }
+    for (int nb = 0; nb < 2; ++nb) {
+      if (int4) mma_warp_s4(partial[nb], fa, fb[nb]); else mma_warp(partial[nb], fa, fb[nb]);
+    }
+  }
+}
+
+// The host twin of atom_w4a4_gemm: per round, each copy of the warp its group's products, the others' handed to
+// copy 0 through the partial-sum slots, which it folds in group order.
 extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
                                     const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
-                                    qk_half* out, int m, int n, int k) {
+                                    qk_half* out, int m, int n, int k, int splits) {
   const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
   const int groups = (k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
-  static thread_local int32_t partial[2][32][4];
-  static thread_local float acc_f[2][32][4];
-  uint32_t fa[32][4], fb[32][2];
+  std::vector<int32_t> slots((size_t)splits * 8 * 32), products((size_t)splits * 2 * 32 * 4);
+  auto of = [&](int copy) { return reinterpret_cast<int32_t(*)[32][4]>(&products[(size_t)copy * 2 * 32 * 4]); };
   for (int nt = 0; nt < n / 16; ++nt) {
     for (int mt = 0; mt < (m + 15) / 16; ++mt) {
-      std::memset(acc_f, 0, sizeof(acc_f));
-      for (int g = 0; g <= groups; ++g) {
-        std::memset(partial, 0, sizeof(partial));
-        for (int step = 0; step < (g < groups ? 2 : 4); ++step) {
+      float acc_f[2][32][4] = {};
+      for (int g0 = 0; g0 <= groups; g0 += splits) {
+        std::fill(products.begin(), products.end(), 0);
+        for (int copy = 0; copy < splits; ++copy) {
+          if (g0 + copy <= groups) atom_group_products_host(args, mt, nt, g0 + copy, of(copy));
+          if (copy > 0)
+            for (int lane = 0; lane < 32; ++lane)
+              for (int j = 0; j < 8; ++j) slots[qk::splitk_slot(copy, j, lane, 8, 32)] = of(copy)[j / 4][lane][j % 4];
+        }
+        for (int c = 0; c < splits && g0 + c <= groups; ++c) {
           for (int lane = 0; lane < 32; ++lane) {
-            if (g < groups) qk::load_a4(args, mt, g, step, lane, fa[lane]); else qk::load_a8(args, mt, step, lane, fa[lane]);
-          }
-          for (int nb = 0; nb < 2; ++nb) {
-            for (int lane = 0; lane < 32; ++lane) {
-              if (g < groups) qk::load_b4(args, nt, nb, g, step, lane, fb[lane]);
-              else qk::load_b8(args, nt, nb, step, lane, fb[lane]);
-            }
-            if (g < groups) mma_warp_s4(partial[nb], fa, fb); else mma_warp(partial[nb], fa, fb);
+            int32_t mine[2][4];
+            for (int j = 0; j < 8; ++j)
+              mine[j / 4][j % 4] = c == 0 ? of(0)[j / 4][lane][j % 4] : slots[qk::splitk_slot(c, j, lane, 8, 32)];
+            for (int nb = 0; nb < 2; ++nb) qk::fold(args, mt, nt, nb, g0 + c, lane, mine[nb], acc_f[nb][lane]);
           }
         }
-        for (int nb = 0; nb < 2; ++nb)
-          for (int lane = 0; lane < 32; ++lane) qk::fold(args, mt, nt, nb, g, lane, partial[nb][lane], acc_f[nb][lane]);
       }
       for (int nb = 0; nb < 2; ++nb)
         for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc_f[nb][lane]);

@@ -141,13 +141,14 @@ SPLITK_MIN_STEPS = 8
 SPLITK_MAX_SHARED = 48 * 1024
 
 
-def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16) -> int:
+def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16,
+                min_steps: int = SPLITK_MIN_STEPS) -> int:
     """How many copies of a tile's warps split its K steps (a power of two): enough that the grid's `blocks` fill
-    the GPU when the output tiles alone are too few (small M), each copy walking at least SPLITK_MIN_STEPS steps,
-    the other copies' partial sums (`partial_bytes` each) fitting in SPLITK_MAX_SHARED."""
+    the GPU when the output tiles alone are too few (small M), each copy walking at least `min_steps` steps, the
+    other copies' partial sums (`partial_bytes` each) fitting in SPLITK_MAX_SHARED."""
     splits = 1
     while (2 * splits <= max_splits and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
-           and steps // (2 * splits) >= SPLITK_MIN_STEPS and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED):
+           and steps // (2 * splits) >= min_steps and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED):
         splits *= 2
     return splits
 
@@ -311,11 +312,12 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
 
 
-def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None
-                ) -> Launch:
+def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,
+                splits: int | None = None) -> Launch:
     """kernels/atom_w4a4.cu on one linear's stored tensors, from the activations as the producing kernel leaves
     them: codes [M, K] in `reorder_index` order (INT4 normal columns, INT8 outliers last) and scales [M, G + 1]
-    (`tiled`: the large-M kernel, default from M and N)."""
+    (`tiled`: the large-M kernel, default from M and N; `splits`: copies of the small-M warp taking turns at the
+    groups, default split_count's)."""
     from quantkit.formats.atom import OUTLIERS
 
     x_codes = np.asarray(x_codes, dtype=np.int64)
@@ -329,13 +331,18 @@ def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.n
             _half_bits(tensors["scale_int8"]), out, m, n, k]
     if use_tiles("atom", m, n, k, tiled):
         return TILES["atom"].launch("atom_w4a4", args, m, n, out)
-    return Launch("atom_w4a4", "atom_w4a4_gemm", args, (n // 16, -(-m // 16)), 32, out)
+    grid, partial_bytes = (n // 16, -(-m // 16)), 32 * 8 * 4  # one warp's 8 products per lane
+    # a K step here is a whole group of 128 columns (2 or 4 MMAs): two per copy are enough
+    splits = splits or split_count(grid[0] * grid[1], 1, (k - OUTLIERS) // 128 + 1, partial_bytes, min_steps=2)
+    return Launch("atom_w4a4", "atom_w4a4_gemm", [*args, splits], grid, 32 * splits, out,
+                  (splits - 1) * partial_bytes)
 
 
 def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, device: str = "cpu",
-              tiled: bool | None = None) -> np.ndarray:
-    """Atom's W4A4 kernel on one linear: fp16 out [M, N] (`tiled`: force the large-M kernel on or off)."""
-    return run(atom_launch(tensors, x_codes, s_x, tiled), device).view(np.float16)
+              tiled: bool | None = None, splits: int | None = None) -> np.ndarray:
+    """Atom's W4A4 kernel on one linear: fp16 out [M, N] (`tiled`: force the large-M kernel on or off; `splits`:
+    the small-M kernel's copies)."""
+    return run(atom_launch(tensors, x_codes, s_x, tiled, splits), device).view(np.float16)
 
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp

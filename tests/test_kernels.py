@@ -262,6 +262,37 @@ def test_atom_kernel_matches_the_emulation(m, n, groups):
 
 
 @needs_compiler
+@pytest.mark.parametrize("groups", [1, 4, 6])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_atom_split_groups_match_the_emulation(groups, splits):
+    """Copies of the small-M warp taking turns at the groups (16-byte loads of columns 32 q .. of each group, in an
+    order the MMAs' A and B share), copy 0 folding each round's products in group order: the emulation's bits,
+    with rounds that end part-way (group counts plus the outliers that no split count divides)."""
+    from quantkit.emulate import emulate_atom
+
+    m, n, k = 7, 32, 128 * groups + 128
+    tensors = synthetic("atom", n, k, seed=groups + splits)
+    x = activations(m, k, seed=splits)
+    reference = emulate_atom(tensors, x, 4, 0.9)
+    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=False, splits=splits)
+    assert launch.block == 32 * splits and launch.shared_mem == (splits - 1) * 1024
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_atom_splits_fill_the_gpu_for_decode():
+    """A decode launch of an Llama-3-8B-sized Atom linear gets enough warps to keep the memory system busy: about
+    SPLITK_WARPS, each copy taking at least two groups."""
+    n, k = 4096, 4096
+    tensors = {"weight_int4": torch.zeros((n, (k - 128) // 2), dtype=torch.uint8),
+               "weight_int8": torch.zeros((n, 128), dtype=torch.int8),
+               "scale_int4": torch.zeros((31, 4 * n), dtype=torch.float16),
+               "scale_int8": torch.zeros(4 * n, dtype=torch.float16)}
+    launch = kernels.atom_launch(tensors, np.zeros((1, k), dtype=np.int64), np.ones((1, 32), dtype=np.float32))
+    assert launch.name == "atom_w4a4_gemm" and launch.grid == (256, 1) and launch.block == 32 * 8
+    assert launch.grid[0] * launch.block // 32 == kernels.SPLITK_WARPS
+
+
+@needs_compiler
 @pytest.mark.parametrize("m,k", [(1, 96), (3, 1024), (9, 2080), (2, 576)])
 def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
     from quantkit.emulate import emulate_anyprec
