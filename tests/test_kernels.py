@@ -490,14 +490,14 @@ def test_qqq_gpu_kernel_matches_the_emulation(grouped):
 
 
 @needs_gpu
-@pytest.mark.parametrize("tiled", [False, True])
-def test_atom_gpu_kernel_matches_the_emulation(tiled):
+@pytest.mark.parametrize(("tiled", "splits"), [(False, 1), (False, 3), (True, None)])
+def test_atom_gpu_kernel_matches_the_emulation(tiled, splits):
     from quantkit.emulate import emulate_atom
 
     tensors = synthetic("atom", 192, 128 * 6 + 128, seed=1)
     x = activations(300 if tiled else 20, 128 * 6 + 128, seed=6)
     reference = emulate_atom(tensors, x, 4, 0.9)
-    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda", tiled=tiled)
+    out = kernels.atom_gemm(tensors, reference.x_codes, reference.s_x, device="cuda", tiled=tiled, splits=splits)
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
