@@ -22,6 +22,9 @@ VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
     "GPTQ (act-order off)": ["--recipe", "gptq-w4a16-g128", "--set", "passes.gptq.act_order=false"],
     "GPTQ (static act-order)": ["--recipe", "gptq-w4a16-g128"],
+    # the diagnostic row: GPTQ as llm-compressor runs it, without the attention-sink weighting
+    "plain GPTQ (act-order off)": ["--recipe", "gptq-w4a16-g128", "--set", "passes.gptq.act_order=false",
+                                   "--set", "calibration.sink_weight=null"],
 }
 
 

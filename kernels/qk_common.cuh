@@ -563,7 +563,11 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   const uint32_t base = raw + pad;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = T::steps(args);
   const int n0 = T::BN * blockIdx.x, m0 = T::BM * blockIdx.y;
-  typename T::Acc acc;  // the first wgmma starts the sums (K >= BK: a launch has at least one step)
+  // The first wgmma starts the sums (K >= BK: a launch has at least one step), so the accumulators are only
+  // declared written here, by no instruction: zeroing them would make ptxas serialize the wgmmas.
+  typename T::Acc acc;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "=r"(acc.d[i]));
 #pragma unroll
   for (int s = 0; s < T::STAGES - 2; ++s) {
     if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
