@@ -279,6 +279,33 @@ def test_atom_split_groups_match_the_emulation(groups, splits):
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
+@needs_compiler
+def test_atom_split_groups_fold_in_group_order():
+    """Groups 0 and 1 contribute +H and -H exactly, group 2 a small t: in group order the sum is t, in any other
+    order of the round t is lost against H. Copies 0-2 of the warp take one group each, so only copy 0 folding
+    them in order gives the emulation's output."""
+    from quantkit.emulate import emulate_atom_quantized
+
+    m, n, k = 5, 16, 128 * 3 + 128
+    tensors = synthetic("atom", n, k, seed=7)
+    w4 = tensors["weight_int4"].clone()
+    w4[:, 64:128] = w4[:, 0:64]  # group 1's weights are group 0's, with its scales
+    tensors["weight_int4"] = w4
+    scales = tensors["scale_int4"].clone()
+    scales[1] = scales[0]
+    tensors["scale_int4"] = scales
+    rng = np.random.default_rng(0)
+    codes = np.zeros((m, k), dtype=np.int64)
+    codes[:, :128] = rng.integers(-7, 8, (m, 128))
+    codes[:, 128:256] = -codes[:, :128]
+    codes[:, 256:384] = rng.integers(-7, 8, (m, 128))
+    s_x = np.array([[4096.0, 4096.0, 1e-3, 1.0]] * m, dtype=np.float32)
+    reference = emulate_atom_quantized(tensors, codes, s_x)
+    assert np.abs(reference.out.astype(np.float32)).max() < 1.0  # t survived: H cancelled before it was added
+    launch = kernels.atom_launch(tensors, codes, s_x, tiled=False, splits=3)
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
 def test_atom_splits_fill_the_gpu_for_decode():
     """A decode launch of an Llama-3-8B-sized Atom linear gets enough warps to keep the memory system busy: about
     SPLITK_WARPS, each copy taking at least two groups."""
