@@ -131,6 +131,7 @@ def quantize_cached(model: Path, out: Path, *args: str) -> float:
     if journal.exists() and started.exists() and json.loads(started.read_text()) == key:
         earlier = sum(layer["seconds"] for layer in json.loads(journal.read_text())["layers"].values())
         cmd = [a for a in cmd if a != "--overwrite"] + ["--resume"]
+    started.parent.mkdir(parents=True, exist_ok=True)  # a first run of a row: its folder under --work is new
     started.write_text(json.dumps(key))
     wall = earlier + quantkit(*cmd)
     stamp.write_text(json.dumps({**key, "wall": wall, "resumed": earlier > 0}))
