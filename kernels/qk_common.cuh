@@ -588,7 +588,11 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     for (int kk = 0; kk < T::BK / 32; ++kk)
       wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
     wgmma_commit();
-    wgmma_wait<1>();
+    // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
+    // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
+    // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
+    // simulator cannot show). Overlap comes from the SM's other warpgroups instead.
+    wgmma_wait<0>();
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

@@ -193,9 +193,11 @@ TILES = {
 # to 1 KiB, five deep, wgmma.mma_async with the weights in registers.
 WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024, stages=5, kernel="wgmma",
                       slack=1024) for fmt in ("qserve", "qqq", "liquidquant")}
-# From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel; None: only when
-# asked (`wgmma=True`), until a GPU has measured where it overtakes the others (bench/gpu_check.py's sweep).
-WGMMA_MIN_M: int | None = None
+# From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
+# asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
+# M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
+# kernel from TILED_MIN_M, itself not yet tuned.
+WGMMA_MIN_M: int | None = 64
 # From this many tokens on, a launch takes the large-M path where the shape fits it. Not yet tuned on a GPU: the
 # small-M kernels re-read each operand tile from L2 once per 16 tokens, the tiled ones once per 128.
 TILED_MIN_M = 64

@@ -163,11 +163,12 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
 
 
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
-    """WGMMA_MIN_M None (until a GPU has measured the kernels): no launch takes a *_wgmma kernel unasked. Set, a
-    launch that names no path takes it on a Hopper GPU from that many tokens, and a named path still wins."""
+    """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
+    Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
     tensors = synthetic("qserve", 128, 256, seed=0, group=128)
     x, s_x = np.zeros((128, 256), dtype=np.int8), np.ones(128, dtype=np.float32)
     monkeypatch.setattr(kernels, "hopper_available", lambda: True)
+    monkeypatch.setattr(kernels, "WGMMA_MIN_M", None)
     assert kernels.qserve_launch(tensors, x, s_x).name == "qserve_w4a8_tiled"
     monkeypatch.setattr(kernels, "WGMMA_MIN_M", 128)
     assert kernels.qserve_launch(tensors, x, s_x).name == "qserve_w4a8_wgmma"
@@ -181,7 +182,8 @@ def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch
     assert not kernels.hopper_available()
 
 
-def test_launches_take_the_large_m_path_by_m_and_shape():
+def test_launches_take_the_large_m_path_by_m_and_shape(monkeypatch):
+    monkeypatch.setattr(kernels, "hopper_available", lambda: False)  # the same on a Hopper GPU, with wgmma for tiled
     tensors = synthetic("qqq", 128, 256, seed=0)
     x, s_x = np.zeros((kernels.TILED_MIN_M, 256), dtype=np.int8), np.ones(kernels.TILED_MIN_M, dtype=np.float32)
     assert kernels.qqq_launch(tensors, x, s_x).name == "qqq_w4a8_tiled"
