@@ -5,16 +5,18 @@
    kernels' tests (-m hopper) run first in a process of their own: if they fail, every later step runs with
    QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky CUDA error ends the process's context) costs none of
    the other kernels' results. With --kernel sim, the kernel tests of tests/test_kernels.py instead.
-2. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
+2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
+   right after the tests, so that a short lease still brings the bars back).
+3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
-3. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-Logs go to --out (the device tool's $OUT); a table of the steps' exit codes is printed last. Each step has a time
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json and sweep.json, three files: the tool
+brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
 limit (a hung kernel ends its step with exit code 124, not the whole run). On a machine without a GPU,
-`--kernel sim` runs steps 1-2 with the warp simulator, which checks the script itself.
+`--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench] [--skip-sweep]
 """
@@ -35,12 +37,13 @@ RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anypre
 
 def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, float]], limit: float = 300,
          env: dict[str, str] | None = None) -> int:
-    """Run `cmd` from the repository root, its output to OUT/NAME.log and to the console, for at most `limit`
-    seconds (then killed: exit code 124); record its exit code."""
+    """Run `cmd` from the repository root, its output appended to OUT/gpu_check.log and to the console, for at
+    most `limit` seconds (then killed: exit code 124); record its exit code."""
     print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    with open(out / f"{name}.log", "w") as log:
+    with open(out / "gpu_check.log", "a") as log:  # one file: the device tool brings back at most 8
+        log.write(f"\n=== {name}: {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         timer = threading.Timer(limit, proc.kill)
         timer.start()
