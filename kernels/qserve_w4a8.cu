@@ -127,15 +127,21 @@ struct QServeTiled {
     return ldsm_a_row<BK>(64 * (warp / WARPS_N) + 16 * i, 2 * kk, lane);
   }
 
-  // The lane's B fragments of k tile kk of the stage: its 16 bytes of weight tile wn, unpacked.
-  QK_FN static void load_b(const QServeArgs& a, const uint8_t* stage, int warp, int kk, int lane, uint32_t fb[4][2]) {
-    const int wn = warp % WARPS_N;
-    uint32_t w[4], s = 0, z = 0;
-    load_u128(stage + W_OFF + (wn * (BK / 32) + kk) * 512 + 16 * lane, w);
+  // The lane's 16 bytes of weight tile nt at k tile kk of the stage, and per group its s2 and -(z * s2) words.
+  QK_FN static void load_raw(const QServeArgs& a, const uint8_t* stage, int nt, int kk, int lane, uint32_t w[4],
+                             uint32_t& s, uint32_t& z) {
+    load_u128(stage + W_OFF + (nt * (BK / 32) + kk) * 512 + 16 * lane, w);
+    s = z = 0;
     if (a.s2 != nullptr) {
-      const uint8_t* p = stage + P_OFF + kk * BN + 32 * wn;
+      const uint8_t* p = stage + P_OFF + kk * BN + 32 * nt;
       group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + P_BYTES), lane, s, z);
     }
+  }
+
+  // The lane's B fragments of k tile kk of the stage: its 16 bytes of weight tile wn, unpacked.
+  QK_FN static void load_b(const QServeArgs& a, const uint8_t* stage, int warp, int kk, int lane, uint32_t fb[4][2]) {
+    uint32_t w[4], s, z;
+    load_raw(a, stage, warp % WARPS_N, kk, lane, w, s, z);
     unpack_b(a, w, s, z, fb);
   }
 
@@ -175,13 +181,8 @@ struct QServeWgmma {
   QK_FN static void load_a(const QServeArgs& a, const uint8_t* stage, int warp, int lane, uint32_t fa[2][4]) {
     const int nt = warp / 2, h = warp % 2;
     for (int kk = 0; kk < 2; ++kk) {
-      uint32_t w[4], s = 0, z = 0;
-      load_u128(stage + Tiled::W_OFF + (nt * 2 + kk) * 512 + 16 * lane, w);
-      if (a.s2 != nullptr) {
-        const uint8_t* p = stage + Tiled::P_OFF + kk * Tiled::BN + 32 * nt;
-        group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + Tiled::P_BYTES), lane,
-                        s, z);
-      }
+      uint32_t w[4], s, z;
+      Tiled::load_raw(a, stage, nt, kk, lane, w, s, z);
       for (int b = 0; b < 2; ++b)    // channel g + 8 b: registers a_b (k 4q..) and a_{2+b} (k 16 + 4q..)
         for (int p = 0; p < 2; ++p)  // word 2 p + b, byte lane 2 h + b of the group parameters (unpack_b's order)
           fa[kk][2 * p + b] = unpack_half(a, w[2 * p + b], s, z, h, b);
