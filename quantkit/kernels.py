@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.files import atomic_write, atomic_write_with
 from quantkit.models.source import default_cache_dir
 from quantkit.resources import data_path
 
@@ -50,20 +51,26 @@ def host_library() -> ctypes.CDLL:
     if compiler is None:
         raise KernelUnavailable("the warp simulator needs a C++ compiler (g++ or c++) on PATH")
     src = source_dir()
-    sources = sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".cpp"))
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
-    lib = default_cache_dir() / "kernels" / f"libqk_host-{digest}.so"
+    lib = _built("libqk_host", ".so", (".cu", ".cuh", ".cpp"))
     if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", str(src / "host_sim.cpp"),
-               "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"building the warp simulator failed:\n{done.stderr[-2000:]}")
-        tmp.replace(lib)
+        def build(tmp: str) -> None:
+            cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", str(src / "host_sim.cpp"),
+                   "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"building the warp simulator failed:\n{done.stderr[-2000:]}")
+
+        atomic_write_with(lib, build)
     _HOST = ctypes.CDLL(str(lib))
     return _HOST
+
+
+def _built(stem: str, suffix: str, kinds: tuple[str, ...], salt: bytes = b"") -> Path:
+    """Where a build of the kernel sources (the files ending in `kinds`) is cached in $QUANTKIT_CACHE/kernels: named
+    by a digest of their names and bytes (and `salt`, the compiler's version), so an edit rebuilds it."""
+    sources = sorted(p for p in source_dir().iterdir() if p.suffix in kinds)
+    digest = hashlib.sha256(salt + b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    return default_cache_dir() / "kernels" / f"{stem}-{digest}{suffix}"
 
 
 @dataclass
@@ -523,10 +530,7 @@ def _module(name: str, hopper: bool = False) -> Any:
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
-    sources = sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh"))
-    digest = hashlib.sha256(repr(nvrtc.getVersion()).encode()
-                            + b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
-    cubin = default_cache_dir() / "kernels" / f"{name}-sm90a-{digest}.cubin"
+    cubin = _built(f"{name}-sm90a", ".cubin", (".cu", ".cuh"), repr(nvrtc.getVersion()).encode())
     if not cubin.exists():
         # CuPy's own include directories (cuda_fp16.h from the CUDA toolkit or its wheels), as RawModule passes them
         options = core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", "-DQK_WGMMA",
@@ -537,10 +541,6 @@ def _module(name: str, hopper: bool = False) -> Any:
         except nvrtc.NVRTCError as e:
             raise KernelUnavailable(f"NVRTC could not build {name}.cu for sm_90a: {e}\n"
                                     f"{nvrtc.getProgramLog(prog)[-2000:]}") from e
-        binary = nvrtc.getCUBIN(prog)
+        atomic_write(cubin, nvrtc.getCUBIN(prog))
         nvrtc.destroyProgram(prog)
-        cubin.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(binary)
-        tmp.replace(cubin)
     return cupy.RawModule(path=str(cubin))
