@@ -77,8 +77,7 @@ def main() -> None:
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
         if step("wgmma-tests", [*pytest, "-m", "hopper"], args.out, results, 120) != 0:
             env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
-        step("gpu-tests", [*pytest[:-1], "tests/test_kernels.py", "tests/test_pipeline.py", "-m", "gpu and not hopper"],
-             args.out, results, 300, env)
+        step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 300, env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 300, env)

@@ -205,8 +205,8 @@ GRAPH_BELOW = 100e-6
 
 def graph_time(fn: Callable[[], None], calls: int, replays: int, torch_graph: bool = False) -> float | None:
     """Median seconds per call of `fn` captured `calls` times in one CUDA graph (CuPy's stream capture for the
-    kernels, torch.cuda.CUDAGraph for the cuBLAS baselines), each replay between its own CUDA events; None when
-    the calls cannot be captured (said in a warning)."""
+    kernels, torch.cuda.CUDAGraph for the cuBLAS baselines), its replays timed by `median_time` (the first, which
+    uploads the graph, as warm-up); None when the calls cannot be captured (said in a warning)."""
     try:
         if torch_graph:
             side = torch.cuda.Stream()
@@ -218,14 +218,7 @@ def graph_time(fn: Callable[[], None], calls: int, replays: int, torch_graph: bo
             with torch.cuda.graph(graph):
                 for _ in range(calls):
                     fn()
-            times = []
-            for _ in range(replays + 1):
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop) / 1e3)
+            replay = graph.replay
         else:
             import cupy
 
@@ -238,19 +231,12 @@ def graph_time(fn: Callable[[], None], calls: int, replays: int, torch_graph: bo
                     for _ in range(calls):
                         fn()
                 finally:
-                    graph = stream.end_capture()
-            times = []
-            for _ in range(replays + 1):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                graph.launch(stream)
-                stop.record(stream)
-                stop.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+                    captured = stream.end_capture()
+            replay = captured.launch  # on the current stream, where median_time's events are
+        return median_time(replay, 1, replays) / calls
     except Exception as e:  # a call that cannot be captured is timed by its single launches only
         logging.getLogger(__name__).warning("CUDA graph capture failed (%s): timed by single launches", e)
         return None
-    return statistics.median(times[1:]) / calls  # the first replay uploads the graph
 
 
 def timing(fn: Callable[[], None], warmup: int, iters: int, torch_graph: bool = False) -> tuple[float, float]:
