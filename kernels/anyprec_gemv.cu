@@ -75,7 +75,8 @@ QK_FN void fill_table(const AnyPrecArgs& a, int n, int lane, float* table) {
   }
 }
 
-// The width of chunk c (the last may be narrower than AP_CHUNK).
+// How many chunks of AP_CHUNK columns K makes, and the width of chunk c (the last may be narrower).
+QK_FN int chunk_count(const AnyPrecArgs& a) { return (a.k + AP_CHUNK - 1) / AP_CHUNK; }
 QK_FN int chunk_width(const AnyPrecArgs& a, int c) {
   const int full = a.k / AP_CHUNK;
   return c < full ? AP_CHUNK : a.k - full * AP_CHUNK;
@@ -179,8 +180,7 @@ struct AnyPrecTcArgs {
   int* counters;    // [ceil(M / 16) * ceil(N / 128)], zero; each tile's last block resets its counter
 };
 
-QK_FN int tc_chunks(const AnyPrecArgs& a) { return (a.k + AP_CHUNK - 1) / AP_CHUNK; }
-QK_FN int tc_words(const AnyPrecArgs& a, int c) { return (c < a.k / AP_CHUNK ? AP_CHUNK : a.k % AP_CHUNK) / 32; }
+QK_FN int tc_words(const AnyPrecArgs& a, int c) { return chunk_width(a, c) / 32; }
 
 // The activations of tokens m0 .. m0 + 15 (zero past M) in chunk c, into the tile: threads tid, tid + threads, ...
 // each copy 8-byte slots (a 4-column group).
@@ -279,7 +279,7 @@ QK_FN void tc_store(const AnyPrecTcArgs& t, int m0, int n0, int c, int warp, int
     const int token = m0 + frag_group(lane) + 8 * (i >> 1);
     const int channel = n0 + 16 * warp + 8 * nb + 2 * frag_quad(lane) + (i & 1);
     if (token >= a.m || channel >= a.n) continue;
-    if (tc_chunks(a) == 1) a.out[(size_t)token * a.n + channel] = float_to_half(acc[i]);
+    if (chunk_count(a) == 1) a.out[(size_t)token * a.n + channel] = float_to_half(acc[i]);
     else t.partials[((size_t)c * a.m + token) * a.n + channel] = acc[i];
   }
 }
@@ -291,7 +291,7 @@ QK_FN void tc_finish(const AnyPrecTcArgs& t, int m0, int n0, int tid, int thread
     const int token = m0 + e / APT_CHANNELS, channel = n0 + e % APT_CHANNELS;
     if (token >= a.m || channel >= a.n) continue;
     float sum = 0.0f;
-    for (int c = 0; c < tc_chunks(a); ++c) {
+    for (int c = 0; c < chunk_count(a); ++c) {
       const float* p = t.partials + ((size_t)c * a.m + token) * a.n + channel;
 #if defined(__CUDA_ARCH__)
       sum = fadd(sum, __ldcg(p));  // through L2: other blocks wrote it
@@ -352,12 +352,12 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecTcArgs& args
   }
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb) tc_store(args, m0, n0, c, warp, nb, lane, acc[nb]);
-  if (tc_chunks(a) == 1) return;
+  if (chunk_count(a) == 1) return;
   __shared__ int last;
   __threadfence();  // this block's partials before its count
   __syncthreads();
   int* counter = args.counters + blockIdx.z * gridDim.x + blockIdx.x;
-  if (tid == 0) last = atomicAdd(counter, 1) == tc_chunks(a) - 1;
+  if (tid == 0) last = atomicAdd(counter, 1) == chunk_count(a) - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();  // the other blocks' partials after their counts
@@ -389,7 +389,7 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
   struct Words { uint32_t w[BITS]; };
   constexpr int AP_AHEAD = BITS <= 4 ? 4 : 2;
   pipelined_steps<AP_AHEAD, Words>(
-      0, 1, (args.k + qk::AP_CHUNK - 1) / qk::AP_CHUNK,
+      0, 1, qk::chunk_count(args),
       [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); },
       [&](int c, const Words& st) {
         float partial[qk::AP_TOKENS];

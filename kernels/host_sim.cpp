@@ -586,7 +586,7 @@ void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
     for (int lane = 0; lane < 32; ++lane) qk::fill_table<BITS>(args, channel, lane, table.data());
     for (int m0 = 0; m0 < args.m; m0 += qk::AP_TOKENS) {
       float sum[qk::AP_TOKENS] = {};
-      for (int c = 0; c < (args.k + qk::AP_CHUNK - 1) / qk::AP_CHUNK; ++c) {
+      for (int c = 0; c < qk::chunk_count(args); ++c) {
         for (int lane = 0; lane < 32; ++lane) qk::thread_partials_at<BITS>(args, table.data(), channel, c, m0, lane, v[lane]);
         for (int offset = 16; offset > 0; offset >>= 1) {
           for (int lane = 0; lane < 32; ++lane)
@@ -614,7 +614,7 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecTcArgs& args) {
   using namespace qk;
   const AnyPrecArgs& a = args.a;
   std::vector<uint8_t> xs(APT_X_BYTES), tables((size_t)APT_CHANNELS * tc_table_bytes<BITS>());
-  const int tiles_n = (a.n + APT_CHANNELS - 1) / APT_CHANNELS, chunks = tc_chunks(a);
+  const int tiles_n = (a.n + APT_CHANNELS - 1) / APT_CHANNELS, chunks = chunk_count(a);
   std::vector<uint32_t> w((size_t)32 * 2 * BITS * 8);
   auto words_of = [&](int lane, int nb) { return reinterpret_cast<uint32_t(*)[8]>(&w[((size_t)lane * 2 + nb) * BITS * 8]); };
   for (int z = 0; z * APT_TOKENS < a.m; ++z) {
