@@ -7,24 +7,30 @@
    the other kernels' results. With --kernel sim, the kernel tests of tests/test_kernels.py instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
+2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
+   bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
+   --skip-profile leave them out).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json and sweep.json, three files: the tool
-brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
-limit (a hung kernel ends its step with exit code 124, not the whole run). On a machine without a GPU,
-`--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json and sweep.json, four files:
+the tool brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
+limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps the whole run: a step
+gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the table). On a machine
+without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
 
-    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--skip-bench] [--skip-sweep]
+    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
+        [--skip-tune] [--skip-validate] [--skip-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,13 +38,23 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PROFILE = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats")
 RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anyprec-3to8")
+
+
+DEADLINE = [float("inf")]  # time.time() by which the whole run ends (--budget)
 
 
 def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, float]], limit: float = 300,
          env: dict[str, str] | None = None) -> int:
     """Run `cmd` from the repository root, its output appended to OUT/gpu_check.log and to the console, for at
-    most `limit` seconds (then killed: exit code 124); record its exit code."""
+    most `limit` seconds or what is left of the budget (then killed: exit code 124); record its exit code. Under
+    30 s left: skipped, exit code -1."""
+    limit = min(limit, DEADLINE[0] - time.time())
+    if limit < 30:
+        print(f"\n=== {name}: skipped, {max(limit, 0):.0f} s of the budget left", flush=True)
+        results.append((name, -1, 0.0))
+        return -1
     print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -65,8 +81,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
+    parser.add_argument("--skip-tune", action="store_true", help="leave out bench/smallm_tune.py")
+    parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
+    parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     args = parser.parse_args()
+    DEADLINE[0] = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work" if args.kernel == "sim" else Path("/tmp/quantkit-gpu-check")
     work.mkdir(parents=True, exist_ok=True)
@@ -77,15 +98,39 @@ def main() -> None:
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
         if step("wgmma-tests", [*pytest, "-m", "hopper"], args.out, results, 120) != 0:
             env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
-        step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 300, env)
+        step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240, env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
-                           str(args.out / "bench.json")], args.out, results, 300, env)
+                           str(args.out / "bench.json")], args.out, results, 240, env)
+        if not args.skip_tune:
+            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json")], args.out, results, 200,
+                 env)
+        ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
+        if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
+            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$", *(f"--section={s}" for s in PROFILE),
+                             py, "bench/profile_smallm.py"], args.out, results, 100, env)
     else:
         step("kernel-tests", pytest, args.out, results, 300, env)
 
+    if not args.skip_validate:
+        validate_recipes(args, work, results, env)
+    if not args.skip_sweep and args.kernel == "cuda":
+        step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
+                       "1,4,16,64,256,1024", "--iters", "10", "--json", str(args.out / "sweep.json")],
+             args.out, results, 400, env)
+
+    print("\n| step | exit code | seconds |\n|---|---|---|")
+    for name, code, seconds in results:
+        print(f"| {name} | {code} | {seconds:.0f} |")
+    sys.exit(max((code for _, code, _ in results), default=0) != 0)
+
+
+def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[str, int, float]],
+                     env: dict[str, str]) -> None:
+    """Quantize a small synthetic Llama with every recipe that packs, and validate each artifact's kernels."""
     from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
 
+    py = sys.executable
     model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=512,
                                                                    num_hidden_layers=2))
     calib = write_calibration_text(work / "calib.txt")
@@ -97,16 +142,6 @@ def main() -> None:
         if code == 0:
             step(f"validate-{recipe}", [py, "-m", "quantkit.cli", "validate", str(artifact), "--kernel", args.kernel],
                  args.out, results, 300, env)
-
-    if not args.skip_sweep and args.kernel == "cuda":
-        step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
-                       "1,4,16,64,256,1024", "--iters", "10", "--json", str(args.out / "sweep.json")],
-             args.out, results, 400, env)
-
-    print("\n| step | exit code | seconds |\n|---|---|---|")
-    for name, code, seconds in results:
-        print(f"| {name} | {code} | {seconds:.0f} |")
-    sys.exit(max((code for _, code, _ in results), default=0) != 0)
 
 
 if __name__ == "__main__":

@@ -229,9 +229,10 @@ __device__ __forceinline__ void atom_group_products(const qk::AtomArgs& a, int m
 
 // grid (N / 16, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) KiB: copy c of the warp takes
 // groups c, c + splits, ...; per round, copy 0 folds the round's products in group order.
-extern "C" __global__ void atom_w4a4_gemm(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
-                                          const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
-                                          qk_half* out, int m, int n, int k, int splits) {
+extern "C" __global__ void __launch_bounds__(512)
+    atom_w4a4_gemm(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4, const int8_t* w8,
+                   const qk_half* scale_int4, const qk_half* scale_int8, qk_half* out, int m, int n, int k,
+                   int splits) {
   const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   const int groups = (k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;

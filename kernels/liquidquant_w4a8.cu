@@ -165,15 +165,16 @@ struct LiquidWgmma {
 
 #ifndef QK_HOST
 // grid (N / 64, ceil(M / 32)), block 128 * splits, dynamic shared memory (splits - 1) * 8 KiB: warp w of each copy
-// computes channels 64 nt + 16 w .. + 15 for 32 tokens.
-extern "C" __global__ void liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight,
-                                                 const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
-                                                 int k, int splits) {
+// computes channels 64 nt + 16 w .. + 15 for 32 tokens. Its K steps are 64 columns wide: half the look-ahead of the
+// others' 32-column steps keeps as many bytes in flight.
+extern "C" __global__ void __launch_bounds__(512)
+    liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                          const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
   struct Stage { uint32_t r[4], sa[2], b[4][2][2]; };
   int32_t acc[4][4] = {};
-  pipelined_steps<4, Stage>(
+  pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(
       copy, splits, k / 64,
       [&](int kt, Stage& st) {
         qk::load_weights_raw(args, nt, kt, t, st.r, st.sa);

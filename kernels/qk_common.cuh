@@ -420,10 +420,45 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
   return true;
 }
 
-// Steps first, first + stride, ... < steps, in rounds of U: the loads of a round's U steps are all issued before
-// the first of its computations, so U independent loads per thread are in flight (memory-bound small M).
-template <int U, typename Stage, typename Load, typename Compute>
+// The small-M kernels' look-ahead: U K steps' loads per round, and (QK_SMALLM_DOUBLE, the default) the loads of
+// the next round issued before this round's computations. Compile-time knobs for tuning on a GPU
+// (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); neither changes a bit of any output.
+#ifndef QK_SMALLM_AHEAD
+#define QK_SMALLM_AHEAD 4
+#endif
+#ifndef QK_SMALLM_DOUBLE
+#define QK_SMALLM_DOUBLE 1
+#endif
+
+// Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
+// loads go out before the first of its computations, and with DOUBLE the next round's too (two register sets
+// taking turns, so that no computation waits with nothing in flight): the loads per thread in flight that a
+// memory-bound small M needs.
+template <int U, typename Stage, bool DOUBLE = (QK_SMALLM_DOUBLE != 0), typename Load, typename Compute>
 __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
+  if (DOUBLE) {
+    const int round = U * stride;
+    Stage a[U], b[U];
+    auto load_round = [&](int s, Stage* st) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (s + u * stride < steps) load(s + u * stride, st[u]);
+    };
+    auto compute_round = [&](int s, const Stage* st) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (s + u * stride < steps) compute(s + u * stride, st[u]);
+    };
+    load_round(first, a);
+    for (int step = first; step < steps; step += 2 * round) {  // the two sets by name: no register copies
+      load_round(step + round, b);
+      compute_round(step, a);
+      if (step + round >= steps) break;
+      load_round(step + 2 * round, a);
+      compute_round(step + round, b);
+    }
+    return;
+  }
   int step = first;
   for (; step + (U - 1) * stride < steps; step += U * stride) {
     Stage stage[U];

@@ -65,26 +65,56 @@ QK_FN const qk_half* ratio_row(const QQQArgs& a, int c, int i) {
   return a.s_group == nullptr ? nullptr : a.s_group + (size_t)(16 * i / 128) * a.n + 64 * c;
 }
 
-// Word `tile` of a lane's four -> the B fragments of n8 blocks 2 tile (frag[0]) and 2 tile + 1 (frag[1])
-// (`ratios`: ratio_row's).
-QK_FN void unpack_tile(const qk_half* ratios, int lane, uint32_t word, int tile, uint32_t frag[2]) {
-  if (ratios == nullptr) {
+// The ratios of the lane's two columns of tile `tile` (within chunk c's `ratios`, ratio_row's): col | col + 8 << 16,
+// col = 16 tile + g. The small-M kernel loads them with the weights, ahead of their use.
+QK_FN uint32_t tile_ratios(const qk_half* ratios, int lane, int tile) {
+  const int col = 16 * tile + frag_group(lane);
+  return (uint32_t)ratios[group_scale_slot(col)] | (uint32_t)ratios[group_scale_slot(col + 8)] << 16;
+}
+
+// Elements 4 half + e (e = 0..3, byte e of the result) of a per-group word, in nibbles 2 half, 4 + 2 half,
+// 2 half + 1, 4 + 2 half + 1 (the interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j in nibble (j % 2) 4 + j / 2), as
+// INT8 by group_lane with ratio r. On the GPU two codes share each fp16x2 operation (the two nibbles of byte
+// `half`: elements 0 and 2; of byte 2 + half: 1 and 3), lane by lane the same roundings as group_lane's.
+QK_FN uint32_t group_half(uint32_t word, int half, qk_half r) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t b02 = (word >> (8 * half)) & 0xFFu, b13 = (word >> (8 * (2 + half))) & 0xFFu;
+  const __half2 offset = __halves2half2(__ushort_as_half(0x6408u), __ushort_as_half(0x6408u));   // 1032
+  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));     // 1152
+  const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
+  uint32_t v[2] = {0x64006400u | (b02 & 0xFu) | ((b02 & 0xF0u) << 12), 0x64006400u | (b13 & 0xFu) | ((b13 & 0xF0u) << 12)};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    __half2 h = *reinterpret_cast<__half2*>(&v[i]);
+    h = __hfma2(__hsub2(h, offset), r2, bias);
+    v[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return __byte_perm(v[0], v[1], 0x6240u) ^ 0x80808080u;  // the low bytes of elements 0, 1, 2, 3
+#else
+  uint32_t reg = 0;
+  for (int e = 0; e < 4; ++e) {
+    const int element = 4 * half + e;
+    const uint32_t nibble = (word >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
+    reg |= group_lane(nibble, r) << (8 * e);
+  }
+  return reg;
+#endif
+}
+
+// Word `tile` of a lane's four -> the B fragments of n8 blocks 2 tile (frag[0]) and 2 tile + 1 (frag[1]), per group
+// with the tile's ratio pair (tile_ratios').
+QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, uint32_t frag[2]) {
+  if (!grouped) {
     frag[0] = word & 0xF0F0F0F0u;         // elements 0-3: column col
     frag[1] = (word << 4) & 0xF0F0F0F0u;  // elements 4-7: column col + 8
     return;
   }
-  const int col = 16 * tile + frag_group(lane);  // within the chunk
-  for (int half = 0; half < 2; ++half) {
-    const qk_half r = ratios[group_scale_slot(col + 8 * half)];
-    uint32_t reg = 0;
-    for (int e = 0; e < 4; ++e) {  // element 4 half + e sits in nibble (e % 2) * 4 + (e / 2) + 2 half of word
-      const int element = 4 * half + e;
-      // interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j is in nibble (j % 2) * 4 + j / 2
-      const uint32_t nibble = (word >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
-      reg |= group_lane(nibble, r) << (8 * e);
-    }
-    frag[half] = reg;
-  }
+  for (int half = 0; half < 2; ++half) frag[half] = group_half(word, half, (qk_half)(ratio_pair >> (16 * half)));
+}
+
+// The same from the chunk's `ratios` (ratio_row's; nullptr per channel).
+QK_FN void unpack_tile(const qk_half* ratios, int lane, uint32_t word, int tile, uint32_t frag[2]) {
+  unpack_tile_with(ratios != nullptr, ratios == nullptr ? 0u : tile_ratios(ratios, lane, tile), word, frag);
 }
 
 // Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half.
@@ -209,21 +239,30 @@ struct QQQWgmma {
 #ifndef QK_HOST
 // grid (N / 64, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null: per
 // channel.
-extern "C" __global__ void qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                         const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
+extern "C" __global__ void __launch_bounds__(512)
+    qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
-  struct Stage { uint32_t a[2], w[4]; };
+  struct Stage { uint32_t a[2], w[4], r[4]; };  // r: per group, the lane's ratio pairs (tile_ratios), loaded ahead
+  const bool grouped = s_group != nullptr;
   int32_t acc[8][4] = {};
-  pipelined_steps<4, Stage>(
+  constexpr int ahead = QK_SMALLM_DOUBLE && QK_SMALLM_AHEAD > 3 ? 3 : QK_SMALLM_AHEAD;  // two sets of 4 would spill
+  pipelined_steps<ahead, Stage>(
       copy, splits, k / 16,
       [&](int i, Stage& st) {
         qk::load_a(args, mt, i, lane, st.a);
         qk::load_b_raw(args, c, i, lane, st.w);
+        if (grouped) {
+          const qk_half* ratios = qk::ratio_row(args, c, i);
+#pragma unroll
+          for (int tile = 0; tile < 4; ++tile) st.r[tile] = qk::tile_ratios(ratios, lane, tile);
+        }
       },
-      [&](int i, const Stage& st) {
+      [&](int, const Stage& st) {
         uint32_t fb[8];
-        qk::unpack_b(qk::ratio_row(args, c, i), lane, st.w, fb);
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, st.r[tile], st.w[tile], fb + 2 * tile);
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
       });

@@ -198,15 +198,15 @@ struct QServeWgmma {
 #ifndef QK_HOST
 // grid (N / 32, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of a block
 // split K over one 16 x 32 output tile. s1_szeros null: per group.
-extern "C" __global__ void qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x,
-                                            const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
-                                            const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                                            int group, int splits) {
+extern "C" __global__ void __launch_bounds__(512)
+    qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+                     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                     int group, int splits) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   struct Stage { uint32_t a[4], w[4], s, z; };
   int32_t acc[4][4] = {};
-  pipelined_steps<4, Stage>(
+  pipelined_steps<QK_SMALLM_AHEAD, Stage>(
       copy, splits, k / 32,
       [&](int kt, Stage& st) {
         qk::load_a(args, mt, kt, lane, st.a);

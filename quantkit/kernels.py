@@ -142,20 +142,26 @@ def upload(launch: Launch) -> GpuCall:
 
 # Split-K sizing: warps wanted in flight on the whole GPU (an H100 has 132 SMs of up to 64 resident warps; 16 each,
 # with four 16-byte loads in flight per thread, keeps ~32 KiB of loads in flight per SM), the fewest K steps a split
-# should walk, and the shared memory a block may take without opting in to more.
+# should walk, the shared memory a block may take without opting in to more, and the threads of a block (the
+# small-M kernels are built with __launch_bounds__(512), so that any split fits their registers). Read at each
+# launch: bench/smallm_tune.py sets them to compare.
 SPLITK_WARPS = 2048
 SPLITK_MIN_STEPS = 8
 SPLITK_MAX_SHARED = 48 * 1024
+SPLITK_MAX_THREADS = 512
 
 
 def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16,
-                min_steps: int = SPLITK_MIN_STEPS) -> int:
+                min_steps: int | None = None) -> int:
     """How many copies of a tile's warps split its K steps (a power of two): enough that the grid's `blocks` fill
-    the GPU when the output tiles alone are too few (small M), each copy walking at least `min_steps` steps, the
-    other copies' partial sums (`partial_bytes` each) fitting in SPLITK_MAX_SHARED."""
+    the GPU when the output tiles alone are too few (small M), each copy walking at least `min_steps` steps
+    (default SPLITK_MIN_STEPS), the other copies' partial sums (`partial_bytes` each) fitting in
+    SPLITK_MAX_SHARED and the block in SPLITK_MAX_THREADS."""
+    min_steps = SPLITK_MIN_STEPS if min_steps is None else min_steps
     splits = 1
     while (2 * splits <= max_splits and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
-           and steps // (2 * splits) >= min_steps and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED):
+           and steps // (2 * splits) >= min_steps and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED
+           and 32 * warps_per_copy * 2 * splits <= SPLITK_MAX_THREADS):
         splits *= 2
     return splits
 
@@ -516,25 +522,27 @@ def hopper_available() -> bool:
 def _module(name: str, hopper: bool = False) -> Any:
     """The CuPy RawModule of kernels/NAME.cu, compiled by NVRTC on first use (cached by CuPy). With `hopper`, the
     build with the *_wgmma kernels (QK_WGMMA) for sm_90a, which CuPy's own compile cannot target: NVRTC builds it
-    here and the cubin is cached by source digest beside the warp simulator's library."""
+    here and the cubin is cached by source digest beside the warp simulator's library. QUANTKIT_NVRTC_DEFINES
+    (space-separated NAME=VALUE) passes compile-time tuning knobs such as QK_SMALLM_AHEAD (bench/smallm_tune.py)."""
     if not cuda_available():
         raise KernelUnavailable("the CUDA kernels need CuPy (pip install 'quantkit[cuda]') and a CUDA device")
     import cupy
 
     src = source_dir()
     code = (src / f"{name}.cu").read_text()
+    defines = tuple(f"-D{d}" for d in os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split())  # tuning knobs
     if not hopper:
-        return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src}"))
+        return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src}", *defines))
     if not hopper_available():
         raise KernelUnavailable("the *_wgmma kernels need a Hopper GPU (compute capability 9.0, sm_90a)")
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
-    cubin = _built(f"{name}-sm90a", ".cubin", (".cu", ".cuh"), repr(nvrtc.getVersion()).encode())
+    cubin = _built(f"{name}-sm90a", ".cubin", (".cu", ".cuh"), repr((nvrtc.getVersion(), defines)).encode())
     if not cubin.exists():
         # CuPy's own include directories (cuda_fp16.h from the CUDA toolkit or its wheels), as RawModule passes them
         options = core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", "-DQK_WGMMA",
-                                                       "--gpu-architecture=sm_90a"))
+                                                       "--gpu-architecture=sm_90a", *defines))
         prog = nvrtc.createProgram(code, f"{name}.cu", [], [])
         try:
             nvrtc.compileProgram(prog, list(options))

@@ -193,7 +193,8 @@ def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (--device cuda)")
 def test_cuda_calibration_matches_cpu(synthetic, calib_txt, tmp_path):
-    """The same run on the GPU gives codes that differ from the CPU run only where fp32 rounding flips a tie."""
+    """The same run on the GPU gives nearly the CPU run's codes: GPTQ's error feedback carries any fp32 rounding
+    difference (a flipped tie) on to the later columns, so a few codes move, by one step almost always."""
     recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
     cpu = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "cpu", calib=str(calib_txt)))
     gpu = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "gpu",
@@ -204,8 +205,11 @@ def test_cuda_calibration_matches_cpu(synthetic, calib_txt, tmp_path):
         read_safetensors(tmp_path / "gpu" / "model-00001-of-00004.safetensors")
     packed = [k for k in ta if k.endswith("weight_packed")]
     assert packed
-    for k in packed:  # packed int32 words: 8 codes each; nearly all words agree
-        assert (ta[k] == tb[k]).float().mean() > 0.95, k
+    for k in packed:  # packed int32 words of 8 4-bit codes each
+        codes = [torch.stack([(t >> (4 * i)) & 0xF for i in range(8)], dim=-1) for t in (ta[k], tb[k])]
+        equal = (codes[0] == codes[1]).double().mean().item()
+        near = ((codes[0] - codes[1]).abs() <= 1).double().mean().item()
+        assert equal > 0.95 and near > 0.999, f"{k}: {equal:.4%} of codes equal, {near:.4%} within one step"
 
 
 def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
