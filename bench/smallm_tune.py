@@ -2,8 +2,9 @@
 
 Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per channel and g128) and Atom's on
 Llama-3-8B's shapes at M = 1 and 16, under each configuration of
-  - QK_SMALLM_AHEAD: K steps' loads per round (compile time, kernels/qk_common.cuh pipelined_steps),
-  - QK_SMALLM_DOUBLE: whether the next round's loads go out before this round's computations (compile time),
+  - QK_SMALLM_ASYNC and QK_SMALLM_STAGES: QServe's and QQQ's K steps in flight by cp.async into shared memory
+    (compile time, kernels/qk_common.cuh async_steps), or
+  - QK_SMALLM_AHEAD: K steps' plain loads per round into registers (compile time, pipelined_steps),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
@@ -25,14 +26,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default
+# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. An H200 run
+# (README, "CUDA kernels") also tried issuing the next round's register loads before this round's MMAs, at
+# look-aheads 2 and 4, and a split budget of 4096 warps of at least 4 steps: all slower than 8 plain loads a round.
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
-    "U4-double": ({"QK_SMALLM_AHEAD": 4, "QK_SMALLM_DOUBLE": 1}, 2048, 8),
-    "U4-rounds": ({"QK_SMALLM_AHEAD": 4, "QK_SMALLM_DOUBLE": 0}, 2048, 8),
-    "U2-double": ({"QK_SMALLM_AHEAD": 2, "QK_SMALLM_DOUBLE": 1}, 2048, 8),
-    "U8-rounds": ({"QK_SMALLM_AHEAD": 8, "QK_SMALLM_DOUBLE": 0}, 2048, 8),
-    "U4-double-w4096-s4": ({"QK_SMALLM_AHEAD": 4, "QK_SMALLM_DOUBLE": 1}, 4096, 4),
-    "U2-double-w4096-s4": ({"QK_SMALLM_AHEAD": 2, "QK_SMALLM_DOUBLE": 1}, 4096, 4),
+    "async-S6": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6}, 2048, 8),
+    "async-S4": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 4}, 2048, 8),
+    "async-S8": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 8}, 2048, 8),
+    "registers-U8": ({"QK_SMALLM_ASYNC": 0, "QK_SMALLM_AHEAD": 8}, 2048, 8),
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=120, help="seconds per configuration before it is skipped")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/quantkit-smallm-tune"),
                         help="where the synthetic tensors are kept between the configurations")
+    parser.add_argument("--best", type=Path, help="write the fastest configuration's QUANTKIT_NVRTC_DEFINES here "
+                        "(the one with the least total time among those that match the emulation; empty when it is "
+                        "the built-in default, whose builds are cached already)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ms = tuple(int(m) for m in args.ms.split(","))
@@ -154,6 +158,13 @@ def main() -> None:
         print(f"| {r['config']} | {sum(r['seconds'].values()) * 1e6:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
+    good = [r for r in runs if all(r["checked"].values())]
+    if args.best and good:
+        best = min(good, key=lambda r: sum(r["seconds"].values()))
+        defines = CONFIGS[best["config"]][0]
+        args.best.write_text("" if best["config"] == next(iter(CONFIGS))
+                             else " ".join(f"{key}={value}" for key, value in defines.items()))
+        print(f"\nfastest: {best['config']}")
     sys.exit(any(not ok for r in runs for ok in r["checked"].values()))
 
 

@@ -384,12 +384,11 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
   qk::fill_table<BITS>(args, channel, lane, tables[warp]);
   __syncwarp();
   float sum[qk::AP_TOKENS] = {};
-  // The plane words of AP_AHEAD chunks are loaded before the first of them is used, and the next AP_AHEAD's before
-  // their computations (a decode GEMV is bound by how many bytes are in flight); the chunks are still summed in
-  // order, so the bits do not change. Not one of bench/smallm_tune.py's knobs: this kernel takes two sets always.
+  // The plane words of AP_AHEAD chunks are loaded before the first of them is used (a decode GEMV is bound by how
+  // many bytes are in flight); the chunks are still summed in order, so the bits do not change.
   struct Words { uint32_t w[BITS]; };
   constexpr int AP_AHEAD = BITS <= 4 ? 4 : 2;
-  pipelined_steps<AP_AHEAD, Words, true>(
+  pipelined_steps<AP_AHEAD, Words>(
       0, 1, qk::chunk_count(args),
       [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); },
       [&](int c, const Words& st) {

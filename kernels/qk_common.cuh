@@ -289,6 +289,21 @@ QK_FN void copy_async(void* dst, const void* src, bool valid) {
 #endif
 }
 
+// How a small-M kernel's load functions fetch a K step's operands into a Stage: LoadNow with plain loads into its
+// fields (registers), LoadAsync with cp.async into the same fields of a Stage in shared memory (the loads in
+// flight then hold no registers; async_steps). zero() clears a field that a layout does not load (only LoadNow:
+// a field in shared memory stays unread).
+struct LoadNow {
+  QK_FN static void u128(uint32_t dst[4], const void* src) { load_u128(src, dst); }
+  QK_FN static void u32(uint32_t& dst, const void* src, bool valid) { dst = valid ? load_u32(src) : 0u; }
+  QK_FN static void zero(uint32_t& dst) { dst = 0u; }
+};
+struct LoadAsync {
+  QK_FN static void u128(uint32_t dst[4], const void* src) { copy_async<16>(dst, src, true); }
+  QK_FN static void u32(uint32_t& dst, const void* src, bool valid) { copy_async<4>(&dst, src, valid); }
+  QK_FN static void zero(uint32_t&) {}
+};
+
 // Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
 QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__)
@@ -420,45 +435,65 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
   return true;
 }
 
-// The small-M kernels' look-ahead: U K steps' loads per round, and (QK_SMALLM_DOUBLE, the default) the loads of
-// the next round issued before this round's computations. Compile-time knobs for tuning on a GPU
-// (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); neither changes a bit of any output.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The small-M kernels' loads in flight: with QK_SMALLM_ASYNC (QServe, QQQ), each thread's next QK_SMALLM_STAGES - 1
+// K steps by cp.async into its own slots of shared memory (async_steps); otherwise QK_SMALLM_AHEAD steps' plain
+// loads per round into registers (pipelined_steps; 8 measured fastest at M = 1 on an H200, bench/smallm_tune.py).
+// Compile-time knobs for tuning on a GPU (QUANTKIT_NVRTC_DEFINES; quantkit.kernels reads the same defaults to size
+// the launches' shared memory); none changes a bit of any output.
 #ifndef QK_SMALLM_AHEAD
-#define QK_SMALLM_AHEAD 4
+#define QK_SMALLM_AHEAD 8
 #endif
-#ifndef QK_SMALLM_DOUBLE
-#define QK_SMALLM_DOUBLE 1
+#ifndef QK_SMALLM_ASYNC
+#define QK_SMALLM_ASYNC 1
+#endif
+#ifndef QK_SMALLM_STAGES
+#define QK_SMALLM_STAGES 6
 #endif
 
-// Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
-// loads go out before the first of its computations, and with DOUBLE the next round's too (two register sets
-// taking turns, so that no computation waits with nothing in flight): the loads per thread in flight that a
-// memory-bound small M needs.
-template <int U, typename Stage, bool DOUBLE = (QK_SMALLM_DOUBLE != 0), typename Load, typename Compute>
-__device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
-  if (DOUBLE) {
-    const int round = U * stride;
-    Stage a[U], b[U];
-    auto load_round = [&](int s, Stage* st) {
+// A small-M kernel's slots (async_steps), in the block's dynamic shared memory after the split-K partial sums
+// (`partial_bytes` in all, a multiple of 16).
+template <typename Stage>
+__device__ __forceinline__ Stage* smallm_ring(int partial_bytes) {
+  extern __shared__ uint4 qk_smallm_smem[];
+  return reinterpret_cast<Stage*>(reinterpret_cast<uint8_t*>(qk_smallm_smem) + partial_bytes);
+}
+
+// Steps first, first + stride, ... < steps, computed in that order, with S - 1 steps' copies in flight: thread
+// `tid` of `threads` owns slots ring[j * threads + tid], j < S (a Stage whose size is an odd multiple of 16 bytes
+// keeps a warp's 16-byte reads of them free of bank conflicts). Each thread reads back only what its own copies
+// wrote, so cp.async.wait_group alone orders them; the slot refilled at a step is the previous step's, whose
+// values the previous computation has already consumed.
+template <int S, typename Stage, typename Load, typename Compute>
+__device__ __forceinline__ void async_steps(int first, int stride, int steps, Stage* ring, int threads, int tid,
+                                            Load load, Compute compute) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (s + u * stride < steps) load(s + u * stride, st[u]);
-    };
-    auto compute_round = [&](int s, const Stage* st) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (s + u * stride < steps) compute(s + u * stride, st[u]);
-    };
-    load_round(first, a);
-    for (int step = first; step < steps; step += 2 * round) {  // the two sets by name: no register copies
-      load_round(step + round, b);
-      compute_round(step, a);
-      if (step + round >= steps) break;
-      load_round(step + 2 * round, a);
-      compute_round(step + round, b);
-    }
-    return;
+  for (int j = 0; j < S - 1; ++j) {
+    if (first + j * stride < steps) load(first + j * stride, ring[j * threads + tid]);
+    cp_async_commit();
   }
+  int slot = 0;
+  for (int step = first; step < steps; step += stride) {
+    cp_async_wait<S - 2>();  // this step's group (every group is committed, empty or not, to keep the count)
+    const Stage stage = ring[slot * threads + tid];
+    const int ahead = step + (S - 1) * stride, free = slot == 0 ? S - 1 : slot - 1;
+    if (ahead < steps) load(ahead, ring[free * threads + tid]);
+    cp_async_commit();
+    compute(step, stage);
+    slot = slot == S - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+}
+
+// Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
+// loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
+// needs), the last round's too when fewer than U steps are left. Issuing the next round's loads before this
+// round's computations (two register sets) measured slower on an H200, at every look-ahead tried.
+template <int U, typename Stage, typename Load, typename Compute>
+__device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
   int step = first;
   for (; step + (U - 1) * stride < steps; step += U * stride) {
     Stage stage[U];
@@ -467,16 +502,17 @@ __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps
 #pragma unroll
     for (int u = 0; u < U; ++u) compute(step + u * stride, stage[u]);
   }
-  for (; step < steps; step += stride) {
-    Stage stage;
-    load(step, stage);
-    compute(step, stage);
+  if (step < steps) {  // the rest, fewer than U steps, still all in flight together
+    Stage stage[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (step + u * stride < steps) load(step + u * stride, stage[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (step + u * stride < steps) compute(step + u * stride, stage[u]);
   }
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // ldmatrix.x4 of b16 8 x 8 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives, of each
 // matrix j, the 4 bytes 4 (l % 4) .. of its row l / 4 in d[j] (PTX ISA, "ldmatrix").
