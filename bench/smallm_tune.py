@@ -5,6 +5,7 @@ Llama-3-8B's shapes at M = 1 and 16, under each configuration of
   - QK_SMALLM_ASYNC and QK_SMALLM_STAGES: QServe's and QQQ's K steps in flight by cp.async into shared memory
     (compile time, kernels/qk_common.cuh async_steps), or
   - QK_SMALLM_AHEAD: K steps' plain loads per round into registers (compile time, pipelined_steps),
+  - QK_SMALLM_PREFETCH: the epilogue's scales asked of L2 at the start (compile time, prefetch_lines),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
@@ -32,8 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
     "async-S6": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6}, 2048, 8),
     "async-S4": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 4}, 2048, 8),
-    "async-S8": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 8}, 2048, 8),
     "registers-U8": ({"QK_SMALLM_ASYNC": 0, "QK_SMALLM_AHEAD": 8}, 2048, 8),
+    "async-S6-no-prefetch": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6, "QK_SMALLM_PREFETCH": 0}, 2048, 8),
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

@@ -454,6 +454,20 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 #define QK_SMALLM_STAGES 6
 #endif
 
+#ifndef QK_SMALLM_PREFETCH
+#define QK_SMALLM_PREFETCH 1
+#endif
+
+// Ask L2 for the line at p ahead of its use: the small-M kernels' epilogue parameters (scales, sums) would
+// otherwise be fetched from device memory only after the K loop, one more round trip at the end of a kernel that
+// takes a few microseconds. Thread `lane` < count of the caller prefetches p + lane * 128 bytes (QK_SMALLM_PREFETCH).
+__device__ __forceinline__ void prefetch_lines(const void* p, int count, int lane) {
+#if QK_SMALLM_PREFETCH
+  if (p != nullptr && lane < count)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const uint8_t*>(p) + 128 * lane));
+#endif
+}
+
 // A small-M kernel's slots (async_steps), in the block's dynamic shared memory after the split-K partial sums
 // (`partial_bytes` in all, a multiple of 16).
 template <typename Stage>

@@ -257,6 +257,10 @@ extern "C" __global__ void __launch_bounds__(512)
   const bool grouped = s_group != nullptr;
   // r: per group, the lane's ratio pairs (load_ratios), loaded with the weights; 48 bytes, an odd multiple of 16
   struct alignas(16) Stage { uint32_t w[4], r[4], a[2], pad[2]; };
+  if (copy == 0) {  // the epilogue's parameters: the chunk's 64 channel scales (two lines), the tile's 16 tokens'
+    prefetch_lines(s_channel + 64 * c, 2, lane);
+    prefetch_lines(s_x + 16 * mt, 1, lane);
+  }
   int32_t acc[8][4] = {};
   auto compute = [&](int, const Stage& st) {
     uint32_t fb[8];

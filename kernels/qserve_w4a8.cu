@@ -212,6 +212,12 @@ extern "C" __global__ void __launch_bounds__(512)
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   struct alignas(16) Stage { uint32_t w[4], a[4], s, z, pad[2]; };  // 48 bytes: an odd multiple of 16
+  if (copy == 0) {  // the epilogue's parameters, each row of 16 or 32 within one 128-byte line when aligned
+    prefetch_lines(s1 + 32 * nt, 1, lane);
+    prefetch_lines(szero == nullptr ? nullptr : szero + 32 * nt, 1, lane);
+    prefetch_lines(s_x + 16 * mt, 1, lane);
+    prefetch_lines(t_x == nullptr ? nullptr : t_x + 16 * mt, 1, lane);
+  }
   int32_t acc[4][4] = {};
   auto compute = [&](int, const Stage& st) {
     uint32_t fb[4][2];
