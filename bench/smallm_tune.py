@@ -2,10 +2,8 @@
 
 Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per channel and g128) and Atom's on
 Llama-3-8B's shapes at M = 1 and 16, under each configuration of
-  - QK_SMALLM_ASYNC and QK_SMALLM_STAGES: QServe's and QQQ's K steps in flight by cp.async into shared memory
-    (compile time, kernels/qk_common.cuh async_steps), or
-  - QK_SMALLM_AHEAD: K steps' plain loads per round into registers (compile time, pipelined_steps),
-  - QK_SMALLM_PREFETCH: the epilogue's scales asked of L2 at the start (compile time, prefetch_lines),
+  - QK_SMALLM_AHEAD: K steps' loads per round into registers (compile time, kernels/qk_common.cuh
+    pipelined_steps),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
@@ -27,14 +25,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. An H200 run
-# (README, "CUDA kernels") also tried issuing the next round's register loads before this round's MMAs, at
-# look-aheads 2 and 4, and a split budget of 4096 warps of at least 4 steps: all slower than 8 plain loads a round.
+# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. Three H200 runs
+# (README, "CUDA kernels"; bench/results/kernels_h200_smallm_tune.json) also tried the next round's register loads
+# issued before this round's MMAs (look-aheads 2 and 4), a split budget of 4096 warps of at least 4 steps, cp.async
+# into per-thread shared-memory slots (4 or 6 steps ahead) and the epilogue's scales prefetched to L2: none was
+# faster than 8 plain loads a round, and they are gone from the kernels.
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
-    "async-S6": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6}, 2048, 8),
-    "async-S4": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 4}, 2048, 8),
-    "registers-U8": ({"QK_SMALLM_ASYNC": 0, "QK_SMALLM_AHEAD": 8}, 2048, 8),
-    "async-S6-no-prefetch": ({"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6, "QK_SMALLM_PREFETCH": 0}, 2048, 8),
+    "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
+    "U4": ({"QK_SMALLM_AHEAD": 4}, 2048, 8),
+    "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
+    "U8-w1024": ({"QK_SMALLM_AHEAD": 8}, 1024, 8),
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

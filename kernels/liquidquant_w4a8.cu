@@ -173,10 +173,6 @@ extern "C" __global__ void __launch_bounds__(512)
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
   struct Stage { uint32_t r[4], sa[2], b[4][2][2]; };
-  if (threadIdx.x < 32) {  // the epilogue's parameters: the tile's 64 channel scales, its 32 tokens' scales
-    prefetch_lines(s1 + 64 * nt, 1, t);
-    prefetch_lines(s_x + 32 * blockIdx.y, 1, t);
-  }
   int32_t acc[4][4] = {};
   pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(
       copy, splits, k / 64,

@@ -289,21 +289,6 @@ QK_FN void copy_async(void* dst, const void* src, bool valid) {
 #endif
 }
 
-// How a small-M kernel's load functions fetch a K step's operands into a Stage: LoadNow with plain loads into its
-// fields (registers), LoadAsync with cp.async into the same fields of a Stage in shared memory (the loads in
-// flight then hold no registers; async_steps). zero() clears a field that a layout does not load (only LoadNow:
-// a field in shared memory stays unread).
-struct LoadNow {
-  QK_FN static void u128(uint32_t dst[4], const void* src) { load_u128(src, dst); }
-  QK_FN static void u32(uint32_t& dst, const void* src, bool valid) { dst = valid ? load_u32(src) : 0u; }
-  QK_FN static void zero(uint32_t& dst) { dst = 0u; }
-};
-struct LoadAsync {
-  QK_FN static void u128(uint32_t dst[4], const void* src) { copy_async<16>(dst, src, true); }
-  QK_FN static void u32(uint32_t& dst, const void* src, bool valid) { copy_async<4>(&dst, src, valid); }
-  QK_FN static void zero(uint32_t&) {}
-};
-
 // Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
 QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__)
@@ -439,73 +424,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// The small-M kernels' loads in flight: with QK_SMALLM_ASYNC (QServe, QQQ), each thread's next QK_SMALLM_STAGES - 1
-// K steps by cp.async into its own slots of shared memory (async_steps); otherwise QK_SMALLM_AHEAD steps' plain
-// loads per round into registers (pipelined_steps; 8 measured fastest at M = 1 on an H200, bench/smallm_tune.py).
-// Compile-time knobs for tuning on a GPU (QUANTKIT_NVRTC_DEFINES; quantkit.kernels reads the same defaults to size
-// the launches' shared memory); none changes a bit of any output.
+// The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
+// a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); it changes no bit of any output. On an H200, 8 a round was
+// the fastest of what was tried (README, "CUDA kernels"): 4 and 6 a round, the next round's loads issued before
+// this round's MMAs (two register sets), and cp.async into per-thread shared-memory slots (4 or 6 steps ahead).
 #ifndef QK_SMALLM_AHEAD
 #define QK_SMALLM_AHEAD 8
 #endif
-#ifndef QK_SMALLM_ASYNC
-#define QK_SMALLM_ASYNC 1
-#endif
-#ifndef QK_SMALLM_STAGES
-#define QK_SMALLM_STAGES 6
-#endif
-
-#ifndef QK_SMALLM_PREFETCH
-#define QK_SMALLM_PREFETCH 1
-#endif
-
-// Ask L2 for the line at p ahead of its use: the small-M kernels' epilogue parameters (scales, sums) would
-// otherwise be fetched from device memory only after the K loop, one more round trip at the end of a kernel that
-// takes a few microseconds. Thread `lane` < count of the caller prefetches p + lane * 128 bytes (QK_SMALLM_PREFETCH).
-__device__ __forceinline__ void prefetch_lines(const void* p, int count, int lane) {
-#if QK_SMALLM_PREFETCH
-  if (p != nullptr && lane < count)
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const uint8_t*>(p) + 128 * lane));
-#endif
-}
-
-// A small-M kernel's slots (async_steps), in the block's dynamic shared memory after the split-K partial sums
-// (`partial_bytes` in all, a multiple of 16).
-template <typename Stage>
-__device__ __forceinline__ Stage* smallm_ring(int partial_bytes) {
-  extern __shared__ uint4 qk_smallm_smem[];
-  return reinterpret_cast<Stage*>(reinterpret_cast<uint8_t*>(qk_smallm_smem) + partial_bytes);
-}
-
-// Steps first, first + stride, ... < steps, computed in that order, with S - 1 steps' copies in flight: thread
-// `tid` of `threads` owns slots ring[j * threads + tid], j < S (a Stage whose size is an odd multiple of 16 bytes
-// keeps a warp's 16-byte reads of them free of bank conflicts). Each thread reads back only what its own copies
-// wrote, so cp.async.wait_group alone orders them; the slot refilled at a step is the previous step's, whose
-// values the previous computation has already consumed.
-template <int S, typename Stage, typename Load, typename Compute>
-__device__ __forceinline__ void async_steps(int first, int stride, int steps, Stage* ring, int threads, int tid,
-                                            Load load, Compute compute) {
-#pragma unroll
-  for (int j = 0; j < S - 1; ++j) {
-    if (first + j * stride < steps) load(first + j * stride, ring[j * threads + tid]);
-    cp_async_commit();
-  }
-  int slot = 0;
-  for (int step = first; step < steps; step += stride) {
-    cp_async_wait<S - 2>();  // this step's group (every group is committed, empty or not, to keep the count)
-    const Stage stage = ring[slot * threads + tid];
-    const int ahead = step + (S - 1) * stride, free = slot == 0 ? S - 1 : slot - 1;
-    if (ahead < steps) load(ahead, ring[free * threads + tid]);
-    cp_async_commit();
-    compute(step, stage);
-    slot = slot == S - 1 ? 0 : slot + 1;
-  }
-  cp_async_wait<0>();
-}
 
 // Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
 // loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
-// needs), the last round's too when fewer than U steps are left. Issuing the next round's loads before this
-// round's computations (two register sets) measured slower on an H200, at every look-ahead tried.
+// needs), the last round's too when fewer than U steps are left.
 template <int U, typename Stage, typename Load, typename Compute>
 __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
   int step = first;

@@ -56,9 +56,8 @@ QK_FN uint32_t group_lane(uint32_t nibble, qk_half r) {
 }
 
 // The lane's four words of chunk c (channels 64 c ..) at k tile i: one 128-bit load.
-template <class L = LoadNow>
 QK_FN void load_b_raw(const QQQArgs& a, int c, int i, int lane, uint32_t w[4]) {
-  L::u128(w, a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane);
+  load_u128(a.b + (size_t)i * 2 * a.n + 128 * c + 4 * lane, w);
 }
 
 // The 64 group ratios of chunk c (channels 64 c ..) at k tile i, or nullptr per channel.
@@ -76,9 +75,8 @@ QK_FN uint32_t tile_ratios(const qk_half* ratios, int lane, int tile) {
 // All four ratio pairs of the lane (tile_ratios' for tiles 0..3) in one 16-byte load: group_scale_slot puts
 // columns 16 t + g and 16 t + 8 + g at 8 g + 2 t and 8 g + 2 t + 1, so the lane's eight ratios are the 8 halves
 // from 8 g on, pair t in word t.
-template <class L = LoadNow>
 QK_FN void load_ratios(const qk_half* ratios, int lane, uint32_t r[4]) {
-  L::u128(r, ratios + 8 * frag_group(lane));
+  load_u128(ratios + 8 * frag_group(lane), r);
 }
 
 // Elements 4 half + e (e = 0..3, byte e of the result) of a per-group word, in nibbles 2 half, 4 + 2 half,
@@ -132,12 +130,11 @@ QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32
 }
 
 // The lane's A fragment at k tile i: rows g and g + 8 of token tile mt, k 16 i + 4 q ...
-template <class L = LoadNow>
 QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
   const int g = frag_group(lane), q = frag_quad(lane);
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
-    L::u32(frag[h], reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q, row < a.m);
+    frag[h] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q) : 0u;
   }
 }
 
@@ -247,21 +244,21 @@ struct QQQWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB, and with
-// QK_SMALLM_ASYNC each thread's QK_SMALLM_STAGES slots of 48 bytes after it. s_group null: per channel.
+// grid (N / 64, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null: per
+// channel.
 extern "C" __global__ void __launch_bounds__(512)
     qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
   const bool grouped = s_group != nullptr;
-  // r: per group, the lane's ratio pairs (load_ratios), loaded with the weights; 48 bytes, an odd multiple of 16
-  struct alignas(16) Stage { uint32_t w[4], r[4], a[2], pad[2]; };
-  if (copy == 0) {  // the epilogue's parameters: the chunk's 64 channel scales (two lines), the tile's 16 tokens'
-    prefetch_lines(s_channel + 64 * c, 2, lane);
-    prefetch_lines(s_x + 16 * mt, 1, lane);
-  }
+  struct Stage { uint32_t a[2], w[4], r[4]; };  // r: per group, the lane's ratio pairs (load_ratios)
   int32_t acc[8][4] = {};
+  auto load = [&](int i, Stage& st) {
+    qk::load_a(args, mt, i, lane, st.a);
+    qk::load_b_raw(args, c, i, lane, st.w);
+    if (grouped) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
+  };
   auto compute = [&](int, const Stage& st) {
     uint32_t fb[8];
 #pragma unroll
@@ -269,26 +266,11 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
-#if QK_SMALLM_ASYNC
-  auto load = [&](int i, Stage& st) {
-    qk::load_a<qk::LoadAsync>(args, mt, i, lane, st.a);
-    qk::load_b_raw<qk::LoadAsync>(args, c, i, lane, st.w);
-    if (grouped) qk::load_ratios<qk::LoadAsync>(qk::ratio_row(args, c, i), lane, st.r);
-  };
-  async_steps<QK_SMALLM_STAGES>(copy, splits, k / 16, smallm_ring<Stage>((splits - 1) * 4096), blockDim.x,
-                                threadIdx.x, load, compute);
-#else
-  auto load = [&](int i, Stage& st) {
-    qk::load_a(args, mt, i, lane, st.a);
-    qk::load_b_raw(args, c, i, lane, st.w);
-    if (grouped) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
-  };
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   if (grouped)
     pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(copy, splits, k / 16, load, compute);
   else
     pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 16, load, compute);
-#endif
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
 }

@@ -32,40 +32,33 @@ struct QServeArgs {
 };
 
 // The lane's A fragment at k-tile kt of row tile mt: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
-// (L: how the words are fetched, LoadNow or LoadAsync.)
-template <class L = LoadNow>
 QK_FN void load_a(const QServeArgs& a, int mt, int kt, int lane, uint32_t frag[4]) {
   const int g = frag_group(lane), q = frag_quad(lane);
   for (int i = 0; i < 4; ++i) {
     const int row = 16 * mt + g + 8 * (i & 1), col = 32 * kt + 16 * (i >> 1) + 4 * q;
-    L::u32(frag[i], reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col, row < a.m);
+    frag[i] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col) : 0u;
   }
 }
 
 // The lane's 16 bytes of weight tile (nt, kt): one 128-bit load.
-template <class L = LoadNow>
 QK_FN void load_b_raw(const QServeArgs& a, int nt, int kt, int lane, uint32_t w[4]) {
-  L::u128(w, a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16);
+  load_u128(a.qweight + (((size_t)nt * (a.k / 32) + kt) * 32 + lane) * 16, w);
 }
 
 // Per group, the lane's s2 and -(z * s2) of one 32-channel tile, four bytes each from the tile's 32 bytes of the
 // s2 and z2 rows: byte b and 2 + b for channels 32t + 8b + g and 32t + 16 + 8b + g.
-template <class L = LoadNow>
 QK_FN void group_params_at(const int8_t* s2, const int8_t* z2, int lane, uint32_t& s, uint32_t& z) {
-  L::u32(s, s2 + 4 * frag_group(lane), true);
-  L::u32(z, z2 + 4 * frag_group(lane), true);
+  s = load_u32(s2 + 4 * frag_group(lane));
+  z = load_u32(z2 + 4 * frag_group(lane));
 }
 
 // Those of n tile nt at k tile kt (zero per channel).
-template <class L = LoadNow>
 QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint32_t& s, uint32_t& z) {
-  if (a.s2 == nullptr) {
-    L::zero(s);
-    L::zero(z);
-    return;
+  s = z = 0;
+  if (a.s2 != nullptr) {
+    const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt;
+    group_params_at(a.s2 + row, a.z2 + row, lane, s, z);
   }
-  const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt;
-  group_params_at<L>(a.s2 + row, a.z2 + row, lane, s, z);
 }
 
 // One weight word -> the four INT8 weights of half h (0: its low nibbles, channels 32t + 8b + g; 1: its high
@@ -211,30 +204,8 @@ extern "C" __global__ void __launch_bounds__(512)
                      int group, int splits) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
-  struct alignas(16) Stage { uint32_t w[4], a[4], s, z, pad[2]; };  // 48 bytes: an odd multiple of 16
-  if (copy == 0) {  // the epilogue's parameters, each row of 16 or 32 within one 128-byte line when aligned
-    prefetch_lines(s1 + 32 * nt, 1, lane);
-    prefetch_lines(szero == nullptr ? nullptr : szero + 32 * nt, 1, lane);
-    prefetch_lines(s_x + 16 * mt, 1, lane);
-    prefetch_lines(t_x == nullptr ? nullptr : t_x + 16 * mt, 1, lane);
-  }
+  struct Stage { uint32_t a[4], w[4], s, z; };
   int32_t acc[4][4] = {};
-  auto compute = [&](int, const Stage& st) {
-    uint32_t fb[4][2];
-    qk::unpack_b(args, st.w, st.s, st.z, fb);
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
-  };
-#if QK_SMALLM_ASYNC
-  async_steps<QK_SMALLM_STAGES>(
-      copy, splits, k / 32, smallm_ring<Stage>((splits - 1) * 2048), blockDim.x, threadIdx.x,
-      [&](int kt, Stage& st) {
-        qk::load_a<qk::LoadAsync>(args, mt, kt, lane, st.a);
-        qk::load_b_raw<qk::LoadAsync>(args, nt, kt, lane, st.w);
-        qk::load_group_params<qk::LoadAsync>(args, nt, kt, lane, st.s, st.z);
-      },
-      compute);
-#else
   pipelined_steps<QK_SMALLM_AHEAD, Stage>(
       copy, splits, k / 32,
       [&](int kt, Stage& st) {
@@ -242,8 +213,12 @@ extern "C" __global__ void __launch_bounds__(512)
         qk::load_b_raw(args, nt, kt, lane, st.w);
         qk::load_group_params(args, nt, kt, lane, st.s, st.z);
       },
-      compute);
-#endif
+      [&](int, const Stage& st) {
+        uint32_t fb[4][2];
+        qk::unpack_b(args, st.w, st.s, st.z, fb);
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
+      });
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }

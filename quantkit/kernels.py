@@ -85,7 +85,7 @@ class Launch:
     grid: tuple[int, ...]
     block: int
     out: np.ndarray
-    shared_mem: int = 0  # bytes of dynamic shared memory (the split-K partial sums, the small-M cp.async slots)
+    shared_mem: int = 0  # bytes of dynamic shared memory (the split-K partial sums)
 
 
 def run(launch: Launch, device: str = "cpu") -> np.ndarray:
@@ -149,27 +149,6 @@ SPLITK_WARPS = 2048
 SPLITK_MIN_STEPS = 8
 SPLITK_MAX_SHARED = 48 * 1024
 SPLITK_MAX_THREADS = 512
-
-
-# kernels/qk_common.cuh's compile-time knobs that size a launch, at their defaults there (a test compares them)
-KERNEL_KNOBS = {"QK_SMALLM_ASYNC": 1, "QK_SMALLM_STAGES": 6}
-SMALLM_SLOT_BYTES = 48  # the small-M Stage of QServe and QQQ: one slot per thread and stage in shared memory
-
-
-def knob(name: str) -> int:
-    """A compile-time knob of the kernels as this process builds them: its value in QUANTKIT_NVRTC_DEFINES (the
-    tuning runs set it), else its default (KERNEL_KNOBS)."""
-    for define in os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split():
-        key, _, value = define.partition("=")
-        if key == name:
-            return int(value or 1)
-    return KERNEL_KNOBS[name]
-
-
-def smallm_ring_bytes(threads: int) -> int:
-    """Shared memory of the QServe and QQQ small-M kernels' cp.async slots (QK_SMALLM_ASYNC): QK_SMALLM_STAGES
-    slots of SMALLM_SLOT_BYTES per thread, after the split-K partial sums; 0 on the register path."""
-    return threads * knob("QK_SMALLM_STAGES") * SMALLM_SLOT_BYTES if knob("QK_SMALLM_ASYNC") else 0
 
 
 def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16,
@@ -304,7 +283,7 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
     return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
-                  (splits - 1) * partial_bytes + smallm_ring_bytes(32 * splits))
+                  (splits - 1) * partial_bytes)
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
@@ -345,8 +324,7 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     grid = (n // 64, -(-m // 16))
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
-    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
-                  (splits - 1) * partial_bytes + smallm_ring_bytes(32 * splits))
+    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
 
 
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,

@@ -85,8 +85,7 @@ def test_split_k_matches_the_emulation(fmt, group, k, partial_bytes, splits):
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
     assert launch.block == (128 if fmt == "liquidquant" else 32) * splits
-    slots = kernels.smallm_ring_bytes(launch.block) if fmt != "liquidquant" else 0  # QServe's, QQQ's cp.async
-    assert launch.shared_mem == (splits - 1) * partial_bytes + slots
+    assert launch.shared_mem == (splits - 1) * partial_bytes
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -204,31 +203,6 @@ def test_split_count_fills_the_gpu_only_when_tiles_are_few():
     assert split_count(blocks=128 * 64, warps_per_copy=1, steps=128, partial_bytes=2048) == 1  # M = 1024
     assert split_count(blocks=1, warps_per_copy=1, steps=20, partial_bytes=2048) == 2  # each split >= 8 steps
     assert split_count(blocks=1, warps_per_copy=1, steps=4096, partial_bytes=16384) == 4  # 3 x 16 KiB of partials
-
-
-def test_kernel_knobs_match_their_defaults_in_the_source():
-    """quantkit.kernels sizes the launches by the compile-time knobs' defaults: the same values as the #defines of
-    kernels/qk_common.cuh."""
-    import re
-
-    source = (kernels.source_dir() / "qk_common.cuh").read_text()
-    for name, value in kernels.KERNEL_KNOBS.items():
-        assert re.search(rf"#ifndef {name}\n#define {name} (\d+)\n", source).group(1) == str(value), name
-
-
-def test_small_m_launches_hold_their_cp_async_slots(monkeypatch):
-    """With QK_SMALLM_ASYNC the QServe and QQQ small-M launches ask for each thread's slots after the split-K
-    partial sums; on the register path (a tuning run's QUANTKIT_NVRTC_DEFINES) for the partial sums alone."""
-    x, s_x = np.zeros((1, 4096), dtype=np.int8), np.ones(1, dtype=np.float32)
-    for fmt, partial in (("qserve", 2048), ("qqq", 4096)):
-        tensors = synthetic(fmt, 256, 4096, seed=1)
-        monkeypatch.delenv("QUANTKIT_NVRTC_DEFINES", raising=False)
-        launch = kernels.LAUNCHES[fmt](tensors, x, s_x, np.zeros(1, dtype=np.float32), tiled=False)
-        splits = launch.block // 32
-        assert launch.shared_mem == (splits - 1) * partial + launch.block * 6 * kernels.SMALLM_SLOT_BYTES
-        monkeypatch.setenv("QUANTKIT_NVRTC_DEFINES", "QK_SMALLM_ASYNC=0 QK_SMALLM_AHEAD=4")
-        launch = kernels.LAUNCHES[fmt](tensors, x, s_x, np.zeros(1, dtype=np.float32), tiled=False)
-        assert launch.shared_mem == (splits - 1) * partial
 
 
 @needs_compiler
