@@ -381,27 +381,37 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int channel = qk::AP_WARPS * blockIdx.x + warp, m0 = qk::AP_TOKENS * blockIdx.y;
   if (channel >= args.n) return;  // no block-wide barrier follows: each warp has its own table
-  qk::fill_table<BITS>(args, channel, lane, tables[warp]);
-  __syncwarp();
-  float sum[qk::AP_TOKENS] = {};
   // The plane words of AP_AHEAD chunks are loaded before the first of them is used (a decode GEMV is bound by how
-  // many bytes are in flight); the chunks are still summed in order, so the bits do not change.
+  // many bytes are in flight), the first AP_AHEAD's even before the table is filled, so that the two fetches
+  // overlap. The chunks are still summed in order, and only the tokens below M are reduced across the warp (a
+  // decode call has one of the warp's eight): the bits do not change.
   struct Words { uint32_t w[BITS]; };
   constexpr int AP_AHEAD = BITS <= 4 ? 4 : 2;
-  pipelined_steps<AP_AHEAD, Words>(
-      0, 1, qk::chunk_count(args),
-      [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); },
-      [&](int c, const Words& st) {
-        float partial[qk::AP_TOKENS];
-        qk::partials_of_words<BITS>(args, tables[warp], st.w, c, m0, lane, partial);
+  const int chunks = qk::chunk_count(args), tokens = args.m - m0;
+  float sum[qk::AP_TOKENS] = {};
+  auto load = [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); };
+  auto add = [&](int c, const Words& st) {
+    float partial[qk::AP_TOKENS];
+    qk::partials_of_words<BITS>(args, tables[warp], st.w, c, m0, lane, partial);
 #pragma unroll
-        for (int i = 0; i < qk::AP_TOKENS; ++i) {
-          float v = partial[i];
+    for (int i = 0; i < qk::AP_TOKENS; ++i) {
+      if (i >= tokens) break;
+      float v = partial[i];
 #pragma unroll
-          for (int offset = 16; offset > 0; offset >>= 1) v = qk::fadd(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-          sum[i] = qk::fadd(sum[i], v);
-        }
-      });
+      for (int offset = 16; offset > 0; offset >>= 1) v = qk::fadd(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+      sum[i] = qk::fadd(sum[i], v);
+    }
+  };
+  Words head[AP_AHEAD];
+#pragma unroll
+  for (int u = 0; u < AP_AHEAD; ++u)
+    if (u < chunks) load(u, head[u]);
+  qk::fill_table<BITS>(args, channel, lane, tables[warp]);
+  __syncwarp();
+#pragma unroll
+  for (int u = 0; u < AP_AHEAD; ++u)
+    if (u < chunks) add(u, head[u]);
+  pipelined_steps<AP_AHEAD, Words>(AP_AHEAD, 1, chunks, load, add);
   if (lane < qk::AP_TOKENS && m0 + lane < args.m) {
 #pragma unroll
     for (int i = 0; i < qk::AP_TOKENS; ++i)
