@@ -539,6 +539,17 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Ties a register to this point of the program, so that no read of an accumulator moves above a wgmma_wait.
 __device__ __forceinline__ void fence_operand(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+// The same for a warp's A fragments of one step: live (unchanged, unreused) up to here.
+template <int KS>
+__device__ __forceinline__ void fence_operands(uint32_t (&fa)[KS][4]) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(fa[kk][i])::"memory");
+}
+#ifndef QK_WGMMA_OVERLAP
+#define QK_WGMMA_OVERLAP 0
+#endif
 
 // D = A B (+ D when `accumulate`), wgmma.mma_async m64n128k32 .s32.s8.s8: A (64 x 32) from the warpgroup's
 // registers, B (32 x 128, K-major) from shared memory through descriptor `b`. The first product of a sum starts it
@@ -587,6 +598,9 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
     cp_async_commit();
   }
+#if QK_WGMMA_OVERLAP
+  uint32_t fa0[T::BK / 32][4], fa1[T::BK / 32][4];
+#endif
   for (int kt = 0; kt < steps; ++kt) {
     cp_async_wait<T::STAGES - 3>();
     fence_proxy_async();
@@ -595,6 +609,26 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
     cp_async_commit();
     const int slot = kt % T::STAGES;
+#if QK_WGMMA_OVERLAP
+    // Step kt's wgmmas run while step kt + 1's weights are unpacked: two register sets of A fragments by the
+    // parity of kt, and each set tied (fence_operands) to the program after the wgmma_wait<1> that retires the
+    // wgmmas reading it, so that the compiler reuses none of its registers while the tensor cores may still read
+    // them (which it did on an H200 with one set and no tie: wrong LiquidQuant rows g + 8).
+    auto step = [&](uint32_t (&mine)[T::BK / 32][4], uint32_t (&other)[T::BK / 32][4]) {
+      F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, mine);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < T::BK / 32; ++kk)
+        wgmma_s8_m64n128k32(acc.d, mine[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // step kt - 1's wgmmas are done: `other` may be written from here on
+      fence_operands(other);
+    };
+    if (kt % 2 == 0)
+      step(fa0, fa1);
+    else
+      step(fa1, fa0);
+#else
     uint32_t fa[T::BK / 32][4];
     F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
     wgmma_fence();
@@ -605,8 +639,10 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
     // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
     // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
-    // simulator cannot show). Overlap comes from the SM's other warpgroups instead.
+    // simulator cannot show). Overlap comes from the SM's other warpgroups instead (QK_WGMMA_OVERLAP: the
+    // two-register-set version, not yet measured).
     wgmma_wait<0>();
+#endif
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
