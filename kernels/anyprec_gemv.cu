@@ -18,7 +18,7 @@ namespace qk {
 
 constexpr int AP_CHUNK = 1024, AP_TOKENS = 8, AP_WARPS = 8;
 
-// Floats of a channel's shared table (fill_table): the 4^BITS pairs up to 4 bits, else 2^BITS; at most 4-bit pairs.
+// 32-bit words of a channel's shared table (fill_table): 2 x 4^BITS fp16 pairs up to 4 bits, else 2^BITS floats.
 constexpr int AP_TABLE_FLOATS = 512;
 
 struct AnyPrecArgs {
@@ -60,15 +60,19 @@ QK_FN void transpose_planes(const uint32_t words[BITS], uint32_t codes[32]) {
   }
 }
 
-// Channel n's table at width BITS, as float32, into `table` (AP_TABLE_FLOATS floats): entry e = lut[n, e], or for
-// BITS <= 4 pair p = (c0 << BITS) | c1 as table[2 p], table[2 p + 1] = lut[n, c0], lut[n, c1]. Lanes share the work.
+// Channel n's table at width BITS into `table` (AP_TABLE_FLOATS words). For BITS <= 4, the table of code pairs:
+// pair p = (c0 << BITS) | c1 as the fp16 pair lut[n, c0] | lut[n, c1] << 16, held twice, interleaved (word
+// 2 p + copy), lane l reading copy l % 2. A warp's 32 lookups then fall into two halves of 16 banks each, about 3
+// wavefronts, where one copy of float32 pairs (one 64-bit load, two banks a lookup) took about 6. Above 4 bits,
+// entry e = lut[n, e] as float32. Lanes share the work.
 template <int BITS>
 QK_FN void fill_table(const AnyPrecArgs& a, int n, int lane, float* table) {
   const qk_half* lut = a.lut + (size_t)n * (1 << BITS);
   if (BITS <= 4) {
-    for (int p = lane; p < 1 << (2 * BITS); p += 32) {
-      table[2 * p] = half_to_float(lut[p >> BITS]);
-      table[2 * p + 1] = half_to_float(lut[p & ((1 << BITS) - 1)]);
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(table);
+    for (int w = lane; w < 2 << (2 * BITS); w += 32) {
+      const int p = w / 2;
+      pairs[w] = (uint32_t)lut[p >> BITS] | (uint32_t)lut[p & ((1 << BITS) - 1)] << 16;
     }
   } else {
     for (int e = lane; e < 1 << BITS; e += 32) table[e] = half_to_float(lut[e]);
@@ -109,11 +113,10 @@ QK_FN void partials_of_words(const AnyPrecArgs& a, const float* table, const uin
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
       const uint32_t c0 = codes[8 * j + e], c1 = codes[8 * j + e + 1];
-      if (BITS <= 4) {
-        uint32_t lo, hi;  // the pair's two floats: one 64-bit load
-        load_u64(table + 2 * ((c0 << BITS) | c1), lo, hi);
-        w[e] = as_float(lo);
-        w[e + 1] = as_float(hi);
+      if (BITS <= 4) {  // the pair's two fp16 values: one 32-bit load from the lane's copy
+        const uint32_t pair = reinterpret_cast<const uint32_t*>(table)[2 * ((c0 << BITS) | c1) + (lane & 1)];
+        w[e] = half_to_float((qk_half)(pair & 0xFFFFu));
+        w[e + 1] = half_to_float((qk_half)(pair >> 16));
       } else {
         w[e] = table[c0];
         w[e + 1] = table[c1];
