@@ -560,24 +560,26 @@ def render_bars(checks: list[Bar], device: str):
 
 
 def render(rows: list[Row], bandwidth: float, device: str):
-    """A rich Table of the rows with TOPS, GB/s, share of the copy bandwidth, and speedups over the baselines."""
+    """A rich Table of the rows with TOPS, GB/s, share of the copy bandwidth, speedups over the baselines and, for
+    decode rows, the time over the read floor of the shape's 4-bit bytes (1.00x: as fast as a plain read)."""
     from rich.table import Table
 
     table = Table(title=f"{device}: kernels against cuBLAS (medians of CUDA-event timings; under 100 us per call, "
                   "of CUDA-graph replays, as engines run decode GEMMs; '1 launch': each call alone); copy bandwidth "
                   f"{bandwidth:.0f} GB/s")
     for column in ("N x K", "M", "kernel", "function", "time (us)", "1 launch (us)", "TOPS", "GB/s", "% copy BW",
-                   "vs FP16", "vs INT8 (faster)"):
+                   "vs FP16", "vs INT8 (faster)", "x read floor"):
         table.add_column(column, justify="left" if column in ("kernel", "function", "N x K") else "right")
     by_case: dict[tuple[int, int, int], dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault((r.n, r.k, r.m), {})[r.label] = r
     for (n, k, m), case in by_case.items():
-        fp16, int8 = case.get(FP16), int8_baseline(case)
+        fp16, int8, floor = case.get(FP16), int8_baseline(case), case.get(READ_FLOOR)
         for r in case.values():
             single = f"{r.launch_seconds * 1e6:.1f}" if r.launch_seconds is not None else "-"
             table.add_row(f"{n} x {k}", str(m), r.label, r.kernel, f"{r.seconds * 1e6:.1f}", single, f"{r.tops:.1f}",
                           f"{r.gbps:.0f}", f"{100 * r.gbps / bandwidth:.0f}%",
                           f"{fp16.seconds / r.seconds:.2f}x" if fp16 else "-",
-                          f"{int8.seconds / r.seconds:.2f}x" if int8 else "-")
+                          f"{int8.seconds / r.seconds:.2f}x" if int8 else "-",
+                          f"{r.seconds / floor.seconds:.2f}x" if floor and r.variant else "-")
     return table

@@ -510,7 +510,8 @@ def test_hopper_overlap_build_keeps_one_step_of_wgmmas_in_flight(name, tmp_path)
     src = kernels.source_dir()
     flags = ["-DQK_WGMMA", "-DQK_WGMMA_OVERLAP=1", "-std=c++17"]
     done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", *flags, "-cubin", "-Xptxas", "-v",
-                           str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True)
+                           str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "serialized" not in done.stderr, done.stderr
     entry = done.stderr[done.stderr.index(f"'{name}_wgmma'"):]
@@ -644,20 +645,24 @@ def test_bench_needs_a_gpu_and_says_so():
 def test_bench_table_computes_rates_and_speedups():
     from rich.console import Console
 
-    from quantkit.kernel_bench import Row, render
+    from quantkit.kernel_bench import READ_FLOOR, Row, Variant, render
 
     rows = [Row(4096, 4096, 16, "cuBLAS FP16 (torch.matmul)", 100e-6, 2 * 4096 * 4096),
-            Row(4096, 4096, 16, "QServe W4A8 per channel", 25e-6, 4096 * 4096 // 2)]
-    assert rows[1].tops == pytest.approx(2 * 16 * 4096 * 4096 / 25e-6 / 1e12)
-    assert rows[1].gbps == pytest.approx(4096 * 4096 / 2 / 25e-6 / 1e9)
-    console = Console(width=200, record=True)
+            Row(4096, 4096, 16, READ_FLOOR, 10e-6, 4096 * 4096 // 2),
+            Row(4096, 4096, 16, "QServe W4A8 per channel", 25e-6, 4096 * 4096 // 2,
+                variant=Variant("QServe W4A8 per channel", "qserve"))]
+    assert rows[2].tops == pytest.approx(2 * 16 * 4096 * 4096 / 25e-6 / 1e12)
+    assert rows[2].gbps == pytest.approx(4096 * 4096 / 2 / 25e-6 / 1e9)
+    console = Console(width=250, record=True)
     console.print(render(rows, bandwidth=3000.0, device="test GPU"))
     text = console.export_text()
-    assert "4.00x" in text and "1.00x" in text and "test GPU" in text
+    kernel_line = next(line for line in text.splitlines() if "QServe" in line)
+    assert "4.00x" in kernel_line and "2.50x" in kernel_line  # vs FP16; over the read floor
+    assert "1.00x" in text and "test GPU" in text
 
 
 def test_bench_bars_apply_the_issue_thresholds():
-    from quantkit.kernel_bench import FP16, INT8, Row, Variant, bars
+    from quantkit.kernel_bench import FP16, INT8, INT8_GEMMEX, Row, Variant, bars
 
     qserve, anyprec = Variant("QServe W4A8 g128", "qserve", group=128), Variant("AP 3-bit", "anyprec", bits=3)
     n, k = 4096, 4096
@@ -673,6 +678,10 @@ def test_bench_bars_apply_the_issue_thresholds():
     assert len(checks) == 4  # no bandwidth bar for Any-Precision, no INT8 bar at M = 16
     low = bars(rows, bandwidth=400.0)  # 215 GB/s of 400 is 54%
     assert not next(c for c in low if "bandwidth" in c.requirement).met
+    # a faster INT8 baseline (a direct cublasGemmEx) sets the bar: 0.81x of _int_mm is 0.65x of it
+    faster = bars([*rows, Row(n, k, 1024, INT8_GEMMEX, 40e-6, n * k)], bandwidth=300.0)
+    int8_bar = next(c for c in faster if "INT8" in c.requirement)
+    assert not int8_bar.met and int8_bar.measured == "0.65x"
 
 
 def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
