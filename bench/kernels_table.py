@@ -2,10 +2,11 @@
 sweep.json to its --out folder), as Markdown:
 
 1. issue #6's bars, one line per (shape, M, kernel) they apply to, with the device and its copy bandwidth;
-2. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
+2. with --grid M,...: per M, every row against the shapes (times, speedups, bandwidth shares);
+3. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
    what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from.
 
-    PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--sweep OUT/sweep.json]
+    PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--grid 1,16,1024] [--sweep OUT/sweep.json]
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ import argparse
 import json
 from pathlib import Path
 
-from quantkit.kernel_bench import markdown_bars, markdown_sweep
+from quantkit.kernel_bench import markdown_bars, markdown_grid, markdown_sweep
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", type=Path, help="quantkit bench --json output (the default paths)")
+    parser.add_argument("--grid", help="token counts to tabulate against the shapes, e.g. 1,16,1024")
     parser.add_argument("--sweep", type=Path, help="quantkit bench --paths all --json output")
     args = parser.parse_args()
-    print(markdown_bars(json.loads(args.bench.read_text())))
+    report = json.loads(args.bench.read_text())
+    print(markdown_bars(report))
+    for m in (int(v) for v in args.grid.split(",")) if args.grid else ():
+        print()
+        print(markdown_grid(report, m))
     if args.sweep:
         print()
         print(markdown_sweep(json.loads(args.sweep.read_text())))

@@ -527,6 +527,43 @@ def markdown_bars(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_grid(report: dict, m: int) -> str:
+    """From a `report`, the rows at one M as a Markdown table with a column per shape: the baselines' times (TOPS at
+    M > 16, the read floor's share of the copy bandwidth), then each kernel's time with its speedup over cuBLAS FP16
+    and, at M > 16, over the faster INT8 baseline, or at M <= 16 its share of the copy bandwidth (the README's
+    kernel tables)."""
+    bandwidth = report["copy_bandwidth_gbps"]
+    rows = [r for r in report["rows"] if r["m"] == m]
+    shapes = list(dict.fromkeys((r["n"], r["k"]) for r in rows))
+    by = {(r["label"], r["n"], r["k"]): r for r in rows}
+
+    def cell(label: str, n: int, k: int) -> str:
+        r = by.get((label, n, k))
+        if r is None:
+            return "-"
+        text = f"{r['seconds'] * 1e6:.1f} us"
+        if r["format"] is None:
+            return (f"{text}, {100 * r['gbps'] / bandwidth:.0f}% BW" if label == READ_FLOOR
+                    else f"{text} ({r['tops']:.0f} TOPS)" if m > 16 else text)
+        fp16 = by.get((FP16, n, k))
+        int8 = min((by[(lab, n, k)] for lab in (INT8, INT8_GEMMEX) if (lab, n, k) in by), key=lambda b: b["seconds"],
+                   default=None)
+        parts = [f"{fp16['seconds'] / r['seconds']:.2f}x FP16"] if fp16 else []
+        if m > 16 and int8:
+            parts.append(f"{int8['seconds'] / r['seconds']:.2f}x INT8")
+        elif m <= 16 and r["format"] != "anyprec":
+            parts.append(f"{100 * r['gbps'] / bandwidth:.0f}% BW")
+        return f"{text}: {', '.join(parts)}" if parts else text
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    labels.sort(key=lambda lab: by[next((lab, n, k) for n, k in shapes if (lab, n, k) in by)]["format"] is not None)
+    lines = [f"| M = {m} | " + " | ".join(f"{n} x {k}" for n, k in shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(cell(label, n, k) for n, k in shapes) + " |")
+    return "\n".join(lines)
+
+
 def markdown_sweep(report: dict) -> str:
     """From a `--paths all` report: per kernel variant and M, each path's time summed over the shapes, and the
     fastest path (what the M thresholds between the paths are set from)."""

@@ -723,6 +723,10 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     sweep = kb.markdown_sweep(data).splitlines()
     assert any(line.startswith("| QServe W4A8 g128 | 4 |") for line in sweep)
     assert all(line.count("|") == sweep[0].count("|") for line in sweep)
+    grid = kb.markdown_grid(data, 4).splitlines()  # the README's per-M tables: baselines first, then the kernels
+    assert grid[0] == "| M = 4 | 256 x 640 |" and grid[2] == "| cuBLAS FP16 (torch.matmul) | 40.0 us |"
+    assert "| QServe W4A8 g128 [small-M] | 8.0 us: 5.00x FP16, 0% BW |" in grid  # 10 us launches, 8 us replayed
+    assert len(grid) == 2 + 1 + len({r.label for r in rows if r.m == 4 and r.variant is not None})
 
 
 def test_bench_replays_short_kernels_in_cuda_graphs(monkeypatch):
