@@ -1,6 +1,7 @@
 // Atom W4A4 GEMM with INT8 outliers on the `atom` layout (quantkit/formats/atom.py; Atom's LinearInt4):
 // out[M, N] (fp16) = fp16(sum over groups g, in order, outliers last, of float(P_g) * (s_x[m, g] * s_w[g, n])),
-// P_g the exact int32 product of group g's codes: INT4 mma.m16n8k64 on each group of 128 normal columns (two MMAs),
+// P_g the exact int32 product of group g's codes: INT4 mma.m16n8k64 on each group of 128 normal columns (two MMAs;
+// on Hopper, which has no INT4 tensor cores, each as two INT8 MMAs on the sign-extended codes: mma_int4),
 // INT8 mma.m16n8k32 on the 128 outlier columns (four MMAs). Each partial is scaled as soon as its group is done
 // (Atom's partial-sum dequantization: a float32 accumulator beside the int32 one), in float32 without contraction.
 //
@@ -191,8 +192,8 @@ struct AtomTiled {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           if (int4) {
-            mma_s4(acc.c[i][2 * p], fa[i], b);
-            mma_s4(acc.c[i][2 * p + 1], fa[i], b + 2);
+            mma_int4(acc.c[i][2 * p], fa[i], b);
+            mma_int4(acc.c[i][2 * p + 1], fa[i], b + 2);
           } else {
             mma_s8(acc.c[i][2 * p], fa[i], b);
             mma_s8(acc.c[i][2 * p + 1], fa[i], b + 2);
@@ -221,7 +222,7 @@ __device__ __forceinline__ void atom_group_products(const qk::AtomArgs& a, int m
     qk::step_fragments(r, s, fa, fb);
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
-      if (int4) mma_s4(partial[nb], fa, fb[nb]);
+      if (int4) mma_int4(partial[nb], fa, fb[nb]);
       else mma_s8(partial[nb], fa, fb[nb]);
     }
   }

@@ -100,6 +100,38 @@ void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32]
   }
 }
 
+// One warp's INT4 MMA as the kernels run it on Hopper and later (QK_INT4_AS_INT8): two INT8 m16n8k32 MMAs on the
+// codes sign-extended to bytes (int4_half_as_int8).
+void mma_warp_int4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+  for (int h = 0; h < 2; ++h) {
+    uint32_t a8[32][4], b8[32][2];
+    for (int lane = 0; lane < 32; ++lane) qk::int4_half_as_int8(a[lane], b[lane], h, a8[lane], b8[lane]);
+    mma_warp(c, a8, b8);
+  }
+}
+
+// How many of `trials` random INT4 MMAs (fragments and accumulators from an LCG seeded with `seed`) give other
+// int32 outputs through mma_warp_int4 than through the PTX ISA's mma.m16n8k64 .s4 (mma_warp_s4): 0 when the
+// INT8 rewrite pairs every k of A with the same k of B.
+extern "C" int qk_int4_as_int8_mismatches(int trials, unsigned seed) {
+  uint32_t state = seed;
+  auto next = [&]() { state = state * 1664525u + 1013904223u; return state; };
+  int mismatches = 0;
+  for (int t = 0; t < trials; ++t) {
+    uint32_t a[32][4], b[32][2];
+    int32_t c1[32][4], c2[32][4];
+    for (int lane = 0; lane < 32; ++lane) {
+      for (int r = 0; r < 4; ++r) a[lane][r] = next();
+      for (int r = 0; r < 2; ++r) b[lane][r] = next();
+      for (int r = 0; r < 4; ++r) c1[lane][r] = c2[lane][r] = (int32_t)next();
+    }
+    mma_warp_s4(c1, a, b);
+    mma_warp_int4(c2, a, b);
+    mismatches += std::memcmp(c1, c2, sizeof(c1)) != 0;
+  }
+  return mismatches;
+}
+
 // D = A B + C for one warp's mma.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA fragments: A register r of lane 4 g + q
 // holds row g (+8 for r odd) at k 2 q, 2 q + 1 (+8 for r >= 2); B register r holds k 2 q, 2 q + 1 (+8 for r = 1)
 // of column g; C as for the integer MMAs). Each sum in double, rounded once to float: a model of the tensor cores,
@@ -512,7 +544,7 @@ void atom_group_products_host(const qk::AtomArgs& a, int mt, int nt, int gi, int
       for (int nb = 0; nb < 2; ++nb) std::memcpy(fb[nb][lane], b[nb], sizeof(b[nb]));
     }
     for (int nb = 0; nb < 2; ++nb) {
-      if (int4) mma_warp_s4(partial[nb], fa, fb[nb]); else mma_warp(partial[nb], fa, fb[nb]);
+      if (int4) mma_warp_int4(partial[nb], fa, fb[nb]); else mma_warp(partial[nb], fa, fb[nb]);
     }
   }
 }
@@ -567,7 +599,7 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
         ldsm_x4_lanes(b, stage, [&](int lane) { return T::b_row(warp, p, kk, lane); });
         for (int half = 0; half < 2; ++half) {
           for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[lane][2 * half], sizeof(bn[lane]));
-          for (int i = 0; i < 2; ++i) mma_into(int4 ? mma_warp_s4 : mma_warp, acc, i, 2 * p + half, fa[i], bn);
+          for (int i = 0; i < 2; ++i) mma_into(int4 ? mma_warp_int4 : mma_warp, acc, i, 2 * p + half, fa[i], bn);
         }
       }
     }

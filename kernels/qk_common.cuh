@@ -64,6 +64,37 @@ QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
 QK_FN uint32_t lo_nibbles(uint32_t v) { return v & 0x0F0F0F0Fu; }
 QK_FN uint32_t hi_nibbles(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
 
+// Hopper (and later) has no INT4 tensor cores: mma.sync .s4 runs there at a fraction of the INT8 rate (Atom's
+// kernels measured 5-8x slower than the W4A8 ones on an H200). There an INT4 m16n8k64 MMA is done as two INT8
+// m16n8k32 MMAs on the same codes sign-extended to bytes: the same exact int32 sum. The warp simulator takes this
+// path too, so the tests check it against the emulation.
+#if defined(QK_HOST) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+#define QK_INT4_AS_INT8 1
+#else
+#define QK_INT4_AS_INT8 0
+#endif
+
+// The even (nibbles 0, 2, 4, 6) or odd (1, 3, 5, 7) two's-complement INT4 codes of w as four INT8, sign-extended:
+// a nibble t in a byte becomes t | 0xF0 when its bit 3 is set ((t & 8) * 30 = 0xF0 carries into no other byte).
+QK_FN uint32_t int4_as_bytes(uint32_t w, bool odd) {
+  const uint32_t t = odd ? hi_nibbles(w) : lo_nibbles(w);
+  return t | ((t & 0x08080808u) * 0x1Eu);
+}
+
+// Half h (k 32 h .. 32 h + 31) of an INT4 m16n8k64 MMA's fragments as an INT8 m16n8k32 MMA's. INT4 A register r
+// holds k 8 q .. 8 q + 7 (+ 32 for r >= 2) of row g (+ 8 for r odd), B register r k 8 q .. (+ 32 r) of column g;
+// INT8 A registers 0, 1 fill k slots 4 q .. 4 q + 3 of rows g, g + 8 and 2, 3 slots 16 + 4 q .., B registers 0, 1
+// the same slots. The even codes go to the first slots and the odd ones to the second, in A and B alike, so each
+// slot pairs the same k of both operands and the two halves together cover the 64 k once.
+QK_FN void int4_half_as_int8(const uint32_t a[4], const uint32_t b[2], int h, uint32_t a8[4], uint32_t b8[2]) {
+  a8[0] = int4_as_bytes(a[2 * h], false);
+  a8[1] = int4_as_bytes(a[2 * h + 1], false);
+  a8[2] = int4_as_bytes(a[2 * h], true);
+  a8[3] = int4_as_bytes(a[2 * h + 1], true);
+  b8[0] = int4_as_bytes(b[h], false);
+  b8[1] = int4_as_bytes(b[h], true);
+}
+
 // Float32 operations the compiler must not contract into FMAs: the epilogue order is part of the contract.
 QK_FN float fmul(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -527,6 +558,21 @@ __device__ __forceinline__ void mma_s4(int32_t c[4], const uint32_t a[4], const 
       "{%0, %1, %2, %3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// D = A B + C for INT4 fragments: mma.sync .s4 where the tensor cores have INT4, else two INT8 MMAs
+// (QK_INT4_AS_INT8, int4_half_as_int8).
+__device__ __forceinline__ void mma_int4(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if QK_INT4_AS_INT8
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t a8[4], b8[2];
+    qk::int4_half_as_int8(a, b, h, a8, b8);
+    mma_s8(c, a8, b8);
+  }
+#else
+  mma_s4(c, a, b);
+#endif
 }
 #if defined(QK_WGMMA)
 // The wgmma primitives (PTX ISA 8.0+, sm_90a only: built into the *_wgmma kernels when QK_WGMMA is defined).

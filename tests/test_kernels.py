@@ -282,6 +282,18 @@ def test_atom_split_groups_match_the_emulation(groups, splits):
 
 
 @needs_compiler
+def test_int4_mma_as_two_int8_mmas_gives_the_same_sums():
+    """Hopper has no INT4 tensor cores, so there the Atom kernels run each INT4 m16n8k64 MMA as two INT8 m16n8k32
+    MMAs on sign-extended codes: over random fragments (every code, accumulators that wrap), the warp simulator's
+    PTX-ISA model of the INT4 MMA and the rewrite agree on every int32 output."""
+    import ctypes
+
+    lib = kernels.host_library()
+    lib.qk_int4_as_int8_mismatches.restype = ctypes.c_int
+    assert lib.qk_int4_as_int8_mismatches(ctypes.c_int(200), ctypes.c_uint(12345)) == 0
+
+
+@needs_compiler
 def test_atom_split_groups_fold_in_group_order():
     """Groups 0 and 1 contribute +H and -H exactly, group 2 a small t: in group order the sum is t, in any other
     order of the round t is lost against H. Copies 0-2 of the warp take one group each, so only copy 0 folding
