@@ -4,6 +4,8 @@ Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per cha
 Llama-3-8B's shapes at M = 1 and 16, under each configuration of
   - QK_SMALLM_AHEAD: K steps' loads per round into registers (compile time, kernels/qk_common.cuh
     pipelined_steps),
+  - QK_SMALLM_A_LATE: the activations loaded at their step's MMAs rather than with the weights, so that a round's
+    registers hold weights alone and more steps fit (compile time),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
@@ -32,9 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 # faster than 8 plain loads a round, and they are gone from the kernels.
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
     "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
-    "U4": ({"QK_SMALLM_AHEAD": 4}, 2048, 8),
     "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
-    "U8-w1024": ({"QK_SMALLM_AHEAD": 8}, 1024, 8),
+    "U8-late": ({"QK_SMALLM_AHEAD": 8, "QK_SMALLM_A_LATE": 1}, 2048, 8),
+    "U12-late": ({"QK_SMALLM_AHEAD": 12, "QK_SMALLM_A_LATE": 1}, 2048, 8),
+    "U16-late": ({"QK_SMALLM_AHEAD": 16, "QK_SMALLM_A_LATE": 1}, 2048, 8),  # QServe and QQQ spill a little
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

@@ -462,6 +462,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 #ifndef QK_SMALLM_AHEAD
 #define QK_SMALLM_AHEAD 8
 #endif
+// With QK_SMALLM_A_LATE the activations (a few rows, cached) are loaded at their step's MMAs instead of with the
+// weights, so that the registers of a round hold only weights and more steps fit in flight (a tuning knob, off).
+#ifndef QK_SMALLM_A_LATE
+#define QK_SMALLM_A_LATE 0
+#endif
 
 // Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
 // loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
