@@ -492,7 +492,6 @@ __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps
   }
 }
 
-
 // ldmatrix.x4 of b16 8 x 8 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives, of each
 // matrix j, the 4 bytes 4 (l % 4) .. of its row l / 4 in d[j] (PTX ISA, "ldmatrix").
 __device__ __forceinline__ void ldsm_x4(uint32_t d[4], const void* row) {
