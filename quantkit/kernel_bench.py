@@ -364,8 +364,9 @@ def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
 
 def gemmex_int8(m: int, n: int, k: int) -> Callable[[], None]:
     """cuBLAS's INT8 GEMM called directly (cublasGemmEx, int32 compute, the "TN" layout its IMMA kernels want):
-    out[M, N] int32 = x[M, K] @ w[N, K]^T, with random operands, on torch's current stream (so that a torch CUDA
-    graph captures it) and a workspace of its own (cuBLAS allocates none while captured)."""
+    out[M, N] int32 = x[M, K] @ w[N, K]^T, with random operands, on torch's current stream, with a workspace of its
+    own. CuPy refuses cuBLAS calls while a stream is being captured (CuPy 14), so `timing`'s graph replay fails for
+    it with a warning and it is timed by single launches, which carry a few microseconds of launch overhead."""
     import cupy
     from cupy_backends.cuda.libs import cublas
 
