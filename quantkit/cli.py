@@ -407,10 +407,11 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
 def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
               warmup: int, iters: int, json_path: Path | None) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
-    (torch._int_mm) on the same shapes, in one run: CUDA events, warm-up, medians (a call under 100 us is timed
-    per call in replayed CUDA graphs, as engines run decode GEMMs, and its single-launch time is shown beside);
-    operands rotate past the L2 cache. Prints time, TOPS, achieved GB/s against the device's measured copy
-    bandwidth, and the speedups; then issue #6's bars on every row they apply to. OUTPUT: the linears of one
+    (torch._int_mm and cublasGemmEx; the faster sets the bar) on the same shapes, in one run: CUDA events, warm-up,
+    medians (a call under 100 us is timed per call in replayed CUDA graphs, as engines run decode GEMMs, and its
+    single-launch time is shown beside); operands rotate past the L2 cache. Prints time, TOPS, achieved GB/s
+    against the device's measured copy bandwidth, the speedups and, for decode (M <= 16), the time over a plain
+    read of the shape's 4-bit bytes; then issue #6's bars on every row they apply to. OUTPUT: the linears of one
     layer of that artifact, with its own stored tensors; otherwise every layout on synthetic tensors of the
     --shapes set. Needs a CUDA device and CuPy (pip install 'quantkit[cuda]');
     the baselines need a CUDA build of torch."""
