@@ -69,8 +69,7 @@ def worker(name: str, ms: tuple[int, ...], cache: Path) -> dict:
     import torch
 
     from quantkit import kernel_bench, kernels
-    from quantkit.emulate import emulate_atom_quantized, emulate_quantized
-    from quantkit.kernel_bench import rotation, timing, variant_launch, weight_bytes
+    from quantkit.kernel_bench import emulated_out, rotation, timing, variant_launch, weight_bytes
 
     _, warps, min_steps = CONFIGS[name]
     kernels.SPLITK_WARPS, kernels.SPLITK_MIN_STEPS = warps, min_steps
@@ -80,15 +79,7 @@ def worker(name: str, ms: tuple[int, ...], cache: Path) -> dict:
         tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
         launch = variant_launch(v, tensors, 3, k, seed=4)
         out = kernels.run(launch, "cuda").view(np.uint16)
-        if v.fmt == "atom":  # from the same reordered codes and scales
-            x4, x8, s_x = launch.args[:3]
-            nibbles = np.stack([x4 & 0xF, x4 >> 4], axis=-1).reshape(3, -1).astype(np.int64)
-            codes = np.concatenate([np.where(nibbles >= 8, nibbles - 16, nibbles), x8.astype(np.int64)], axis=1)
-            ref = emulate_atom_quantized(tensors, codes, s_x).out
-        else:
-            ref = emulate_quantized(v.fmt, tensors, launch.args[0], launch.args[1],
-                                    launch.args[2] if v.fmt == "qserve" else None).out
-        checked[v.label] = bool(np.array_equal(out, ref.view(np.uint16)))
+        checked[v.label] = bool(np.array_equal(out, emulated_out(v.fmt, tensors, launch)))
         for n, k in kernel_bench.SHAPE_SETS["llama3-8b"]:
             tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
             for m in ms:

@@ -146,6 +146,24 @@ def variant_launch(variant: Variant, tensors: dict[str, torch.Tensor], m: int, k
     return LAUNCHES[variant.fmt](tensors, x, s_x, rng.standard_normal(m).astype(np.float32), **force)
 
 
+def emulated_out(fmt: str, tensors: dict[str, torch.Tensor], launch: Launch, bits: int | None = None) -> np.ndarray:
+    """The emulation's fp16 output (uint16 bits) from the very inputs a bit-exact launch of `variant_launch` holds
+    (not the Any-Precision tensor-core kernel's, which is checked within a bound): Any-Precision's fp16
+    activations at width `bits`, Atom's reordered INT4 and INT8 codes and scales, or the W4A8 layouts' INT8
+    activations, scales (and sums, QServe)."""
+    from quantkit.emulate import emulate_anyprec, emulate_atom_quantized, emulate_quantized
+
+    if fmt == "anyprec":
+        return emulate_anyprec(tensors, launch.args[0].view(np.float16), bits)[1].view(np.uint16)
+    if fmt == "atom":
+        x4, x8, s_x = launch.args[:3]
+        nibbles = np.stack([x4 & 0xF, x4 >> 4], axis=-1).reshape(x4.shape[0], -1).astype(np.int64)
+        codes = np.concatenate([np.where(nibbles >= 8, nibbles - 16, nibbles), x8.astype(np.int64)], axis=1)
+        return emulate_atom_quantized(tensors, codes, s_x).out.view(np.uint16)
+    return emulate_quantized(fmt, tensors, launch.args[0], launch.args[1],
+                             launch.args[2] if fmt == "qserve" else None).out.view(np.uint16)
+
+
 def weight_bytes(tensors: dict[str, torch.Tensor], variant: Variant) -> int:
     """Bytes of stored weight data the kernel reads (Any-Precision: only the planes and table of its width)."""
     if variant.fmt == "anyprec":

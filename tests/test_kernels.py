@@ -615,8 +615,7 @@ _bench = __import__("quantkit.kernel_bench", fromlist=["VARIANTS"])
 def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     """What `quantkit bench` times is the kernel the tests check: each variant's launch (each path of `--paths
     all` too), on a small shape, gives the emulation's output in the warp simulator."""
-    from quantkit.emulate import emulate_anyprec, emulate_atom_quantized, emulate_quantized
-    from quantkit.kernel_bench import variant_launch
+    from quantkit.kernel_bench import emulated_out, variant_launch
 
     n, k, m = 128, 256, 5
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
@@ -629,19 +628,8 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     assert out.shape == (m, n) and np.isfinite(out).all()
     if launch.name == "anyprec_gemm_tc":
         assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
-    elif variant.fmt == "anyprec":
-        np.testing.assert_array_equal(out, emulate_anyprec(tensors, launch.args[0].view(np.float16), variant.bits)[1])
-    elif variant.fmt == "atom":  # from the same reordered codes and scales
-        x4, x8, s_x = launch.args[:3]
-        nibbles = np.stack([x4 & 0xF, x4 >> 4], axis=-1).reshape(m, -1).astype(np.int64)
-        codes = np.concatenate([np.where(nibbles >= 8, nibbles - 16, nibbles), x8.astype(np.int64)], axis=1)
-        reference = emulate_atom_quantized(tensors, codes, s_x)
-        np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
-    else:  # the W4A8 launches: the emulation from the same INT8 activations, scales (and sums, QServe)
-        x_int8, s_x = launch.args[0], launch.args[1]
-        reference = emulate_quantized(variant.fmt, tensors, x_int8, s_x,
-                                      launch.args[2] if variant.fmt == "qserve" else None)
-        np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+    else:  # the emulation from the launch's own inputs (Atom: the same reordered codes and scales)
+        np.testing.assert_array_equal(out.view(np.uint16), emulated_out(variant.fmt, tensors, launch, variant.bits))
 
 
 def test_bench_needs_a_gpu_and_says_so():
