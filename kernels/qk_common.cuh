@@ -659,33 +659,33 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
     cp_async_commit();
     const int slot = kt % T::STAGES;
+    // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
+    auto issue = [&](uint32_t (&fa)[T::BK / 32][4]) {
+      F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < T::BK / 32; ++kk)
+        wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
+      wgmma_commit();
+    };
 #if QK_WGMMA_OVERLAP
     // Step kt's wgmmas run while step kt + 1's weights are unpacked: two register sets of A fragments by the
     // parity of kt, and each set tied (fence_operands) to the program after the wgmma_wait<1> that retires the
     // wgmmas reading it, so that the compiler reuses none of its registers while the tensor cores may still read
     // them (which it did on an H200 with one set and no tie: wrong LiquidQuant rows g + 8).
-    auto step = [&](uint32_t (&mine)[T::BK / 32][4], uint32_t (&other)[T::BK / 32][4]) {
-      F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, mine);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < T::BK / 32; ++kk)
-        wgmma_s8_m64n128k32(acc.d, mine[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
-      wgmma_commit();
+    // Each set named in its own branch: a set chosen at run time would live in local memory.
+    auto overlapped = [&](uint32_t (&mine)[T::BK / 32][4], uint32_t (&other)[T::BK / 32][4]) {
+      issue(mine);
       wgmma_wait<1>();  // step kt - 1's wgmmas are done: `other` may be written from here on
       fence_operands(other);
     };
     if (kt % 2 == 0)
-      step(fa0, fa1);
+      overlapped(fa0, fa1);
     else
-      step(fa1, fa0);
+      overlapped(fa1, fa0);
 #else
     uint32_t fa[T::BK / 32][4];
-    F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < T::BK / 32; ++kk)
-      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
-    wgmma_commit();
+    issue(fa);
     // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
     // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
     // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
