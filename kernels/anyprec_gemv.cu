@@ -19,7 +19,7 @@ namespace qk {
 constexpr int AP_CHUNK = 1024, AP_TOKENS = 8, AP_WARPS = 8;
 
 // 32-bit words of a channel's shared table (fill_table): 2 x 4^BITS fp16 pairs up to 4 bits, else 2^BITS floats.
-constexpr int AP_TABLE_FLOATS = 512;
+constexpr int AP_TABLE_WORDS = 512;
 
 struct AnyPrecArgs {
   const qk_half* x;       // [M, K] activations (fp16)
@@ -60,7 +60,7 @@ QK_FN void transpose_planes(const uint32_t words[BITS], uint32_t codes[32]) {
   }
 }
 
-// Channel n's table at width BITS into `table` (AP_TABLE_FLOATS words). For BITS <= 4, the table of code pairs:
+// Channel n's table at width BITS into `table` (AP_TABLE_WORDS words). For BITS <= 4, the table of code pairs:
 // pair p = (c0 << BITS) | c1 as the fp16 pair lut[n, c0] | lut[n, c1] << 16, held twice, interleaved (word
 // 2 p + copy), lane l reading copy l % 2. A warp's 32 lookups then fall into two halves of 16 banks each, about 3
 // wavefronts, where one copy of float32 pairs (one 64-bit load, two banks a lookup) took about 6. Above 4 bits,
@@ -380,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc(const qk_half*
 }
 
 template <int BITS>
-__device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_FLOATS]) {
+__device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_WORDS]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int channel = qk::AP_WARPS * blockIdx.x + warp, m0 = qk::AP_TOKENS * blockIdx.y;
   if (channel >= args.n) return;  // no block-wide barrier follows: each warp has its own table
@@ -426,7 +426,7 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
 extern "C" __global__ void __launch_bounds__(256) anyprec_gemv(const qk_half* x, const uint32_t* planes,
                                                                const qk_half* lut, qk_half* out, int m, int n, int k,
                                                                int bits) {
-  __shared__ __align__(16) float tables[qk::AP_WARPS][qk::AP_TABLE_FLOATS];  // 16 KiB: one table a warp
+  __shared__ __align__(16) float tables[qk::AP_WARPS][qk::AP_TABLE_WORDS];  // 16 KiB: one table a warp
   const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
   // one instantiation per width: constant indices, registers only
   qk::with_width(bits, [&](auto width) { anyprec_gemv_at<decltype(width)::value>(args, tables); });

@@ -612,7 +612,7 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
 // included (each lane adds its partner's value).
 template <int BITS>
 void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
-  std::vector<float> table(qk::AP_TABLE_FLOATS);
+  std::vector<float> table(qk::AP_TABLE_WORDS);
   float v[32][qk::AP_TOKENS], next[32][qk::AP_TOKENS];
   for (int channel = 0; channel < args.n; ++channel) {
     for (int lane = 0; lane < 32; ++lane) qk::fill_table<BITS>(args, channel, lane, table.data());

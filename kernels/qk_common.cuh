@@ -208,17 +208,6 @@ QK_FN void load_u128(const void* p, uint32_t w[4]) {
 #endif
 }
 
-// The float whose bits are v.
-QK_FN float as_float(uint32_t v) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(v);
-#else
-  float f;
-  std::memcpy(&f, &v, 4);
-  return f;
-#endif
-}
-
 // Loads of a float and of 2 bytes (p aligned to their size).
 QK_FN float load_f32(const void* p) {
 #if defined(__CUDA_ARCH__)
