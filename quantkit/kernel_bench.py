@@ -471,11 +471,11 @@ FP16, INT8, INT8_GEMMEX = "cuBLAS FP16 (torch.matmul)", "cuBLAS INT8 (torch._int
 READ_FLOOR = "read of the 4-bit weights' bytes (floor)"
 
 
-def int8_baseline(case: dict[str, Row]) -> Row | None:
+def int8_baseline(case: dict, seconds: Callable = lambda r: r.seconds):
     """Of one (N, K, M)'s rows by label, the faster cuBLAS INT8 baseline (torch._int_mm or cublasGemmEx): the
-    bar is set against the best INT8 rate the device showed."""
-    return min((case[label] for label in (INT8, INT8_GEMMEX) if label in case), key=lambda r: r.seconds,
-               default=None)
+    bar is set against the best INT8 rate the device showed. Rows are Row objects, or with `seconds` given, a
+    `report`'s row dicts."""
+    return min((case[label] for label in (INT8, INT8_GEMMEX) if label in case), key=seconds, default=None)
 
 
 @dataclass(frozen=True)
@@ -565,8 +565,8 @@ def markdown_grid(report: dict, m: int) -> str:
             return (f"{text}, {100 * r['gbps'] / bandwidth:.0f}% BW" if label == READ_FLOOR
                     else f"{text} ({r['tops']:.0f} TOPS)" if m > 16 else text)
         fp16 = by.get((FP16, n, k))
-        int8 = min((by[(lab, n, k)] for lab in (INT8, INT8_GEMMEX) if (lab, n, k) in by), key=lambda b: b["seconds"],
-                   default=None)
+        int8 = int8_baseline({lab: by[(lab, n, k)] for lab in (INT8, INT8_GEMMEX) if (lab, n, k) in by},
+                             lambda b: b["seconds"])
         parts = [f"{fp16['seconds'] / r['seconds']:.2f}x FP16"] if fp16 else []
         if m > 16 and int8:
             parts.append(f"{int8['seconds'] / r['seconds']:.2f}x INT8")
