@@ -7,18 +7,17 @@
    the other kernels' results. With --kernel sim, the kernel tests of tests/test_kernels.py instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
-2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; the
-   Hopper tests and the M = 1024 bench again with QK_WGMMA_OVERLAP=1 (the wgmma loop with two register sets,
-   against bench.json's default); then bench/profile_smallm.py under Nsight Compute (ncu), where the decode
-   kernels' time goes (GPU only; --skip-tune, --skip-overlap, --skip-profile leave them out).
+2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
+   bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
+   --skip-profile leave them out).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json, overlap.json and sweep.json,
-five files: the tool brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json and sweep.json, four files:
+the tool brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
 limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps the whole run: a step
 gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the table). On a machine
 without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
@@ -83,7 +82,6 @@ def main() -> None:
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
     parser.add_argument("--skip-tune", action="store_true", help="leave out bench/smallm_tune.py")
-    parser.add_argument("--skip-overlap", action="store_true", help="leave out the QK_WGMMA_OVERLAP=1 tests and bench")
     parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
     parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
@@ -107,12 +105,6 @@ def main() -> None:
         if not args.skip_tune:
             step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json")], args.out, results, 200,
                  env)
-        if not args.skip_overlap and env.get("QUANTKIT_WGMMA") != "0":  # the wgmma loop's overlap knob, A/B
-            overlap = {**env, "QUANTKIT_NVRTC_DEFINES": "QK_WGMMA_OVERLAP=1"}
-            if step("overlap-tests", [*pytest, "-m", "hopper"], args.out, results, 120, overlap) == 0:
-                step("overlap-bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--formats",
-                                       "qserve,qqq,liquidquant", "--m", "1024", "--json",
-                                       str(args.out / "overlap.json")], args.out, results, 150, overlap)
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$", *(f"--section={s}" for s in PROFILE),

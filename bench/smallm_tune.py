@@ -4,8 +4,6 @@ Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per cha
 Llama-3-8B's shapes at M = 1 and 16, under each configuration of
   - QK_SMALLM_AHEAD: K steps' loads per round into registers (compile time, kernels/qk_common.cuh
     pipelined_steps),
-  - QK_SMALLM_A_LATE: the activations loaded at their step's MMAs rather than with the weights, so that a round's
-    registers hold weights alone and more steps fit (compile time),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
@@ -27,17 +25,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. Three H200 runs
+# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. Four H200 runs
 # (README, "CUDA kernels"; bench/results/kernels_h200_smallm_tune.json) also tried the next round's register loads
 # issued before this round's MMAs (look-aheads 2 and 4), a split budget of 4096 warps of at least 4 steps, cp.async
-# into per-thread shared-memory slots (4 or 6 steps ahead) and the epilogue's scales prefetched to L2: none was
-# faster than 8 plain loads a round, and they are gone from the kernels.
+# into per-thread shared-memory slots (4 or 6 steps ahead), the epilogue's scales prefetched to L2 and the
+# activations loaded at their step's MMAs (8, 12 or 16 steps a round): none was faster than 8 plain loads a round,
+# and they are gone from the kernels.
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
     "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
     "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
-    "U8-late": ({"QK_SMALLM_AHEAD": 8, "QK_SMALLM_A_LATE": 1}, 2048, 8),
-    "U12-late": ({"QK_SMALLM_AHEAD": 12, "QK_SMALLM_A_LATE": 1}, 2048, 8),
-    "U16-late": ({"QK_SMALLM_AHEAD": 16, "QK_SMALLM_A_LATE": 1}, 2048, 8),  # QServe and QQQ spill a little
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

@@ -172,37 +172,27 @@ extern "C" __global__ void __launch_bounds__(512)
                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
-  constexpr int late = QK_SMALLM_A_LATE;  // the tokens loaded at their step's MMAs, not with the weights
-  struct Stage { uint32_t r[4], sa[2], b[late ? 1 : 4][2][2]; };
+  struct Stage { uint32_t r[4], sa[2], b[4][2][2]; };
   const int blocks = (m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
   int32_t acc[4][4] = {};
   pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(
       copy, splits, k / 64,
       [&](int kt, Stage& st) {
         qk::load_weights_raw(args, nt, kt, t, st.r, st.sa);
-        if constexpr (!late) {
 #pragma unroll
-          for (int tb = 0; tb < 4; ++tb)
-            if (tb < blocks)
+        for (int tb = 0; tb < 4; ++tb)
+          if (tb < blocks)
 #pragma unroll
-              for (int j = 0; j < 2; ++j) qk::load_tokens(args, tb0 + tb, kt, j, t % 32, st.b[late ? 0 : tb][j]);
-        }
+            for (int j = 0; j < 2; ++j) qk::load_tokens(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
       },
-      [&](int kt, const Stage& st) {
+      [&](int, const Stage& st) {
         uint32_t fa[2][4];
         qk::unpack_weights(st.r, st.sa, fa);
 #pragma unroll
         for (int tb = 0; tb < 4; ++tb)  // blocks past M would only multiply zeros into sums never stored
           if (tb < blocks)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              uint32_t b[2];
-              if constexpr (late)
-                qk::load_tokens(args, tb0 + tb, kt, j, t % 32, b);
-              else
-                b[0] = st.b[late ? 0 : tb][j][0], b[1] = st.b[late ? 0 : tb][j][1];
-              mma_s8(acc[tb], fa[j], b);
-            }
+            for (int j = 0; j < 2; ++j) mma_s8(acc[tb], fa[j], st.b[tb][j]);
       });
   if (!splitk_reduce<16>(&acc[0][0], t, copy, 128, splits)) return;
   for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);

@@ -447,14 +447,10 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
 // a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); it changes no bit of any output. On an H200, 8 a round was
 // the fastest of what was tried (README, "CUDA kernels"): 4 and 6 a round, the next round's loads issued before
-// this round's MMAs (two register sets), and cp.async into per-thread shared-memory slots (4 or 6 steps ahead).
+// this round's MMAs (two register sets), cp.async into per-thread shared-memory slots (4 or 6 steps ahead), and
+// the activations loaded at their step's MMAs rather than with the weights (8, 12 or 16 steps a round).
 #ifndef QK_SMALLM_AHEAD
 #define QK_SMALLM_AHEAD 8
-#endif
-// With QK_SMALLM_A_LATE the activations (a few rows, cached) are loaded at their step's MMAs instead of with the
-// weights, so that the registers of a round hold only weights and more steps fit in flight (a tuning knob, off).
-#ifndef QK_SMALLM_A_LATE
-#define QK_SMALLM_A_LATE 0
 #endif
 
 // Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
@@ -578,17 +574,6 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Ties a register to this point of the program, so that no read of an accumulator moves above a wgmma_wait.
 __device__ __forceinline__ void fence_operand(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-// The same for a warp's A fragments of one step: live (unchanged, unreused) up to here.
-template <int KS>
-__device__ __forceinline__ void fence_operands(uint32_t (&fa)[KS][4]) {
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(fa[kk][i])::"memory");
-}
-#ifndef QK_WGMMA_OVERLAP
-#define QK_WGMMA_OVERLAP 0
-#endif
 
 // D = A B (+ D when `accumulate`), wgmma.mma_async m64n128k32 .s32.s8.s8: A (64 x 32) from the warpgroup's
 // registers, B (32 x 128, K-major) from shared memory through descriptor `b`. The first product of a sum starts it
@@ -637,9 +622,6 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
     cp_async_commit();
   }
-#if QK_WGMMA_OVERLAP
-  uint32_t fa0[T::BK / 32][4], fa1[T::BK / 32][4];
-#endif
   for (int kt = 0; kt < steps; ++kt) {
     cp_async_wait<T::STAGES - 3>();
     fence_proxy_async();
@@ -649,39 +631,21 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     cp_async_commit();
     const int slot = kt % T::STAGES;
     // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
-    auto issue = [&](uint32_t (&fa)[T::BK / 32][4]) {
-      F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < T::BK / 32; ++kk)
-        wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
-      wgmma_commit();
-    };
-#if QK_WGMMA_OVERLAP
-    // Step kt's wgmmas run while step kt + 1's weights are unpacked: two register sets of A fragments by the
-    // parity of kt, and each set tied (fence_operands) to the program after the wgmma_wait<1> that retires the
-    // wgmmas reading it, so that the compiler reuses none of its registers while the tensor cores may still read
-    // them (which it did on an H200 with one set and no tie: wrong LiquidQuant rows g + 8).
-    // Each set named in its own branch: a set chosen at run time would live in local memory.
-    auto overlapped = [&](uint32_t (&mine)[T::BK / 32][4], uint32_t (&other)[T::BK / 32][4]) {
-      issue(mine);
-      wgmma_wait<1>();  // step kt - 1's wgmmas are done: `other` may be written from here on
-      fence_operands(other);
-    };
-    if (kt % 2 == 0)
-      overlapped(fa0, fa1);
-    else
-      overlapped(fa1, fa0);
-#else
     uint32_t fa[T::BK / 32][4];
-    issue(fa);
+    F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::BK / 32; ++kk)
+      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
+    wgmma_commit();
     // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
     // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
     // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
-    // simulator cannot show). Overlap comes from the SM's other warpgroups instead (QK_WGMMA_OVERLAP: the
-    // two-register-set version, not yet measured).
+    // simulator cannot show). Overlap comes from the SM's other warpgroups instead. A variant with two register
+    // sets of A fragments by step parity (each tied past the wgmma_wait<1> that retired its readers) was measured on
+    // an H200 at M = 1024 and was slower on all 20 rows, 0.23-0.67x cuBLAS INT8 against 0.32-0.95x for this loop
+    // (bench/results/kernels_h200_wgmma_overlap.json against kernels_h200_bench.json), so it was removed.
     wgmma_wait<0>();
-#endif
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

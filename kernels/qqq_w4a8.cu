@@ -252,23 +252,19 @@ extern "C" __global__ void __launch_bounds__(512)
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
   const bool grouped = s_group != nullptr;
-  struct Stage { uint32_t w[4], r[4], a[QK_SMALLM_A_LATE ? 1 : 2]; };  // r: per group, the lane's ratio pairs
+  struct Stage { uint32_t w[4], r[4], a[2]; };  // r: per group, the lane's ratio pairs
   int32_t acc[8][4] = {};
   auto load = [&](int i, Stage& st) {
-    if constexpr (!QK_SMALLM_A_LATE) qk::load_a(args, mt, i, lane, st.a);
+    qk::load_a(args, mt, i, lane, st.a);
     qk::load_b_raw(args, c, i, lane, st.w);
     if (grouped) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
   };
-  auto compute = [&](int i, const Stage& st) {
-    uint32_t a[2], fb[8];
-    if constexpr (QK_SMALLM_A_LATE)
-      qk::load_a(args, mt, i, lane, a);
-    else
-      for (int h = 0; h < 2; ++h) a[h] = st.a[h];
+  auto compute = [&](int, const Stage& st) {
+    uint32_t fb[8];
 #pragma unroll
     for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, st.r[tile], st.w[tile], fb + 2 * tile);
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], a, fb[nb]);
+    for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   if (grouped)

@@ -204,24 +204,20 @@ extern "C" __global__ void __launch_bounds__(512)
                      int group, int splits) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
-  struct Stage { uint32_t w[4], s, z, a[QK_SMALLM_A_LATE ? 1 : 4]; };
+  struct Stage { uint32_t w[4], s, z, a[4]; };
   int32_t acc[4][4] = {};
   pipelined_steps<QK_SMALLM_AHEAD, Stage>(
       copy, splits, k / 32,
       [&](int kt, Stage& st) {
-        if constexpr (!QK_SMALLM_A_LATE) qk::load_a(args, mt, kt, lane, st.a);
+        qk::load_a(args, mt, kt, lane, st.a);
         qk::load_b_raw(args, nt, kt, lane, st.w);
         qk::load_group_params(args, nt, kt, lane, st.s, st.z);
       },
-      [&](int kt, const Stage& st) {
-        uint32_t a[4], fb[4][2];
-        if constexpr (QK_SMALLM_A_LATE)
-          qk::load_a(args, mt, kt, lane, a);
-        else
-          for (int i = 0; i < 4; ++i) a[i] = st.a[i];
+      [&](int, const Stage& st) {
+        uint32_t fb[4][2];
         qk::unpack_b(args, st.w, st.s, st.z, fb);
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], a, fb[nb]);
+        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
       });
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);

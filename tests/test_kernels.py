@@ -511,29 +511,6 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, tmp_path):
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
-@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
-def test_hopper_overlap_build_keeps_one_step_of_wgmmas_in_flight(name, tmp_path):
-    """QK_WGMMA_OVERLAP (a tuning knob, off by default): the wgmma loop waits for all but the last step's wgmmas
-    (wait_group 1), with no stack frame and no serialization by ptxas."""
-    import re
-    import subprocess
-
-    src = kernels.source_dir()
-    flags = ["-DQK_WGMMA", "-DQK_WGMMA_OVERLAP=1", "-std=c++17"]
-    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", *flags, "-cubin", "-Xptxas", "-v",
-                           str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "serialized" not in done.stderr, done.stderr
-    entry = done.stderr[done.stderr.index(f"'{name}_wgmma'"):]
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-    assert frame and frame.groups() == ("0", "0", "0"), done.stderr
-    ptx = subprocess.run(["nvcc", "-arch=compute_90a", *flags, "-ptx", str(src / f"{name}.cu"), "-o", "-"],
-                         capture_output=True, text=True).stdout
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx
-
-
 @needs_gpu
 def test_liquidquant_gpu_kernel_matches_the_emulation():
     tensors = synthetic("liquidquant", 256, 512, seed=5)
