@@ -23,7 +23,7 @@ gets at most what is left, and one that would get under 30 s is skipped (exit co
 without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
-        [--skip-tune] [--skip-validate] [--skip-sweep]
+        [--skip-tune] [--skip-validate] [--skip-sweep] [--recipes NAME,...]
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help="comma-separated recipes to quantize and validate (default: every one that packs)")
     args = parser.parse_args()
     DEADLINE[0] = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +136,7 @@ def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[s
     model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=512,
                                                                    num_hidden_layers=2))
     calib = write_calibration_text(work / "calib.txt")
-    for recipe in RECIPES:
+    for recipe in args.recipes.split(","):
         artifact = work / recipe
         code = step(f"quantize-{recipe}", [py, "-m", "quantkit.cli", "quantize", str(model), "--recipe", recipe,
                                            "-o", str(artifact), "--calib", str(calib), "--num-samples", "8",

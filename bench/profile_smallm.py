@@ -1,14 +1,16 @@
 """Launch each decode kernel once per shape, for a profiler to look at (gpu_check runs it under Nsight Compute).
 
-Every small-M kernel of quantkit bench's variants (and the Any-Precision 3-bit GEMV) at M = 1 on (4096, 4096) and
-(28672, 4096), once each, on synthetic tensors. Without a profiler it only launches them.
+Every small-M kernel of quantkit bench's variants (and both Any-Precision 3-bit kernels, the GEMV and the
+tensor-core one) at M = 1 on (4096, 4096) and (28672, 4096), once each, on synthetic tensors; --formats keeps some
+layouts only. Without a profiler it only launches them.
 
-    ncu --kernel-name regex:'_gemm$|_gemv$' --section SpeedOfLight --section WarpStateStats \\
-        python3 bench/profile_smallm.py
+    ncu --kernel-name regex:'_gemm$|_gemv$|_tc_3$' --section SpeedOfLight --section WarpStateStats \\
+        python3 bench/profile_smallm.py [--formats anyprec,...]
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 SHAPES = ((4096, 4096), (28672, 4096))
@@ -18,14 +20,21 @@ def main() -> None:
     from quantkit import kernels
     from quantkit.kernel_bench import PATHS, VARIANTS, synthetic, variant_launch
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", help="comma-separated layouts (qserve, qqq, liquidquant, atom, anyprec)")
+    formats = parser.parse_args().formats
     for n, k in SHAPES:
         for v in VARIANTS:
-            v = replace(v, path=next(iter(PATHS[v.fmt])))  # the decode kernel (Any-Precision: the GEMV)
-            launch = variant_launch(v, synthetic(v.fmt, n, k, group=v.group), 1, k)
-            call = kernels.upload(launch)
-            call()
-            call.result()
-            print(f"{v.label}: {launch.name} grid {launch.grid} block {launch.block} on {n} x {k}", flush=True)
+            if formats and v.fmt not in formats.split(","):
+                continue
+            # the decode kernel (the first path); for Any-Precision both, the GEMV and the tensor-core kernel
+            for path in list(PATHS[v.fmt]) if v.fmt == "anyprec" else [next(iter(PATHS[v.fmt]))]:
+                launch = variant_launch(replace(v, path=path), synthetic(v.fmt, n, k, group=v.group), 1, k)
+                call = kernels.upload(launch)
+                call()
+                call.result()
+                print(f"{v.label} ({path}): {launch.name} grid {launch.grid} block {launch.block} on {n} x {k}",
+                      flush=True)
 
 
 if __name__ == "__main__":

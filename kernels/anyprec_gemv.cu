@@ -39,25 +39,39 @@ QK_FN float fma_exact(float x, float w, float acc) {
 #endif
 }
 
-// The bit transpose of one thread's BITS plane words into its 32 codes, in word order u (bit 31 - u of every plane
-// holds weight u): output word r takes bit (lanes - 1 - r) of each lane from every plane. BITS is a template
-// argument so that every index is a constant and the arrays stay in registers.
+// The bit transpose of one thread's BITS plane words (bit 31 - u of every plane holds weight u) into `lanes` words
+// of codes: word r takes bit (lanes - 1 - r) of each lane from every plane, so that lane s of word r (bits
+// lanes s ..) holds the code of weight u = lanes (32 / lanes - 1 - s) + r; lanes of 4 bits up to BITS = 4, else 8.
+// BITS is a template argument so that every index is a constant and the arrays stay in registers.
 template <int BITS>
-QK_FN void transpose_planes(const uint32_t words[BITS], uint32_t codes[32]) {
-  constexpr int lanes = BITS <= 4 ? 4 : 8;
+QK_FN constexpr int transpose_lanes() { return BITS <= 4 ? 4 : 8; }
+
+template <int BITS>
+QK_FN void transpose_words(const uint32_t words[BITS], uint32_t t[transpose_lanes<BITS>()]) {
+  constexpr int lanes = transpose_lanes<BITS>();
 #pragma unroll
   for (int r = 0; r < lanes; ++r) {
     const uint32_t mask = (lanes == 4 ? 0x88888888u : 0x80808080u) >> r;
-    uint32_t t = 0;
+    t[r] = 0;
 #pragma unroll
     for (int j = 0; j < BITS; ++j) {
       const int shift = j - r + (lanes - BITS);
       const uint32_t part = words[j] & mask;
-      t |= shift < 0 ? part << (-shift) : part >> shift;
+      t[r] |= shift < 0 ? part << (-shift) : part >> shift;
     }
-#pragma unroll
-    for (int s = 0; s < 32 / lanes; ++s) codes[lanes * (32 / lanes - 1 - s) + r] = (t >> (lanes * s)) & ((1u << lanes) - 1);
   }
+}
+
+// The same as 32 codes in word order u.
+template <int BITS>
+QK_FN void transpose_planes(const uint32_t words[BITS], uint32_t codes[32]) {
+  constexpr int lanes = transpose_lanes<BITS>();
+  uint32_t t[lanes];
+  transpose_words<BITS>(words, t);
+#pragma unroll
+  for (int r = 0; r < lanes; ++r)
+#pragma unroll
+    for (int s = 0; s < 32 / lanes; ++s) codes[lanes * (32 / lanes - 1 - s) + r] = (t[r] >> (lanes * s)) & ((1u << lanes) - 1);
 }
 
 // Channel n's table at width BITS into `table` (AP_TABLE_WORDS words). For BITS <= 4, the table of code pairs:
@@ -144,240 +158,255 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
   partials_of_words<BITS>(a, table, words, c, m0, lane, partial);
 }
 
-// ---- The tensor-core path (anyprec_gemm_tc), for more than a token or two. ----
-// A block owns 128 channels (8 warps of 16: two n8 blocks each), one 1024-column chunk and 16 tokens; grid
-// (ceil(N / 128), chunks, ceil(M / 16)). It stages the 16 tokens' activations of its chunk in shared memory and
-// its channels' tables (fp16 pairs up to 3 bits, single fp16 entries above). Lane (g, q) of a warp decodes words
-// t = 8 q + v (v = 0..7) of channels g and 8 + g of its warp: the 32 codes of a word are four weights for each of
-// 8 mma.m16n8k16 (s = 0..7), weights u = 4 s .. 4 s + 3 being its k = 2 q, 2 q + 1, 2 q + 8, 2 q + 9. Those are 4
-// consecutive columns (byte s / 2, bits 4 (s % 2) ..), so the A lane (g', q') reads them for token g' (and g' + 8)
-// as one 8-byte load: the activation tile keeps each 4-column group of word t at [token][s][v][q] (an 8-byte
-// slot), rows 2080 bytes apart, so that a warp's 8-byte loads fill 32 banks twice. The chunks' float32 partial
-// sums meet in a workspace [chunks, M, N]; the block that finishes a tile last (a counter per tile) adds them in
-// chunk order and rounds once to fp16, so the result is deterministic. Not bit-exact against the emulation: the
-// tensor cores' float32 accumulation has its own order and rounding (quantkit.kernels checks it within a bound).
-constexpr int APT_WARPS = 8, APT_CHANNELS = 16 * APT_WARPS, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
-constexpr int APT_ROW_BYTES = 2 * AP_CHUNK + 32, APT_X_BYTES = APT_TOKENS * APT_ROW_BYTES;
+// ---- The tensor-core path (anyprec_gemm_tc), for any number of tokens. ----
+// A block owns 16 channels and 16 tokens: the weights are the A operand of mma.m16n8k16 (rows: channels) and the
+// activations its B operand (columns: tokens, two n8 blocks, the second skipped up to 8 tokens), so that a decode
+// call's lone token costs the seven other columns nothing but zeros. The block walks K in steps of 16 plane words
+// (512 columns; 8 words above 4 bits, whose planes take more registers) a channel; warp w of 8 takes steps w,
+// w + 8, ... and the warps' float32 sums meet in shared memory,
+// added in warp order (deterministic). grid (ceil(N / 16), 1, ceil(M / 16)), block 256.
+// Lane (g, q) holds words 16 s + 4 q .. + 3 of channels g and 8 + g (one 16-byte load a plane each; above 4 bits
+// 8 s + 2 q, + 1, one 8-byte load) and takes them
+// one at a time: the bit transpose (transpose_words) puts in byte b of word T_r the codes of the word's columns
+// e = r and e = r + 4 of the 8-column run j = 3 - b (up to 4 bits both in one byte, as nibbles; above, bytes b of
+// T_r and T_{r + 4}). A lookup of that byte in the channel's table gives the fp16 pair lut[code(r)] |
+// lut[code(r + 4)] << 16, an A register as it stands: k = 2 q, 2 q + 1 are those two columns of lane q's word. MMA
+// s = 2 r + h reads bytes b = 2 h (registers a0, a1: rows g, g + 8) and b = 2 h + 1 (a2, a3). The B lane (g', q)
+// supplies token g' at the same two columns of the same word (the lanes of one q share it), from its 16-byte load
+// of run j by one byte permute. Not bit-exact against the emulation: the tensor cores' float32 accumulation has its
+// own order and rounding (quantkit.kernels checks it within a bound).
+constexpr int APT_WARPS = 8, APT_CHANNELS = 16, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
 
-// Up to 3 bits a lookup reads one fp16 pair of 4 bytes, and the tables are interleaved: per group of 8 channels (an
-// n8 block, channel 8 G + g), pair p of channel g is word (G 4^BITS + p) 8 + g, held APT_COPIES times side by side,
-// lane (g, q) reading copy q % APT_COPIES. A lookup of the warp then lands in bank (16 p + 2 g + q % 2) % 32:
-// lanes of different g never collide and the four of one g at most in pairs, so it takes 2 wavefronts, where
-// channel-major tables (bank p % 32 for every lane) take the most of 32 random draws in 32 banks, about 3.5.
-constexpr int APT_COPIES = 2;
-
-// Bytes of one channel's table: 4^BITS fp16 pairs, APT_COPIES times, up to 3 bits; else 2^BITS fp16.
+// Plane words a lane holds per channel and step, and the step's words per channel (its four quads').
 template <int BITS>
-QK_FN constexpr int tc_table_bytes() { return BITS <= 3 ? APT_COPIES * (4 << (2 * BITS)) : 2 << BITS; }
-
-// The byte offset in the block's tables of entry e (a pair up to 3 bits) of its channel ch (0..127), copy `copy`.
+QK_FN constexpr int tc_lane_words() { return BITS <= 4 ? 4 : 2; }
 template <int BITS>
-QK_FN int tc_table_offset(int ch, int e, int copy) {
-  if (BITS > 3) return ch * tc_table_bytes<BITS>() + 2 * e;
-  return 4 * ((((ch / 8) * (1 << (2 * BITS)) + e) * 8 + ch % 8) * APT_COPIES + copy);
+QK_FN constexpr int tc_step_words() { return 4 * tc_lane_words<BITS>(); }
+
+// The tables: per group G of 8 channels (G = 0, 1), entry e of channel g at 32-bit word (e 8 + g) 4 + copy, held 4
+// times, lane (g, q) reading copy q, so that the 32 lanes of a lookup always fall in 32 distinct banks. Entry e is
+// the fp16 pair of byte e = hi << 4 | lo up to 4 bits (nibble pairs with both codes below 2^BITS written; the
+// others unused), else code e's fp16 in the low half.
+template <int BITS>
+QK_FN constexpr int tc_entries() { return BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS; }
+template <int BITS>
+QK_FN constexpr int tc_group_bytes() { return tc_entries<BITS>() * 8 * 4 * 4; }
+// Dynamic shared memory: both groups' tables, at least the warps' sums that reuse it at the end.
+template <int BITS>
+QK_FN constexpr int tc_shared_bytes() {
+  return 2 * tc_group_bytes<BITS>() > APT_WARPS * 2 * 32 * 16 ? 2 * tc_group_bytes<BITS>() : APT_WARPS * 2 * 32 * 16;
 }
 
-struct AnyPrecTcArgs {
-  AnyPrecArgs a;
-  float* partials;  // [chunks, M, N] when chunks > 1
-  int* counters;    // [ceil(M / 16) * ceil(N / 128)], zero; each tile's last block resets its counter
-};
-
-QK_FN int tc_words(const AnyPrecArgs& a, int c) { return chunk_width(a, c) / 32; }
-
-// The activations of tokens m0 .. m0 + 15 (zero past M) in chunk c, into the tile: threads tid, tid + threads, ...
-// each copy 8-byte slots (a 4-column group).
-QK_FN void tc_stage_x(const AnyPrecArgs& a, uint8_t* xs, int m0, int c, int tid, int threads) {
-  const int words = tc_words(a, c), width = 32 * words;
-  for (int i = tid; i < APT_TOKENS * 4 * words * 2; i += threads) {
-    const int h = i & 1, t = (i >> 1) % words, j = (i >> 1) / words % 4, r = (i >> 1) / words / 4;
-    const int token = m0 + r < a.m ? m0 + r : 0;
-    const qk_half* src = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + j * (width / 4) + 8 * t + 4 * h;
-    copy_async<8>(xs + r * APT_ROW_BYTES + ((2 * j + h) * 32 + (t % 8) * 4 + t / 8) * 8, src, m0 + r < a.m);
-  }
+// bytes (s0, s1) of a and b as one word: __byte_perm.
+QK_FN uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t both = (uint64_t)b << 32 | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) out |= (uint32_t)(both >> (8 * ((selector >> (4 * i)) & 7)) & 0xFF) << (8 * i);
+  return out;
+#endif
 }
 
-// The tables of channels n0 .. n0 + 127 (those below N), at tc_table_offset: pair p = (c0 << BITS) | c1 as the
-// fp16 pair lut[c0] | lut[c1] << 16 up to 3 bits, else the fp16 entries as stored.
+// The tables of channels n0 .. n0 + 15 (those below N).
 template <int BITS>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
-  constexpr int entries = BITS <= 3 ? 1 << (2 * BITS) : 1 << BITS;
-  for (int i = tid; i < APT_CHANNELS * entries; i += threads) {
-    const int ch = i / entries, e = i % entries;
+  constexpr int items = BITS <= 4 ? 1 << (2 * BITS) : 1 << BITS;  // per channel
+  for (int i = tid; i < APT_CHANNELS * items; i += threads) {
+    const int ch = i / items, e = i % items;
     if (n0 + ch >= a.n) continue;
     const qk_half* lut = a.lut + (size_t)(n0 + ch) * (1 << BITS);
-    if (BITS <= 3) {
-      const uint32_t pair = (uint32_t)lut[e >> BITS] | ((uint32_t)lut[e & ((1 << BITS) - 1)] << 16);
-      for (int copy = 0; copy < APT_COPIES; ++copy) store_u32(tables + tc_table_offset<BITS>(ch, e, copy), pair);
+    uint32_t value, entry;
+    if (BITS <= 4) {
+      const int hi = e >> BITS, lo = e & ((1 << BITS) - 1);
+      value = (uint32_t)lut[hi] | ((uint32_t)lut[lo] << 16);
+      entry = hi << 4 | lo;
     } else {
-      store_u16(tables + tc_table_offset<BITS>(ch, e, 0), lut[e]);
+      value = (uint32_t)lut[e];
+      entry = e;
     }
+    const uint32_t copies[4] = {value, value, value, value};
+    store_u128(tables + (ch / 8) * tc_group_bytes<BITS>() + ((entry * 8 + ch % 8) * 4) * 4, copies);
   }
 }
 
-// Lane (g, q)'s words 8 q .. 8 q + 7 of chunk c of `channel`, every plane (zero past the chunk or past N).
+QK_FN int tc_row_words(const AnyPrecArgs& a) { return a.k / 32; }
 template <int BITS>
-QK_FN void tc_load_words(const AnyPrecArgs& a, int channel, int c, int lane, uint32_t words[BITS][8]) {
-  const int q = frag_quad(lane), valid = channel < a.n ? tc_words(a, c) - 8 * q : 0;
-  const bool whole = valid >= 8 && a.k % 128 == 0;  // two 16-byte loads per plane (16-byte aligned rows)
-#pragma unroll
-  for (int p = 0; p < BITS; ++p) {
-    const uint32_t* src = a.planes + ((size_t)p * a.n + (channel < a.n ? channel : 0)) * (a.k / 32) + 32 * c + 8 * q;
-    if (whole) {
-      load_u128(src, words[p]);
-      load_u128(src + 4, words[p] + 4);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) words[p][i] = i < valid ? src[i] : 0u;
-    }
-  }
-}
+QK_FN int tc_steps(const AnyPrecArgs& a) { return (tc_row_words(a) + tc_step_words<BITS>() - 1) / tc_step_words<BITS>(); }
 
-// Word v's B fragments for lane `lane` of the warp: b[s] for MMA s, the fp16 weights of u = 4 s, 4 s + 1 and
-// 4 s + 2, 4 s + 3 (`ch`: the block's channel the lane decodes, in `tables`).
+// Lane (g, q)'s words L step + W q .. + W - 1 (W = tc_lane_words, L = 4 W) of channels n0 + g (w[0]) and
+// n0 + 8 + g (w[1]), every plane (zero past the row or past N).
 template <int BITS>
-QK_FN void tc_decode_b(const uint8_t* tables, int ch, int lane, const uint32_t words[BITS][8], int v,
-                       uint32_t b[8][2]) {
-  const int copy = frag_quad(lane) % APT_COPIES;
-  uint32_t word[BITS], codes[32];
+QK_FN void tc_load_step(const AnyPrecArgs& a, int n0, int step, int lane, uint32_t w[2][BITS][tc_lane_words<BITS>()]) {
+  constexpr int W = tc_lane_words<BITS>();
+  const int words = tc_row_words(a), first = tc_step_words<BITS>() * step + W * frag_quad(lane);
 #pragma unroll
-  for (int p = 0; p < BITS; ++p) word[p] = words[p][v];
-  transpose_planes<BITS>(word, codes);
+  for (int h = 0; h < 2; ++h) {
+    const int channel = n0 + 8 * h + frag_group(lane);
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t c0 = codes[4 * s + 2 * r], c1 = codes[4 * s + 2 * r + 1];
-      if (BITS <= 3) {
-        b[s][r] = load_u32(tables + tc_table_offset<BITS>(ch, (c0 << BITS) | c1, copy));
+    for (int p = 0; p < BITS; ++p) {
+      const uint32_t* src = a.planes + ((size_t)p * a.n + (channel < a.n ? channel : 0)) * words + first;
+      if (channel < a.n && words % W == 0 && first < words) {  // aligned rows
+        if constexpr (W == 4) load_u128(src, w[h][p]);
+        else load_u64(src, w[h][p][0], w[h][p][1]);
       } else {
-        b[s][r] = (uint32_t)load_u16(tables + tc_table_offset<BITS>(ch, c0, 0)) |
-                  ((uint32_t)load_u16(tables + tc_table_offset<BITS>(ch, c1, 0)) << 16);
+#pragma unroll
+        for (int i = 0; i < W; ++i) w[h][p][i] = channel < a.n && first + i < words ? src[i] : 0u;
       }
     }
   }
 }
 
-// Lane (g', q')'s A fragment of MMA s for word group v: tokens g' and g' + 8, the 4 columns of word 8 q' + v at
-// u = 4 s ..: {row g' k 0-1, row g' + 8 k 0-1, row g' k 2-3, row g' + 8 k 2-3}; zero for a word past the chunk.
-QK_FN void tc_load_a(const uint8_t* xs, int s, int v, int lane, int words, uint32_t a[4]) {
-  const int g = frag_group(lane), q = frag_quad(lane);
-  if (8 * q + v >= words) {
-    a[0] = a[1] = a[2] = a[3] = 0u;
+// The byte offset in a group's tables of the entry that byte b of t names, for lane slot `slot` (its copy's word,
+// below 128): (byte << 7) | slot, one shift and one AND-OR.
+QK_FN uint32_t tc_entry_offset(uint32_t t, int b, uint32_t slot) {
+  const uint32_t shifted = b == 0 ? t << 7 : t >> (8 * b - 7);
+  return (shifted & 0x7F80u) | slot;
+}
+
+// The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables.
+template <int BITS>
+QK_FN void tc_a_fragments(const uint8_t* tables, int lane, const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i,
+                          uint32_t a[8][4]) {
+  constexpr int lanes = transpose_lanes<BITS>();
+  const uint32_t slot = (frag_group(lane) * 4 + frag_quad(lane)) * 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // channel g (a0, a2) and 8 + g (a1, a3)
+    const uint8_t* table = tables + h * tc_group_bytes<BITS>();
+    uint32_t word[BITS], t[lanes];
+#pragma unroll
+    for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
+    transpose_words<BITS>(word, t);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = s / 2, b = 2 * (s % 2) + half;
+        uint32_t pair;
+        if (BITS <= 4) {
+          pair = load_u32(table + tc_entry_offset(t[r], b, slot));
+        } else {
+          const uint32_t lo = load_u32(table + tc_entry_offset(t[r], b, slot));
+          const uint32_t hi = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
+          pair = byte_perm(lo, hi, 0x5410u);
+        }
+        a[s][2 * half + h] = pair;
+      }
+    }
+  }
+}
+
+// The activations of word i of the lane's step for token `token`: run j (0..3) holds columns j W / 4 + 8 t .. + 7
+// of the word's chunk (W its width, t the word's index in it), one 16-byte load each; zero past M or past the row.
+template <int BITS>
+QK_FN void tc_load_runs(const AnyPrecArgs& a, int step, int lane, int i, int token, uint32_t run[4][4]) {
+  const int word = tc_step_words<BITS>() * step + tc_lane_words<BITS>() * frag_quad(lane) + i;
+  if (token >= a.m || word >= tc_row_words(a)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) run[j][0] = run[j][1] = run[j][2] = run[j][3] = 0u;
     return;
   }
-  const int slot = (s * 32 + v * 4 + q) * 8;
-  load_u64(xs + g * APT_ROW_BYTES + slot, a[0], a[2]);
-  load_u64(xs + (g + 8) * APT_ROW_BYTES + slot, a[1], a[3]);
+  const int c = word / 32, t = word % 32, width = chunk_width(a, c);
+  const qk_half* row = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + 8 * t;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) load_u128(row + j * (width / 4), run[j]);
 }
 
-// The warp's channel of n8 block nb for lane (its B column g).
-QK_FN int tc_channel(int n0, int warp, int nb, int lane) { return n0 + 16 * warp + 8 * nb + frag_group(lane); }
-
-// Lane's accumulators of n8 block nb: (token g, channels 2 q, 2 q + 1), (token g + 8, same): fp16 out when K is one
-// chunk, else float32 partials of chunk c.
-QK_FN void tc_store(const AnyPrecTcArgs& t, int m0, int n0, int c, int warp, int nb, int lane, const float acc[4]) {
-  const AnyPrecArgs& a = t.a;
-  for (int i = 0; i < 4; ++i) {
-    const int token = m0 + frag_group(lane) + 8 * (i >> 1);
-    const int channel = n0 + 16 * warp + 8 * nb + 2 * frag_quad(lane) + (i & 1);
-    if (token >= a.m || channel >= a.n) continue;
-    if (chunk_count(a) == 1) a.out[(size_t)token * a.n + channel] = float_to_half(acc[i]);
-    else t.partials[((size_t)c * a.m + token) * a.n + channel] = acc[i];
-  }
-}
-
-// The last block of a tile: out = fp16 of the chunks' partial sums, added in chunk order.
-QK_FN void tc_finish(const AnyPrecTcArgs& t, int m0, int n0, int tid, int threads) {
-  const AnyPrecArgs& a = t.a;
-  for (int e = tid; e < APT_TOKENS * APT_CHANNELS; e += threads) {
-    const int token = m0 + e / APT_CHANNELS, channel = n0 + e % APT_CHANNELS;
-    if (token >= a.m || channel >= a.n) continue;
-    float sum = 0.0f;
-    for (int c = 0; c < chunk_count(a); ++c) {
-      const float* p = t.partials + ((size_t)c * a.m + token) * a.n + channel;
-#if defined(__CUDA_ARCH__)
-      sum = fadd(sum, __ldcg(p));  // through L2: other blocks wrote it
-#else
-      sum = fadd(sum, *p);
-#endif
+// The B fragments (b[s] for MMA s) from a word's runs: the pair of columns e = r and r + 4 of run j is halves r % 2
+// of its words r / 2 and 2 + r / 2.
+QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const int r = s / 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = 3 - (2 * (s % 2) + half);
+      b[s][half] = byte_perm(run[j][r / 2], run[j][2 + r / 2], r % 2 ? 0x7632u : 0x5410u);
     }
-    a.out[(size_t)token * a.n + channel] = float_to_half(sum);
   }
+}
+
+// The warps' sums (sums[warp][nb][lane][4], in shared memory) added in warp order: thread tid's output of the
+// block's 16 x 16 tile, rounded once to fp16. Lane (g, q)'s accumulators of n8 block nb: (channel g, tokens 2 q,
+// 2 q + 1), (channel 8 + g, the same).
+QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, int tid) {
+  const int nb = tid / 128, lane = tid / 4 % 32, i = tid % 4;
+  const int channel = n0 + frag_group(lane) + 8 * (i >> 1), token = m0 + 8 * nb + 2 * frag_quad(lane) + (i & 1);
+  if (channel >= a.n || token >= a.m) return;
+  float sum = 0.0f;
+  for (int warp = 0; warp < APT_WARPS; ++warp) sum = fadd(sum, sums[((warp * 2 + nb) * 32 + lane) * 4 + i]);
+  a.out[(size_t)token * a.n + channel] = float_to_half(sum);
 }
 
 }  // namespace qk
 
 #ifndef QK_HOST
+// QK_AP_XAHEAD (a compile-time knob, QUANTKIT_NVRTC_DEFINES): 1 loads the first token block's activations of the
+// lane's next word while this word's MMAs run (the first word's before the tables fill), 0 each word's when its
+// MMAs need them. The same values either way.
+#ifndef QK_AP_XAHEAD
+#define QK_AP_XAHEAD 0
+#endif
+
 template <int BITS>
-__device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecTcArgs& args, uint8_t* smem) {
+__device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;
-  constexpr int AT_ONCE = BITS <= 4 ? 2 : 1;  // n8 blocks whose plane words a lane holds at once
-  const AnyPrecArgs& a = args.a;
-  uint8_t* xs = smem;
-  uint8_t* tables = smem + APT_X_BYTES;
+  constexpr int W = tc_lane_words<BITS>();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int n0 = APT_CHANNELS * blockIdx.x, c = blockIdx.y, m0 = APT_TOKENS * blockIdx.z, words = tc_words(a, c);
-  tc_stage_x(a, xs, m0, c, tid, APT_THREADS);
-  cp_async_commit();
-  tc_fill_tables<BITS>(a, tables, n0, tid, APT_THREADS);
+  const int n0 = APT_CHANNELS * blockIdx.x, m0 = APT_TOKENS * blockIdx.z, steps = tc_steps<BITS>(a);
+  const int blocks_n = a.m - m0 > 8 ? 2 : 1, token0 = m0 + frag_group(lane);
+  uint32_t w[2][BITS][W], run[4][4];
+  if (warp < steps) {  // in flight while the tables fill
+    tc_load_step<BITS>(a, n0, warp, lane, w);
+    if (QK_AP_XAHEAD) tc_load_runs<BITS>(a, warp, lane, 0, token0, run);
+  }
+  tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
+  __syncthreads();
   float acc[2][4] = {};
+  for (int step = warp; step < steps; step += APT_WARPS) {
+    if (step != warp) tc_load_step<BITS>(a, n0, step, lane, w);
 #pragma unroll
-  for (int nb0 = 0; nb0 < 2; nb0 += AT_ONCE) {
-    uint32_t w[AT_ONCE][BITS][8];
-#pragma unroll
-    for (int i = 0; i < AT_ONCE; ++i) tc_load_words<BITS>(a, tc_channel(n0, warp, nb0 + i, lane), c, lane, w[i]);
-    if (nb0 == 0) {
-      cp_async_wait<0>();
-      __syncthreads();
-    }
-#pragma unroll  // constant indices into w: a run-time v would put it in local memory
-    for (int v = 0; v < 8; ++v) {
-      uint32_t b[AT_ONCE][8][2];
-#pragma unroll
-      for (int i = 0; i < AT_ONCE; ++i) {
-        const int channel = tc_channel(n0, warp, nb0 + i, lane);
-        if (channel < a.n && 8 * frag_quad(lane) + v < words) {
-          tc_decode_b<BITS>(tables, channel - n0, lane, w[i], v, b[i]);
-        } else {
-#pragma unroll
-          for (int s = 0; s < 8; ++s) b[i][s][0] = b[i][s][1] = 0u;
-        }
+    for (int i = 0; i < W; ++i) {
+      uint32_t fa[8][4], fb[8][2];
+      if (!QK_AP_XAHEAD) tc_load_runs<BITS>(a, step, lane, i, token0, run);
+      tc_b_fragments(run, fb);
+      if (QK_AP_XAHEAD) {  // the next word's: this step's next, or the first of the warp's next step
+        if (i + 1 < W) tc_load_runs<BITS>(a, step, lane, i + 1, token0, run);
+        else if (step + APT_WARPS < steps) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
       }
+      tc_a_fragments<BITS>(smem, lane, w, i, fa);
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        uint32_t fa[4];
-        tc_load_a(xs, s, v, lane, words, fa);
+      for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
+      if (blocks_n == 2) {  // tokens 8 .. 15 of the tile
+        uint32_t run1[4][4];
+        tc_load_runs<BITS>(a, step, lane, i, token0 + 8, run1);
+        tc_b_fragments(run1, fb);
 #pragma unroll
-        for (int i = 0; i < AT_ONCE; ++i) mma_f16(acc[nb0 + i], fa, b[i][s]);
+        for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
       }
     }
   }
+  __syncthreads();  // the tables' last reader done: the warps' sums take their place
+  float* sums = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb) tc_store(args, m0, n0, c, warp, nb, lane, acc[nb]);
-  if (chunk_count(a) == 1) return;
-  __shared__ int last;
-  __threadfence();  // this block's partials before its count
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sums[((warp * 2 + nb) * 32 + lane) * 4 + i] = acc[nb][i];
   __syncthreads();
-  int* counter = args.counters + blockIdx.z * gridDim.x + blockIdx.x;
-  if (tid == 0) last = atomicAdd(counter, 1) == chunk_count(a) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other blocks' partials after their counts
-  tc_finish(args, m0, n0, tid, APT_THREADS);
-  if (tid == 0) *counter = 0;
+  tc_finish(a, sums, n0, m0, tid);
 }
 
-// grid (ceil(N / 128), ceil(K / 1024), ceil(M / 16)), block 256, dynamic shared memory APT_X_BYTES + 128 channels'
-// tables (33,280 + 128 tc_table_bytes<bits>()).
-extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc(const qk_half* x, const uint32_t* planes,
-                                                                  const qk_half* lut, qk_half* out, float* partials,
-                                                                  int* counters, int m, int n, int k, int bits) {
-  extern __shared__ uint4 qk_apt_smem[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(qk_apt_smem);
-  const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
-  qk::with_width(bits, [&](auto width) { anyprec_gemm_tc_at<decltype(width)::value>(args, smem); });
-}
+// One kernel per width, anyprec_gemm_tc_1 .. _8, so that each has its own register budget (one kernel for all
+// widths takes the widest's, 227 registers on sm_90, where 3 bits need 106). grid (ceil(N / 16), 1, ceil(M / 16)),
+// block 256, dynamic shared memory tc_shared_bytes<B>().
+#define QK_AP_TC(B)                                                                                                \
+  extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc_##B(                                            \
+      const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
+    extern __shared__ uint4 qk_apt_smem[];                                                                          \
+    anyprec_gemm_tc_at<B>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B}, reinterpret_cast<uint8_t*>(qk_apt_smem)); \
+  }
+QK_AP_TC(1) QK_AP_TC(2) QK_AP_TC(3) QK_AP_TC(4) QK_AP_TC(5) QK_AP_TC(6) QK_AP_TC(7) QK_AP_TC(8)
 
 template <int BITS>
 __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_WORDS]) {

@@ -639,61 +639,55 @@ extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, cons
   qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
 }
 
-// The host twin of anyprec_gemm_tc at width BITS: blocks tile by tile, chunk after chunk, so the tile's last block
-// (its counter at the chunk count) adds the partial sums, as on the GPU.
+// The host twin of anyprec_gemm_tc at width BITS: block by block, warp by warp, each MMA from the lanes' fragments.
 template <int BITS>
-void anyprec_gemm_tc_host_at(const qk::AnyPrecTcArgs& args) {
+void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   using namespace qk;
-  const AnyPrecArgs& a = args.a;
-  std::vector<uint8_t> xs(APT_X_BYTES), tables((size_t)APT_CHANNELS * tc_table_bytes<BITS>());
-  const int tiles_n = (a.n + APT_CHANNELS - 1) / APT_CHANNELS, chunks = chunk_count(a);
-  std::vector<uint32_t> w((size_t)32 * 2 * BITS * 8);
-  auto words_of = [&](int lane, int nb) { return reinterpret_cast<uint32_t(*)[8]>(&w[((size_t)lane * 2 + nb) * BITS * 8]); };
-  for (int z = 0; z * APT_TOKENS < a.m; ++z) {
-    for (int c = 0; c < chunks; ++c) {
-      for (int x = 0; x < tiles_n; ++x) {
-        const int m0 = APT_TOKENS * z, n0 = APT_CHANNELS * x, words = tc_words(a, c);
-        std::fill(xs.begin(), xs.end(), 0xA5);  // nothing read that the block did not write
-        std::fill(tables.begin(), tables.end(), 0xA5);
-        for (int tid = 0; tid < APT_THREADS; ++tid) tc_stage_x(a, xs.data(), m0, c, tid, APT_THREADS);
-        for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS>(a, tables.data(), n0, tid, APT_THREADS);
-        for (int warp = 0; warp < APT_WARPS; ++warp) {
-          float acc[2][32][4] = {};
-          for (int lane = 0; lane < 32; ++lane)
-            for (int nb = 0; nb < 2; ++nb) tc_load_words<BITS>(a, tc_channel(n0, warp, nb, lane), c, lane, words_of(lane, nb));
-          for (int v = 0; v < 8; ++v) {
-            uint32_t b[2][32][8][2] = {}, fa[32][4], bn[32][2];
-            for (int lane = 0; lane < 32; ++lane) {
-              for (int nb = 0; nb < 2; ++nb) {
-                const int channel = tc_channel(n0, warp, nb, lane);
-                if (channel < a.n && 8 * frag_quad(lane) + v < words)
-                  tc_decode_b<BITS>(tables.data(), channel - n0, lane, words_of(lane, nb), v,
-                                    b[nb][lane]);
+  std::vector<uint8_t> smem(tc_shared_bytes<BITS>());
+  constexpr int W = tc_lane_words<BITS>();
+  std::vector<uint32_t> w((size_t)32 * 2 * BITS * W);
+  auto words_of = [&](int lane) { return reinterpret_cast<uint32_t(*)[BITS][W]>(&w[(size_t)lane * 2 * BITS * W]); };
+  for (int m0 = 0; m0 < a.m; m0 += APT_TOKENS) {
+    for (int n0 = 0; n0 < a.n; n0 += APT_CHANNELS) {
+      std::fill(smem.begin(), smem.end(), 0xA5);  // nothing read that the block did not write
+      for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS>(a, smem.data(), n0, tid, APT_THREADS);
+      std::vector<float> sums((size_t)APT_WARPS * 2 * 32 * 4, 0.0f);
+      for (int warp = 0; warp < APT_WARPS; ++warp) {
+        float acc[2][32][4] = {};
+        for (int step = warp; step < tc_steps<BITS>(a); step += APT_WARPS) {
+          for (int lane = 0; lane < 32; ++lane) tc_load_step<BITS>(a, n0, step, lane, words_of(lane));
+          for (int i = 0; i < W; ++i) {
+            uint32_t fa[32][8][4], fb[32][8][2], as[32][4], bs[32][2], run[4][4];
+            for (int lane = 0; lane < 32; ++lane) tc_a_fragments<BITS>(smem.data(), lane, words_of(lane), i, fa[lane]);
+            for (int nb = 0; nb < (a.m - m0 > 8 ? 2 : 1); ++nb) {
+              for (int lane = 0; lane < 32; ++lane) {
+                tc_load_runs<BITS>(a, step, lane, i, m0 + 8 * nb + frag_group(lane), run);
+                tc_b_fragments(run, fb[lane]);
               }
-            }
-            for (int s = 0; s < 8; ++s) {
-              for (int lane = 0; lane < 32; ++lane) tc_load_a(xs.data(), s, v, lane, words, fa[lane]);
-              for (int nb = 0; nb < 2; ++nb) {
-                for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], b[nb][lane][s], sizeof(bn[lane]));
-                mma_warp_f16(acc[nb], fa, bn);
+              for (int s = 0; s < 8; ++s) {
+                for (int lane = 0; lane < 32; ++lane) {
+                  std::memcpy(as[lane], fa[lane][s], sizeof(as[lane]));
+                  std::memcpy(bs[lane], fb[lane][s], sizeof(bs[lane]));
+                }
+                mma_warp_f16(acc[nb], as, bs);
               }
             }
           }
-          for (int lane = 0; lane < 32; ++lane)
-            for (int nb = 0; nb < 2; ++nb) tc_store(args, m0, n0, c, warp, nb, lane, acc[nb][lane]);
         }
-        if (chunks == 1) continue;
-        int& counter = args.counters[z * tiles_n + x];
-        if (++counter < chunks) continue;
-        for (int tid = 0; tid < APT_THREADS; ++tid) tc_finish(args, m0, n0, tid, APT_THREADS);
-        counter = 0;
+        for (int nb = 0; nb < 2; ++nb)
+          for (int lane = 0; lane < 32; ++lane)
+            for (int i = 0; i < 4; ++i) sums[((warp * 2 + nb) * 32 + lane) * 4 + i] = acc[nb][lane][i];
       }
+      for (int tid = 0; tid < APT_THREADS; ++tid) tc_finish(a, sums.data(), n0, m0, tid);
     }
   }
 }
 
-extern "C" void anyprec_gemm_tc_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out,
-                                     float* partials, int* counters, int m, int n, int k, int bits) {
-  const qk::AnyPrecTcArgs args{{x, planes, lut, out, m, n, k, bits}, partials, counters};
-  qk::with_width(bits, [&](auto width) { anyprec_gemm_tc_host_at<decltype(width)::value>(args); });
-}
+// One kernel per width (anyprec_gemm_tc_1 .. _8), each with its own register budget, and their host twins.
+#define QK_AP_TC_HOST(B)                                                                                           \
+  extern "C" void anyprec_gemm_tc_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,          \
+                                              qk_half* out, int m, int n, int k) {                                  \
+    anyprec_gemm_tc_host_at<B>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                   \
+  }
+QK_AP_TC_HOST(1) QK_AP_TC_HOST(2) QK_AP_TC_HOST(3) QK_AP_TC_HOST(4)
+QK_AP_TC_HOST(5) QK_AP_TC_HOST(6) QK_AP_TC_HOST(7) QK_AP_TC_HOST(8)

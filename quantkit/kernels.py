@@ -361,20 +361,19 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
 
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
-# anyprec_gemm_tc: channels and tokens per block, one chunk of columns each; the activation tile's bytes
-ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS, ANYPREC_TC_CHUNK, ANYPREC_TC_X_BYTES = 128, 16, 1024, 16 * (2 * 1024 + 32)
-# From this many tokens on, the Any-Precision launch takes the tensor-core kernel. Not yet tuned on a GPU: the
-# CUDA-core GEMV pays a float32 multiply-add per weight and token, the tensor-core kernel none.
-ANYPREC_TC_MIN_M = 2
+ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc: the block's m16 tile of channels, two n8 of tokens
+# From this many tokens on, the Any-Precision launch takes the tensor-core kernel: from the first. On an H200 it took
+# 8.6-44.9 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
+# the GEMV stays, bit for bit the emulation's arithmetic, for `quantkit validate` and `tc=False`.
+ANYPREC_TC_MIN_M = 1
 
 
-ANYPREC_TC_COPIES = 2  # anyprec_gemm_tc's copies of each table up to 3 bits (APT_COPIES: fewer bank conflicts)
-
-
-def anyprec_table_bytes(bits: int) -> int:
-    """Shared-memory bytes of one channel's table in anyprec_gemm_tc: fp16 pairs up to 3 bits (ANYPREC_TC_COPIES
-    times), else fp16."""
-    return ANYPREC_TC_COPIES * (4 << (2 * bits)) if bits <= 3 else 2 << bits
+def anyprec_tc_shared_bytes(bits: int) -> int:
+    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): two groups of 8 channels' tables, each
+    entry 4 copies of 32 bits for 8 channels (fp16 pairs of nibble-pair bytes up to 4 bits, else one fp16 per
+    code), and at least the 8 warps' sums [8, 2, 32, 4] float32 that reuse it at the end."""
+    entries = 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
+    return max(2 * entries * 8 * 4 * 4, 8 * 2 * 32 * 4 * 4)
 
 
 def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None) -> Launch:
@@ -390,12 +389,9 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
     out = np.zeros((m, n), dtype=np.uint16)
     lut = _half_bits(tensors[f"lut{bits}"])
     if m >= ANYPREC_TC_MIN_M if tc is None else tc:
-        chunks, tiles_n, tiles_m = -(-k // ANYPREC_TC_CHUNK), -(-n // ANYPREC_TC_CHANNELS), -(-m // ANYPREC_TC_TOKENS)
-        partials = np.zeros((chunks, m, n) if chunks > 1 else (1,), dtype=np.float32)
-        counters = np.zeros(tiles_m * tiles_n, dtype=np.int32)
-        shared = ANYPREC_TC_X_BYTES + ANYPREC_TC_CHANNELS * anyprec_table_bytes(bits)
-        return Launch("anyprec_gemv", "anyprec_gemm_tc", [x16, planes, lut, out, partials, counters, m, n, k, bits],
-                      (tiles_n, chunks, tiles_m), 256, out, shared)
+        return Launch("anyprec_gemv", f"anyprec_gemm_tc_{bits}", [x16, planes, lut, out, m, n, k],
+                      (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 256, out,
+                      anyprec_tc_shared_bytes(bits))
     args = [x16, planes, lut, out, m, n, k, bits]
     return Launch("anyprec_gemv", "anyprec_gemv", args, (-(-n // ANYPREC_WARPS), -(-m // ANYPREC_TOKENS)),
                   32 * ANYPREC_WARPS, out)

@@ -357,20 +357,21 @@ def assert_within_tc_bound(tensors, x, bits, out):
 
 
 @needs_compiler
-@pytest.mark.parametrize("m,n,k", [(1, 13, 96), (5, 130, 1024), (17, 64, 2080), (3, 200, 3072)])
+@pytest.mark.parametrize("m,n,k", [(1, 13, 96), (5, 130, 1024), (17, 64, 2080), (9, 40, 8736), (3, 24, 4128)])
 def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n, k):
-    """The tensor-core kernel's lane code (staged activations in their 4-column slots, tables as fp16 pairs or
-    entries, B fragments decoded from the planes, the chunks' partial sums met by a tile's last block): within
-    `anyprec_tc_bound` of the emulation at every width, past the last whole chunk, past N % 128 and past 16 tokens."""
+    """The tensor-core kernel's lane code (the weights as the A operand from nibble-pair lookups, the activations as
+    B from byte permutes of the runs, the warps' sums met in warp order): within `anyprec_tc_bound` of the
+    emulation at every width, past N % 16, past 8 and 16 tokens, past the last whole chunk (2080: a chunk of 32
+    columns), with more steps than warps (8736: 18 steps of 512 columns) and rows of K / 32 words not a multiple of
+    4 (4128: word loads one by one)."""
     tensors = synthetic("anyprec", n, k, seed=k)
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
         launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
-        assert launch.name == "anyprec_gemm_tc" and launch.grid == (-(-n // 128), -(-k // 1024), -(-m // 16))
+        assert launch.name == f"anyprec_gemm_tc_{bits}" and launch.grid == (-(-n // 16), 1, -(-m // 16))
         out = kernels.run(launch, "cpu").view(np.float16)
         reference = assert_within_tc_bound(tensors, x, bits, out)
         assert np.mean(out == reference) > 0.9  # mostly the same fp16: only rounding differs
-        assert not launch.args[5].any()  # every tile's counter is back at zero for the next call
 
 
 @needs_compiler
@@ -598,12 +599,13 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
     launch = variant_launch(variant, tensors, m, k, seed=2)
     if variant.path in ("tiled", "tensor cores", "wgmma"):
-        assert launch.name.endswith({"tiled": "_tiled", "tensor cores": "_tc", "wgmma": "_wgmma"}[variant.path])
+        ending = {"tiled": "_tiled", "tensor cores": f"_tc_{variant.bits}", "wgmma": "_wgmma"}[variant.path]
+        assert launch.name.endswith(ending)
     elif variant.path is not None:
         assert not launch.name.endswith(("_tiled", "_tc", "_wgmma"))
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
-    if launch.name == "anyprec_gemm_tc":
+    if launch.name.startswith("anyprec_gemm_tc"):
         assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
     else:  # the emulation from the launch's own inputs (Atom: the same reordered codes and scales)
         np.testing.assert_array_equal(out.view(np.uint16), emulated_out(variant.fmt, tensors, launch, variant.bits))
@@ -683,7 +685,7 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     assert ran[("LiquidQuant W4A8 g64 [wgmma]", 64)] == "liquidquant_w4a8_wgmma"
     assert not any(v.path == "wgmma" for v in kb.with_paths(kb.VARIANTS, hopper=False))  # not on other GPUs
     assert ran[("Atom W4A4 g128 + 128 INT8 [tiled]", 4)] == "atom_w4a4_tiled"
-    assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc"
+    assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc_3"
     assert ran[("Any-Precision 3-bit GEMV [CUDA cores]", 4)] == "anyprec_gemv"
     assert ("Any-Precision 3-bit GEMV [CUDA cores]", 64) not in ran  # decode batches only
     checks = kb.bars(rows, bandwidth=1e9)
