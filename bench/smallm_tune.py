@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
     "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
     "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
+    "U8-bal": ({"QK_SMALLM_AHEAD": 8, "QK_SMALLM_BALANCED": 1}, 2048, 8),  # rounds of equal size, at most 8
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

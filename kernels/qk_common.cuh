@@ -453,11 +453,32 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 #define QK_SMALLM_AHEAD 8
 #endif
 
+// QK_SMALLM_BALANCED (a compile-time knob, off): 1 splits a warp's steps into rounds of equal size (at most U: 28
+// steps in 4 rounds of 7, not 8, 8, 8 and 4), so that its last round keeps as many loads in flight as the others.
+#ifndef QK_SMALLM_BALANCED
+#define QK_SMALLM_BALANCED 0
+#endif
+
 // Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
 // loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
 // needs), the last round's too when fewer than U steps are left.
 template <int U, typename Stage, typename Load, typename Compute>
 __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
+  if (QK_SMALLM_BALANCED) {
+    const int mine = first < steps ? (steps - first + stride - 1) / stride : 0;
+    const int size = mine ? (mine + (mine + U - 1) / U - 1) / ((mine + U - 1) / U) : 0;
+    for (int done = 0; done < mine; done += size) {
+      const int count = mine - done < size ? mine - done : size, step = first + done * stride;
+      Stage stage[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u < count) load(step + u * stride, stage[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u < count) compute(step + u * stride, stage[u]);
+    }
+    return;
+  }
   int step = first;
   for (; step + (U - 1) * stride < steps; step += U * stride) {
     Stage stage[U];
