@@ -342,13 +342,6 @@ QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, in
 }  // namespace qk
 
 #ifndef QK_HOST
-// QK_AP_XAHEAD (a compile-time knob, QUANTKIT_NVRTC_DEFINES): 1 loads the first token block's activations of the
-// lane's next word while this word's MMAs run (the first word's before the tables fill), 0 each word's when its
-// MMAs need them. The same values either way.
-#ifndef QK_AP_XAHEAD
-#define QK_AP_XAHEAD 0
-#endif
-
 template <int BITS>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;
@@ -359,7 +352,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   uint32_t w[2][BITS][W], run[4][4];
   if (warp < steps) {  // in flight while the tables fill
     tc_load_step<BITS>(a, n0, warp, lane, w);
-    if (QK_AP_XAHEAD) tc_load_runs<BITS>(a, warp, lane, 0, token0, run);
+    tc_load_runs<BITS>(a, warp, lane, 0, token0, run);
   }
   tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
   __syncthreads();
@@ -369,12 +362,12 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 #pragma unroll
     for (int i = 0; i < W; ++i) {
       uint32_t fa[8][4], fb[8][2];
-      if (!QK_AP_XAHEAD) tc_load_runs<BITS>(a, step, lane, i, token0, run);
       tc_b_fragments(run, fb);
-      if (QK_AP_XAHEAD) {  // the next word's: this step's next, or the first of the warp's next step
-        if (i + 1 < W) tc_load_runs<BITS>(a, step, lane, i + 1, token0, run);
-        else if (step + APT_WARPS < steps) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
-      }
+      // the first token block's activations of the lane's next word, in flight during this word's MMAs: this
+      // step's next word or the first of the warp's next step (H200: 1.5-5% faster than loading each word's when
+      // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
+      if (i + 1 < W) tc_load_runs<BITS>(a, step, lane, i + 1, token0, run);
+      else if (step + APT_WARPS < steps) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
       tc_a_fragments<BITS>(smem, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);

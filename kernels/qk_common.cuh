@@ -447,16 +447,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
 // a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); it changes no bit of any output. On an H200, 8 a round was
 // the fastest of what was tried (README, "CUDA kernels"): 4 and 6 a round, the next round's loads issued before
-// this round's MMAs (two register sets), cp.async into per-thread shared-memory slots (4 or 6 steps ahead), and
-// the activations loaded at their step's MMAs rather than with the weights (8, 12 or 16 steps a round).
+// this round's MMAs (two register sets), cp.async into per-thread shared-memory slots (4 or 6 steps ahead), the
+// activations loaded at their step's MMAs rather than with the weights (8, 12 or 16 steps a round), and a warp's
+// steps in rounds of equal size (28 in 4 of 7, not 8, 8, 8 and 4: 12% slower in total).
 #ifndef QK_SMALLM_AHEAD
 #define QK_SMALLM_AHEAD 8
-#endif
-
-// QK_SMALLM_BALANCED (a compile-time knob, off): 1 splits a warp's steps into rounds of equal size (at most U: 28
-// steps in 4 rounds of 7, not 8, 8, 8 and 4), so that its last round keeps as many loads in flight as the others.
-#ifndef QK_SMALLM_BALANCED
-#define QK_SMALLM_BALANCED 0
 #endif
 
 // Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
@@ -464,21 +459,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // needs), the last round's too when fewer than U steps are left.
 template <int U, typename Stage, typename Load, typename Compute>
 __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
-  if (QK_SMALLM_BALANCED) {
-    const int mine = first < steps ? (steps - first + stride - 1) / stride : 0;
-    const int size = mine ? (mine + (mine + U - 1) / U - 1) / ((mine + U - 1) / U) : 0;
-    for (int done = 0; done < mine; done += size) {
-      const int count = mine - done < size ? mine - done : size, step = first + done * stride;
-      Stage stage[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u < count) load(step + u * stride, stage[u]);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u < count) compute(step + u * stride, stage[u]);
-    }
-    return;
-  }
   int step = first;
   for (; step + (U - 1) * stride < steps; step += U * stride) {
     Stage stage[U];
@@ -620,10 +600,11 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 }
 
 // The Hopper GEMM of layout F (WgmmaTiles): a ring of STAGES stages in shared memory aligned to 1 KiB, filled by
-// cp.async as in tiled_gemm, but two steps behind instead of one: step kt's wgmmas may still be reading their stage
-// while the warpgroup unpacks step kt + 1's weights (wgmma_wait<1>), so the copy issued at step kt goes to the slot
-// of step kt - 2, which every warpgroup finished before the barrier. Each thread fences its completed copies into
-// the async proxy (the tensor cores' view of shared memory) before that barrier.
+// cp.async as in tiled_gemm, but two steps behind instead of one: the copy issued at step kt goes to the slot of step
+// kt - 2, which every warpgroup finished before the barrier. That margin dates from a loop whose step kt wgmmas
+// could still be reading their stage while step kt + 1's weights were unpacked (wgmma_wait<1>); with each step's
+// wgmmas retired below (wgmma_wait<0>), one step would do. It stays until a GPU run measures the change. Each thread
+// fences its completed copies into the async proxy (the tensor cores' view of shared memory) before the barrier.
 template <class F>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   using T = qk::WgmmaTiles<F>;
