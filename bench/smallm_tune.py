@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
     "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
     "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
+    "U8-pc6": ({"QK_SMALLM_AHEAD": 8, "QK_QSERVE_PC_AHEAD": 6}, 2048, 8),  # QServe per channel: rounds of 6
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 

@@ -196,6 +196,13 @@ struct QServeWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
+// QK_QSERVE_PC_AHEAD (a compile-time knob): the per-channel layout's look-ahead, QK_SMALLM_AHEAD unless set. In two
+// H200 tuning runs, rounds of 6 took QServe per channel 2% less time in total than rounds of 8 (6% at K = 14336,
+// 4% more at 28672 x 4096), while the group layout preferred 8; bench/smallm_tune.py's U8-pc6 measures the split.
+#ifndef QK_QSERVE_PC_AHEAD
+#define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
+#endif
+
 // grid (N / 32, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of a block
 // split K over one 16 x 32 output tile. s1_szeros null: per group.
 extern "C" __global__ void __launch_bounds__(512)
@@ -206,19 +213,23 @@ extern "C" __global__ void __launch_bounds__(512)
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   struct Stage { uint32_t w[4], s, z, a[4]; };
   int32_t acc[4][4] = {};
-  pipelined_steps<QK_SMALLM_AHEAD, Stage>(
-      copy, splits, k / 32,
-      [&](int kt, Stage& st) {
-        qk::load_a(args, mt, kt, lane, st.a);
-        qk::load_b_raw(args, nt, kt, lane, st.w);
-        qk::load_group_params(args, nt, kt, lane, st.s, st.z);
-      },
-      [&](int, const Stage& st) {
-        uint32_t fb[4][2];
-        qk::unpack_b(args, st.w, st.s, st.z, fb);
+  auto load = [&](int kt, Stage& st) {
+    qk::load_a(args, mt, kt, lane, st.a);
+    qk::load_b_raw(args, nt, kt, lane, st.w);
+    qk::load_group_params(args, nt, kt, lane, st.s, st.z);
+  };
+  auto compute = [&](int, const Stage& st) {
+    uint32_t fb[4][2];
+    qk::unpack_b(args, st.w, st.s, st.z, fb);
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
-      });
+    for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
+  };
+  if constexpr (QK_QSERVE_PC_AHEAD != QK_SMALLM_AHEAD) {  // a look-ahead of its own per channel (tuning)
+    if (group == 0) pipelined_steps<QK_QSERVE_PC_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+    else pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+  } else {
+    pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+  }
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
