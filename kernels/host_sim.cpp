@@ -683,6 +683,13 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   }
 }
 
+// The dynamic shared memory anyprec_gemm_tc_`bits` needs (tc_shared_bytes), for quantkit.kernels to be held to.
+extern "C" int anyprec_tc_shared_bytes(int bits) {
+  int bytes = 0;
+  qk::with_width(bits, [&](auto width) { bytes = qk::tc_shared_bytes<decltype(width)::value>(); });
+  return bytes;
+}
+
 // One kernel per width (anyprec_gemm_tc_1 .. _8), each with its own register budget, and their host twins.
 #define QK_AP_TC_HOST(B)                                                                                           \
   extern "C" void anyprec_gemm_tc_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,          \

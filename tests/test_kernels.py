@@ -162,6 +162,14 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
         assert t.stage_bytes % 1024 == 0 and t.slack == 1024
 
 
+@needs_compiler
+def test_anyprec_tc_shared_memory_mirrors_the_kernel():
+    """quantkit.kernels sizes the tensor-core Any-Precision launch's shared memory: the kernel's tables and warp sums
+    (tc_shared_bytes) must fit in it at every width."""
+    for bits in range(1, 9):
+        assert kernels.anyprec_tc_shared_bytes(bits) == kernels.host_library().anyprec_tc_shared_bytes(bits), bits
+
+
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
     """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
     Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
