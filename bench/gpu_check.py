@@ -109,7 +109,7 @@ def main() -> None:
                  env)
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
-            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$", *(f"--section={s}" for s in PROFILE),
+            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$|_tc_3$", *(f"--section={s}" for s in PROFILE),
                              py, "bench/profile_smallm.py"], args.out, results, 100, env)
     else:
         step("kernel-tests", pytest, args.out, results, 300, env)

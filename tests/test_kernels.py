@@ -580,8 +580,9 @@ def test_anyprec_gpu_kernel_matches_the_emulation():
 @needs_gpu
 @pytest.mark.parametrize("k", [1024, 4096, 2080])
 def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k):
-    """On the device: within the bound at every width, and the same bits on every call (the chunks' partials meet
-    in a fixed order; the tile counters reset themselves, so a second call on the same buffers works too)."""
+    """On the device: within the bound at every width, and the same bits on every call (the warps' sums meet in
+    shared memory in warp order), with 20 tokens (both n8 blocks of a tile, and a second tile) and K past a whole
+    step (2080)."""
     tensors = synthetic("anyprec", 300, k, seed=k)
     x = activations(20, k, seed=1)
     for bits in range(3, 9):
