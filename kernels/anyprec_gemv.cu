@@ -197,18 +197,6 @@ QK_FN constexpr int tc_shared_bytes() {
   return 2 * tc_group_bytes<BITS>() > APT_WARPS * 2 * 32 * 16 ? 2 * tc_group_bytes<BITS>() : APT_WARPS * 2 * 32 * 16;
 }
 
-// bytes (s0, s1) of a and b as one word: __byte_perm.
-QK_FN uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
-#if defined(__CUDA_ARCH__)
-  return __byte_perm(a, b, selector);
-#else
-  const uint64_t both = (uint64_t)b << 32 | a;
-  uint32_t out = 0;
-  for (int i = 0; i < 4; ++i) out |= (uint32_t)(both >> (8 * ((selector >> (4 * i)) & 7)) & 0xFF) << (8 * i);
-  return out;
-#endif
-}
-
 // The tables of channels n0 .. n0 + 15 (those below N).
 template <int BITS>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {

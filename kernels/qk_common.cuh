@@ -51,6 +51,19 @@ QK_FN void with_width(int bits, Fn fn) {
   }
 }
 
+// Four of the eight bytes of b:a (a the low four), byte i of the result the one selector nibble i names (its low
+// three bits): CUDA __byte_perm without the sign-replicating mode, which no kernel uses.
+QK_FN uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t both = (uint64_t)b << 32 | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) out |= (uint32_t)(both >> (8 * ((selector >> (4 * i)) & 7)) & 0xFF) << (8 * i);
+  return out;
+#endif
+}
+
 // Per-byte add modulo 256 of two words of four bytes, no carries between bytes (CUDA __vadd4).
 QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -646,7 +659,8 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     // simulator cannot show). Overlap comes from the SM's other warpgroups instead. A variant with two register
     // sets of A fragments by step parity (each tied past the wgmma_wait<1> that retired its readers) was measured on
     // an H200 at M = 1024 and was slower on all 20 rows, 0.23-0.67x cuBLAS INT8 against 0.32-0.95x for this loop
-    // (bench/results/kernels_h200_wgmma_overlap.json against kernels_h200_bench.json), so it was removed.
+    // (bench/results/kernels_h200_wgmma_overlap.json against the same run's kernels_h200_bench.json, as of commit
+    // f5689c5), so it was removed.
     wgmma_wait<0>();
   }
   wgmma_wait<0>();

@@ -224,12 +224,10 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
   };
-  if constexpr (QK_QSERVE_PC_AHEAD != QK_SMALLM_AHEAD) {  // a look-ahead of its own per channel (tuning)
-    if (group == 0) pipelined_steps<QK_QSERVE_PC_AHEAD, Stage>(copy, splits, k / 32, load, compute);
-    else pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
-  } else {
+  if (QK_QSERVE_PC_AHEAD != QK_SMALLM_AHEAD && group == 0)  // a look-ahead of its own per channel (tuning)
+    pipelined_steps<QK_QSERVE_PC_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+  else
     pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
-  }
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
