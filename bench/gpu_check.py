@@ -23,13 +23,15 @@ gets at most what is left, and one that would get under 30 s is skipped (exit co
 without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
-        [--skip-tune] [--skip-validate] [--skip-sweep] [--recipes NAME,...]
+        [--skip-tune] [--tune-args ARGS] [--skip-profile] [--profile-formats F,...] [--skip-validate] [--skip-sweep]
+        [--recipes NAME,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -85,6 +87,10 @@ def main() -> None:
     parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
     parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
+    parser.add_argument("--tune-args", default="", help="arguments for bench/smallm_tune.py (e.g. \"--formats "
+                        "anyprec --configs U8,AP-smem\")")
+    parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
+                        "bench/profile_smallm.py --formats)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated recipes to quantize and validate (default: every one that packs)")
@@ -105,12 +111,13 @@ def main() -> None:
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 240, env)
         if not args.skip_tune:
-            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json")], args.out, results, 200,
-                 env)
+            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"),
+                          *shlex.split(args.tune_args)], args.out, results, 200, env)
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
-            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$|_tc_3$", *(f"--section={s}" for s in PROFILE),
-                             py, "bench/profile_smallm.py"], args.out, results, 100, env)
+            formats = ["--formats", args.profile_formats] if args.profile_formats else []
+            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$|_tc8?_3$", *(f"--section={s}" for s in PROFILE),
+                             py, "bench/profile_smallm.py", *formats], args.out, results, 100, env)
     else:
         step("kernel-tests", pytest, args.out, results, 300, env)
 

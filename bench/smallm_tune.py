@@ -1,17 +1,18 @@
 """Tune the small-M (decode) kernels on a GPU: their look-ahead and split-K budget, side by side in one run.
 
-Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per channel and g128) and Atom's on
-Llama-3-8B's shapes at M = 1 and 16, under each configuration of
+Every W4A8 small-M kernel (QServe per channel and g128, LiquidQuant, QQQ per channel and g128), Atom's and
+Any-Precision's tensor-core kernel at 3 bits on Llama-3-8B's shapes at M = 1 and 16 (--formats picks layouts),
+under each configuration of
   - QK_SMALLM_AHEAD: K steps' loads per round into registers (compile time, kernels/qk_common.cuh
     pipelined_steps),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
 Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
 QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
-against the emulation bit for bit at a split shape, then times it as `quantkit bench` does (CUDA-graph replays,
-operands rotating past the L2 cache). Prints one table (microseconds; the fastest configuration of each row
-marked) and the total per configuration; --json keeps it all.
+against the emulation at a split shape (bit for bit; Any-Precision's within its bound), then times it as `quantkit
+bench` does (CUDA-graph replays, operands rotating past the L2 cache). Prints one table (microseconds; the fastest
+configuration of each row marked) and the total per configuration; --json keeps it all.
 
-    PYTHONPATH=. python3 bench/smallm_tune.py [--json FILE] [--ms 1,16] [--configs NAME,...]
+    PYTHONPATH=. python3 bench/smallm_tune.py [--json FILE] [--ms 1,16] [--configs NAME,...] [--formats F,...]
 """
 
 from __future__ import annotations
@@ -25,28 +26,49 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name: (compile-time defines, SPLITK_WARPS, SPLITK_MIN_STEPS); the first is the built-in default. Six H200 runs
+# name: (compile-time defines, settings of quantkit.kernels); the first is the built-in default. Eight H200 runs
 # (README, "CUDA kernels"; bench/results/kernels_h200_smallm_tune.json) also tried the next round's register loads
 # issued before this round's MMAs (look-aheads 2 and 4), split budgets of 1024, 3072 and 4096 warps and at least 16
 # steps a warp, cp.async into per-thread shared-memory slots (4 or 6 steps ahead), rounds of equal size, the
 # epilogue's scales prefetched to L2 and the activations loaded at their step's MMAs (8, 12 or 16 steps a round):
 # none was faster than 8 plain loads a round over 2048 warps of at least 8 steps (16 steps: the same within 0.3%),
-# and they are gone. (Per kernel, 6 a round is 2% faster in total for QServe per channel, and 6% at K = 14336.)
-CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
-    "U8": ({"QK_SMALLM_AHEAD": 8}, 2048, 8),
-    "U6": ({"QK_SMALLM_AHEAD": 6}, 2048, 8),
-    "U8-pc6": ({"QK_SMALLM_AHEAD": 8, "QK_QSERVE_PC_AHEAD": 6}, 2048, 8),  # QServe per channel: rounds of 6
+# and they are gone. 6 a round for QServe per channel alone was 5% faster at K = 14336 and 2-5% slower at M = 1 on
+# the other shapes (run 7). For Any-Precision's tensor-core kernel, run 7 measured its 3-bit tables in shared
+# memory (1.04-1.52x the time of tables in registers), 3 blocks an SM (80 registers with spills: 2-7% faster at
+# N = 6144 and 28672, 3-6% slower at 4096) and two accumulator sets (no faster, up to 32% slower at M = 16); run 8
+# blocks that take several tiles each, the next tile's words loaded during this one's (4% faster at N = 28672, 10%
+# slower at 6144).
+CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "U8": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
+    "U6": ({"QK_SMALLM_AHEAD": 6}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 
 
 def variants():
-    """The tuned kernels: each variant of quantkit bench on its small-M path (Any-Precision's GEMV left out)."""
+    """The tuned kernels: each variant of quantkit bench on its small-M path, and Any-Precision's tensor-core kernel
+    (its GEMV left out)."""
     from dataclasses import replace
 
     from quantkit.kernel_bench import PATHS, VARIANTS
 
-    return [replace(v, path="small-M") for v in VARIANTS if "small-M" in PATHS[v.fmt]]
+    return [replace(v, path="small-M" if "small-M" in PATHS[v.fmt] else "tensor cores") for v in VARIANTS
+            if "small-M" in PATHS[v.fmt] or v.fmt == "anyprec"]
+
+
+def matches(v, tensors, launch, out) -> bool:
+    """The kernel's output against the emulation: bit for bit, or for Any-Precision's tensor-core kernel within
+    `anyprec_tc_bound`."""
+    import numpy as np
+
+    from quantkit.emulate import anyprec_tc_bound
+    from quantkit.kernel_bench import emulated_out
+
+    reference = emulated_out(v.fmt, tensors, launch, v.bits)
+    if v.fmt != "anyprec":
+        return bool(np.array_equal(out, reference))
+    got, want = out.view(np.float16).astype(np.float64), reference.view(np.float16).astype(np.float64)
+    return bool(np.all(np.abs(got - want) <= anyprec_tc_bound(tensors, launch.args[0].view(np.float16), v.bits, want)))
 
 
 def make_tensors(job: tuple[int, int, int, Path]) -> None:
@@ -61,23 +83,25 @@ def make_tensors(job: tuple[int, int, int, Path]) -> None:
                cache / f"{i}-{n}x{k}.pt")
 
 
-def worker(name: str, ms: tuple[int, ...], cache: Path) -> dict:
+def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...] = ()) -> dict:
     """One configuration, in this process (its defines already in the environment): check, then time."""
     import numpy as np
     import torch
 
     from quantkit import kernel_bench, kernels
-    from quantkit.kernel_bench import emulated_out, rotation, timing, variant_launch, weight_bytes
+    from quantkit.kernel_bench import rotation, timing, variant_launch, weight_bytes
 
-    _, warps, min_steps = CONFIGS[name]
-    kernels.SPLITK_WARPS, kernels.SPLITK_MIN_STEPS = warps, min_steps
-    results, checked, threads = {}, {}, {}
+    for setting, value in CONFIGS[name][1].items():
+        setattr(kernels, setting, value)
+    results, checked, threads, registers = {}, {}, {}, {}
     for i, v in enumerate(variants()):
+        if formats and v.fmt not in formats:
+            continue
         n, k = CHECK_SHAPE
         tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
         launch = variant_launch(v, tensors, 3, k, seed=4)
         out = kernels.run(launch, "cuda").view(np.uint16)
-        checked[v.label] = bool(np.array_equal(out, emulated_out(v.fmt, tensors, launch)))
+        checked[v.label] = matches(v, tensors, launch, out)
         for n, k in kernel_bench.SHAPE_SETS["llama3-8b"]:
             tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
             for m in ms:
@@ -86,7 +110,9 @@ def worker(name: str, ms: tuple[int, ...], cache: Path) -> dict:
                 seconds, _ = timing(call, 10, 50)
                 results[f"{v.label}|{n}x{k}|{m}"] = seconds
                 threads[f"{v.label}|{n}x{k}|{m}"] = launch.block  # 32 x warps: the split count shows here
-    return {"config": name, "checked": checked, "seconds": results, "threads": threads}
+                function = kernels.upload(launch).function
+                registers[launch.name] = (function.num_regs, function.local_size_bytes)  # spills show as local
+    return {"config": name, "checked": checked, "seconds": results, "threads": threads, "registers": registers}
 
 
 def main() -> None:
@@ -94,6 +120,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every configuration's times here")
     parser.add_argument("--ms", default="1,16", help="token counts (default 1,16)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, by name")
+    parser.add_argument("--formats", default="", help="only these layouts (qserve, liquidquant, qqq, atom, anyprec; "
+                        "default all)")
     parser.add_argument("--limit", type=float, default=120, help="seconds per configuration before it is skipped")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/quantkit-smallm-tune"),
                         help="where the synthetic tensors are kept between the configurations")
@@ -103,16 +131,17 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ms = tuple(int(m) for m in args.ms.split(","))
+    formats = tuple(filter(None, args.formats.split(",")))
     if args.worker:
-        print(json.dumps(worker(args.worker, ms, args.cache)))
+        print(json.dumps(worker(args.worker, ms, args.cache, formats)))
         return
     from concurrent.futures import ProcessPoolExecutor
 
     from quantkit.kernel_bench import SHAPE_SETS
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, n, k, args.cache) for i in range(len(variants())) for n, k in (*SHAPE_SETS["llama3-8b"], CHECK_SHAPE)
-            if not (args.cache / f"{i}-{n}x{k}.pt").exists()]
+    jobs = [(i, n, k, args.cache) for i, v in enumerate(variants()) if not formats or v.fmt in formats
+            for n, k in (*SHAPE_SETS["llama3-8b"], CHECK_SHAPE) if not (args.cache / f"{i}-{n}x{k}.pt").exists()]
     with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1) or 1) as pool:
         list(pool.map(make_tensors, jobs))
     runs = []
@@ -121,7 +150,8 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "QUANTKIT_NVRTC_DEFINES": defines}
         try:
             done = subprocess.run([sys.executable, __file__, "--worker", name, "--ms", args.ms, "--cache",
-                                   str(args.cache)], env=env, capture_output=True, text=True, timeout=args.limit,
+                                   str(args.cache), "--formats", args.formats], env=env, capture_output=True,
+                                  text=True, timeout=args.limit,
                                   cwd=REPO)
         except subprocess.TimeoutExpired:
             print(f"{name}: over {args.limit:.0f} s, skipped", flush=True)
@@ -131,8 +161,12 @@ def main() -> None:
             continue
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         bad = [label for label, ok in runs[-1]["checked"].items() if not ok]
-        print(f"{name} ({defines}, SPLITK_WARPS {CONFIGS[name][1]}, SPLITK_MIN_STEPS {CONFIGS[name][2]}): "
-              f"{'MISMATCH ' + ', '.join(bad) if bad else 'every kernel matches the emulation'}", flush=True)
+        registers = ", ".join(f"{kernel} {regs} ({local} B local)"
+                              for kernel, (regs, local) in runs[-1]["registers"].items())
+        settings = ", ".join(f"{setting} {value}" for setting, value in CONFIGS[name][1].items())
+        print(f"{name} ({defines}, {settings}): "
+              f"{'MISMATCH ' + ', '.join(bad) if bad else 'every kernel matches the emulation'}; registers "
+              f"{registers}", flush=True)
     if not runs:
         sys.exit(1)
     names = [r["config"] for r in runs]

@@ -158,19 +158,19 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
   partials_of_words<BITS>(a, table, words, c, m0, lane, partial);
 }
 
-// ---- The tensor-core path (anyprec_gemm_tc), for any number of tokens. ----
+// ---- The tensor-core path (anyprec_gemm_tc, anyprec_gemm_tc8 up to 8 tokens), for any number of tokens. ----
 // A block owns 16 channels and 16 tokens: the weights are the A operand of mma.m16n8k16 (rows: channels) and the
 // activations its B operand (columns: tokens, two n8 blocks, the second skipped up to 8 tokens), so that a decode
 // call's lone token costs the seven other columns nothing but zeros. The block walks K in steps of 16 plane words
 // (512 columns; 8 words above 4 bits, whose planes take more registers) a channel; warp w of 8 takes steps w,
-// w + 8, ... and the warps' float32 sums meet in shared memory,
-// added in warp order (deterministic). grid (ceil(N / 16), 1, ceil(M / 16)), block 256.
+// w + 8, ... and the warps' float32 sums meet in shared memory, added in warp order (deterministic). grid
+// (ceil(N / 16), 1, ceil(M / 16)), block 256.
 // Lane (g, q) holds words 16 s + 4 q .. + 3 of channels g and 8 + g (one 16-byte load a plane each; above 4 bits
-// 8 s + 2 q, + 1, one 8-byte load) and takes them
-// one at a time: the bit transpose (transpose_words) puts in byte b of word T_r the codes of the word's columns
-// e = r and e = r + 4 of the 8-column run j = 3 - b (up to 4 bits both in one byte, as nibbles; above, bytes b of
-// T_r and T_{r + 4}). A lookup of that byte in the channel's table gives the fp16 pair lut[code(r)] |
-// lut[code(r + 4)] << 16, an A register as it stands: k = 2 q, 2 q + 1 are those two columns of lane q's word. MMA
+// 8 s + 2 q, + 1, one 8-byte load) and takes them one at a time: the bit transpose (transpose_words) puts in byte b
+// of word T_r the codes of the word's columns e = r and e = r + 4 of the 8-column run j = 3 - b (up to 4 bits both
+// in one byte, as nibbles; above, bytes b of T_r and T_{r + 4}). A lookup of that byte in the channel's table
+// (registers up to 3 bits, tc_reg_lookup; else shared memory) gives the fp16 pair lut[code(r + 4)] |
+// lut[code(r)] << 16, an A register as it stands: k = 2 q, 2 q + 1 are those two columns of lane q's word. MMA
 // s = 2 r + h reads bytes b = 2 h (registers a0, a1: rows g, g + 8) and b = 2 h + 1 (a2, a3). The B lane (g', q)
 // supplies token g' at the same two columns of the same word (the lanes of one q share it), from its 16-byte load
 // of run j by one byte permute. Not bit-exact against the emulation: the tensor cores' float32 accumulation has its
@@ -183,12 +183,17 @@ QK_FN constexpr int tc_lane_words() { return BITS <= 4 ? 4 : 2; }
 template <int BITS>
 QK_FN constexpr int tc_step_words() { return 4 * tc_lane_words<BITS>(); }
 
-// The tables: per group G of 8 channels (G = 0, 1), entry e of channel g at 32-bit word (e 8 + g) 4 + copy, held 4
-// times, lane (g, q) reading copy q, so that the 32 lanes of a lookup always fall in 32 distinct banks. Entry e is
-// the fp16 pair of byte e = hi << 4 | lo up to 4 bits (nibble pairs with both codes below 2^BITS written; the
-// others unused), else code e's fp16 in the low half.
+// Up to 3 bits a lane's two channels' tables live in its registers (tc_load_reg_tables); above, in shared memory.
+// (3 bits from shared memory took 1.04-1.52x the time on an H200: bench/results/kernels_h200_smallm_tune.json, run 7.)
 template <int BITS>
-QK_FN constexpr int tc_entries() { return BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS; }
+QK_FN constexpr bool tc_reg_tables() { return BITS <= 3; }
+
+// The tables in shared memory: per group G of 8 channels (G = 0, 1), entry e of channel g at 32-bit word
+// (e 8 + g) 4 + copy, held 4 times, lane (g, q) reading copy q, so that the 32 lanes of a lookup always fall in 32
+// distinct banks. Entry e is the fp16 pair of byte e = hi << 4 | lo up to 4 bits, lut[lo] | lut[hi] << 16 (nibble
+// pairs with both codes below 2^BITS written; the others unused), else code e's fp16 in the low half.
+template <int BITS>
+QK_FN constexpr int tc_entries() { return tc_reg_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS; }
 template <int BITS>
 QK_FN constexpr int tc_group_bytes() { return tc_entries<BITS>() * 8 * 4 * 4; }
 // Dynamic shared memory: both groups' tables, at least the warps' sums that reuse it at the end.
@@ -197,9 +202,56 @@ QK_FN constexpr int tc_shared_bytes() {
   return 2 * tc_group_bytes<BITS>() > APT_WARPS * 2 * 32 * 16 ? 2 * tc_group_bytes<BITS>() : APT_WARPS * 2 * 32 * 16;
 }
 
+// A lane's tables in registers (up to 3 bits): for its channel h (g, 8 + g), the low bytes of the fp16 entries
+// 0..3 (lo[h][0], byte c = entry c) and 4..7 (lo[h][1]), and likewise their high bytes: one byte permute of each
+// pair of words looks up four codes at once, the selector's nibbles being the codes (bit 3, the permute's sign mode,
+// is 0 below 4 bits).
+struct TcRegTables {
+  uint32_t lo[2][2], hi[2][2];
+};
+
+template <int BITS>
+QK_FN void tc_load_reg_tables(const AnyPrecArgs& a, int n0, int lane, TcRegTables& rt) {
+  if constexpr (tc_reg_tables<BITS>()) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int channel = n0 + 8 * h + frag_group(lane);
+      uint32_t e[4] = {0u, 0u, 0u, 0u};  // entries 2 i (low half) and 2 i + 1
+      if (channel < a.n) {
+        const qk_half* lut = a.lut + (size_t)channel * (1 << BITS);
+        if constexpr (BITS == 3) {
+          load_u128(lut, e);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 1 << BITS; ++c) e[c / 2] |= (uint32_t)lut[c] << (16 * (c % 2));
+        }
+      }
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        rt.lo[h][part] = byte_perm(e[2 * part], e[2 * part + 1], 0x6420u);
+        rt.hi[h][part] = byte_perm(e[2 * part], e[2 * part + 1], 0x7531u);
+      }
+    }
+  }
+}
+
+// The four fp16 pairs of a transposed word t from the registers of channel h: pair b (byte b of t) is
+// lut[lo nibble] | lut[hi nibble] << 16, as the shared tables' entries. Two permutes look up four codes' low and high
+// bytes, two more interleave them: 9 instructions for 8 weights, no shared memory.
+QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pairs[4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t codes = half ? t >> 16 : t;  // the permute reads its selector's low 4 nibbles
+    const uint32_t lo = byte_perm(rt.lo[h][0], rt.lo[h][1], codes), hi = byte_perm(rt.hi[h][0], rt.hi[h][1], codes);
+    pairs[2 * half] = byte_perm(lo, hi, 0x5140u);
+    pairs[2 * half + 1] = byte_perm(lo, hi, 0x7362u);
+  }
+}
+
 // The tables of channels n0 .. n0 + 15 (those below N).
 template <int BITS>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
+  if constexpr (tc_reg_tables<BITS>()) return;
   constexpr int items = BITS <= 4 ? 1 << (2 * BITS) : 1 << BITS;  // per channel
   for (int i = tid; i < APT_CHANNELS * items; i += threads) {
     const int ch = i / items, e = i % items;
@@ -208,7 +260,7 @@ QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid
     uint32_t value, entry;
     if (BITS <= 4) {
       const int hi = e >> BITS, lo = e & ((1 << BITS) - 1);
-      value = (uint32_t)lut[hi] | ((uint32_t)lut[lo] << 16);
+      value = (uint32_t)lut[lo] | ((uint32_t)lut[hi] << 16);
       entry = hi << 4 | lo;
     } else {
       value = (uint32_t)lut[e];
@@ -253,10 +305,11 @@ QK_FN uint32_t tc_entry_offset(uint32_t t, int b, uint32_t slot) {
   return (shifted & 0x7F80u) | slot;
 }
 
-// The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables.
+// The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables (registers up to 3
+// bits, else shared memory). Pair b of T_r holds columns r + 4 (low half) and r of run 3 - b.
 template <int BITS>
-QK_FN void tc_a_fragments(const uint8_t* tables, int lane, const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i,
-                          uint32_t a[8][4]) {
+QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
+                          const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
   constexpr int lanes = transpose_lanes<BITS>();
   const uint32_t slot = (frag_group(lane) * 4 + frag_quad(lane)) * 4;
 #pragma unroll
@@ -267,20 +320,24 @@ QK_FN void tc_a_fragments(const uint8_t* tables, int lane, const uint32_t w[2][B
     for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
     transpose_words<BITS>(word, t);
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
+    for (int r = 0; r < 4; ++r) {
+      uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
+      if constexpr (tc_reg_tables<BITS>()) {
+        tc_reg_lookup(rt, h, t[r], pairs);
+      } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = s / 2, b = 2 * (s % 2) + half;
-        uint32_t pair;
-        if (BITS <= 4) {
-          pair = load_u32(table + tc_entry_offset(t[r], b, slot));
-        } else {
-          const uint32_t lo = load_u32(table + tc_entry_offset(t[r], b, slot));
-          const uint32_t hi = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
-          pair = byte_perm(lo, hi, 0x5410u);
+        for (int b = 0; b < 4; ++b) {
+          if (BITS <= 4) {
+            pairs[b] = load_u32(table + tc_entry_offset(t[r], b, slot));
+          } else {
+            const uint32_t col_r = load_u32(table + tc_entry_offset(t[r], b, slot));
+            const uint32_t col_r4 = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
+            pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
+          }
         }
-        a[s][2 * half + h] = pair;
       }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) a[2 * r + b / 2][2 * (b % 2) + h] = pairs[b];
     }
   }
 }
@@ -301,8 +358,8 @@ QK_FN void tc_load_runs(const AnyPrecArgs& a, int step, int lane, int i, int tok
   for (int j = 0; j < 4; ++j) load_u128(row + j * (width / 4), run[j]);
 }
 
-// The B fragments (b[s] for MMA s) from a word's runs: the pair of columns e = r and r + 4 of run j is halves r % 2
-// of its words r / 2 and 2 + r / 2.
+// The B fragments (b[s] for MMA s) from a word's runs: the pair of columns e = r + 4 (low half) and r of run j,
+// as the A fragments, is halves r % 2 of its words 2 + r / 2 and r / 2.
 QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
@@ -310,7 +367,7 @@ QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int j = 3 - (2 * (s % 2) + half);
-      b[s][half] = byte_perm(run[j][r / 2], run[j][2 + r / 2], r % 2 ? 0x7632u : 0x5410u);
+      b[s][half] = byte_perm(run[j][2 + r / 2], run[j][r / 2], r % 2 ? 0x7632u : 0x5410u);
     }
   }
 }
@@ -330,23 +387,41 @@ QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, in
 }  // namespace qk
 
 #ifndef QK_HOST
-template <int BITS>
+// NB token blocks of 8 a tile: 1 for the kernels of up to 8 tokens (anyprec_gemm_tc8_*, fewer registers), 2 for
+// any number (anyprec_gemm_tc_*). Where the registers allow two steps' words at 2 blocks an SM (tc_prefetch), a warp's
+// next step's plane words are in flight while this one's are decoded (H200: 8% faster at K = 14336; blocks that
+// took several tiles each, the next tile's words in flight likewise, were 4% faster at N = 28672 and 10% slower at
+// 6144: bench/results/kernels_h200_smallm_tune.json, run 8).
+template <int BITS, int NB>
+QK_FN constexpr bool tc_prefetch() { return NB == 1 && BITS <= 4; }
+
+template <int BITS, int NB>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;
   constexpr int W = tc_lane_words<BITS>();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n0 = APT_CHANNELS * blockIdx.x, m0 = APT_TOKENS * blockIdx.z, steps = tc_steps<BITS>(a);
-  const int blocks_n = a.m - m0 > 8 ? 2 : 1, token0 = m0 + frag_group(lane);
+  const int blocks_n = a.m - m0 > 8 ? NB : 1, token0 = m0 + frag_group(lane);
   uint32_t w[2][BITS][W], run[4][4];
+  TcRegTables rt;
   if (warp < steps) {  // in flight while the tables fill
     tc_load_step<BITS>(a, n0, warp, lane, w);
     tc_load_runs<BITS>(a, warp, lane, 0, token0, run);
   }
-  tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
-  __syncthreads();
+  tc_load_reg_tables<BITS>(a, n0, lane, rt);
+  if constexpr (!tc_reg_tables<BITS>()) {
+    tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
+    __syncthreads();
+  }
   float acc[2][4] = {};
   for (int step = warp; step < steps; step += APT_WARPS) {
-    if (step != warp) tc_load_step<BITS>(a, n0, step, lane, w);
+    const bool more = step + APT_WARPS < steps;
+    uint32_t next[2][BITS][W];
+    if constexpr (tc_prefetch<BITS, NB>()) {
+      if (more) tc_load_step<BITS>(a, n0, step + APT_WARPS, lane, next);
+    } else if (step != warp) {
+      tc_load_step<BITS>(a, n0, step, lane, w);
+    }
 #pragma unroll
     for (int i = 0; i < W; ++i) {
       uint32_t fa[8][4], fb[8][2];
@@ -355,11 +430,11 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
       // step's next word or the first of the warp's next step (H200: 1.5-5% faster than loading each word's when
       // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
       if (i + 1 < W) tc_load_runs<BITS>(a, step, lane, i + 1, token0, run);
-      else if (step + APT_WARPS < steps) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
-      tc_a_fragments<BITS>(smem, lane, w, i, fa);
+      else if (more) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
+      tc_a_fragments<BITS>(smem, rt, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
-      if (blocks_n == 2) {  // tokens 8 .. 15 of the tile
+      if (NB == 2 && blocks_n == 2) {  // tokens 8 .. 15 of the tile
         uint32_t run1[4][4];
         tc_load_runs<BITS>(a, step, lane, i, token0 + 8, run1);
         tc_b_fragments(run1, fb);
@@ -367,8 +442,16 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
         for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
       }
     }
+    if constexpr (tc_prefetch<BITS, NB>()) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int p = 0; p < BITS; ++p)
+#pragma unroll
+          for (int i = 0; i < W; ++i) w[h][p][i] = next[h][p][i];
+    }
   }
-  __syncthreads();  // the tables' last reader done: the warps' sums take their place
+  if constexpr (!tc_reg_tables<BITS>()) __syncthreads();  // the tables' last reader done: the sums take their place
   float* sums = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
@@ -378,14 +461,22 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   tc_finish(a, sums, n0, m0, tid);
 }
 
-// One kernel per width, anyprec_gemm_tc_1 .. _8, so that each has its own register budget (one kernel for all
-// widths takes the widest's, 227 registers on sm_90, where 3 bits need 106). grid (ceil(N / 16), 1, ceil(M / 16)),
+// One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), so
+// that each has its own register budget (one kernel for all widths takes the widest's): at most 128 registers, for
+// 2 blocks an SM, where that needs no spills (all but 8 bits for any M). grid (ceil(N / 16), 1, ceil(M / 16)),
 // block 256, dynamic shared memory tc_shared_bytes<B>().
 #define QK_AP_TC(B)                                                                                                \
-  extern "C" __global__ void __launch_bounds__(256) anyprec_gemm_tc_##B(                                            \
+  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) anyprec_gemm_tc_##B(                           \
       const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
     extern __shared__ uint4 qk_apt_smem[];                                                                          \
-    anyprec_gemm_tc_at<B>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B}, reinterpret_cast<uint8_t*>(qk_apt_smem)); \
+    anyprec_gemm_tc_at<B, 2>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                                     \
+                             reinterpret_cast<uint8_t*>(qk_apt_smem));                                              \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) anyprec_gemm_tc8_##B(                          \
+      const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
+    extern __shared__ uint4 qk_apt_smem[];                                                                          \
+    anyprec_gemm_tc_at<B, 1>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                                     \
+                             reinterpret_cast<uint8_t*>(qk_apt_smem));                                              \
   }
 QK_AP_TC(1) QK_AP_TC(2) QK_AP_TC(3) QK_AP_TC(4) QK_AP_TC(5) QK_AP_TC(6) QK_AP_TC(7) QK_AP_TC(8)
 

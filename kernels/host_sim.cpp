@@ -639,8 +639,9 @@ extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, cons
   qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
 }
 
-// The host twin of anyprec_gemm_tc at width BITS: block by block, warp by warp, each MMA from the lanes' fragments.
-template <int BITS>
+// The host twin of anyprec_gemm_tc at width BITS and NB token blocks a tile: block by block, warp by warp, each
+// MMA from the lanes' fragments.
+template <int BITS, int NB>
 void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   using namespace qk;
   std::vector<uint8_t> smem(tc_shared_bytes<BITS>());
@@ -651,6 +652,8 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
     for (int n0 = 0; n0 < a.n; n0 += APT_CHANNELS) {
       std::fill(smem.begin(), smem.end(), 0xA5);  // nothing read that the block did not write
       for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS>(a, smem.data(), n0, tid, APT_THREADS);
+      TcRegTables rt[32];
+      for (int lane = 0; lane < 32; ++lane) tc_load_reg_tables<BITS>(a, n0, lane, rt[lane]);
       std::vector<float> sums((size_t)APT_WARPS * 2 * 32 * 4, 0.0f);
       for (int warp = 0; warp < APT_WARPS; ++warp) {
         float acc[2][32][4] = {};
@@ -658,8 +661,9 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
           for (int lane = 0; lane < 32; ++lane) tc_load_step<BITS>(a, n0, step, lane, words_of(lane));
           for (int i = 0; i < W; ++i) {
             uint32_t fa[32][8][4], fb[32][8][2], as[32][4], bs[32][2], run[4][4];
-            for (int lane = 0; lane < 32; ++lane) tc_a_fragments<BITS>(smem.data(), lane, words_of(lane), i, fa[lane]);
-            for (int nb = 0; nb < (a.m - m0 > 8 ? 2 : 1); ++nb) {
+            for (int lane = 0; lane < 32; ++lane)
+              tc_a_fragments<BITS>(smem.data(), rt[lane], lane, words_of(lane), i, fa[lane]);
+            for (int nb = 0; nb < (a.m - m0 > 8 ? NB : 1); ++nb) {
               for (int lane = 0; lane < 32; ++lane) {
                 tc_load_runs<BITS>(a, step, lane, i, m0 + 8 * nb + frag_group(lane), run);
                 tc_b_fragments(run, fb[lane]);
@@ -690,11 +694,15 @@ extern "C" int anyprec_tc_shared_bytes(int bits) {
   return bytes;
 }
 
-// One kernel per width (anyprec_gemm_tc_1 .. _8), each with its own register budget, and their host twins.
+// One kernel per width and token blocks (anyprec_gemm_tc_1 .. _8, anyprec_gemm_tc8_1 .. _8), and their host twins.
 #define QK_AP_TC_HOST(B)                                                                                           \
   extern "C" void anyprec_gemm_tc_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,          \
                                               qk_half* out, int m, int n, int k) {                                  \
-    anyprec_gemm_tc_host_at<B>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                   \
+    anyprec_gemm_tc_host_at<B, 2>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                \
+  }                                                                                                                 \
+  extern "C" void anyprec_gemm_tc8_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,         \
+                                               qk_half* out, int m, int n, int k) {                                 \
+    anyprec_gemm_tc_host_at<B, 1>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                \
   }
 QK_AP_TC_HOST(1) QK_AP_TC_HOST(2) QK_AP_TC_HOST(3) QK_AP_TC_HOST(4)
 QK_AP_TC_HOST(5) QK_AP_TC_HOST(6) QK_AP_TC_HOST(7) QK_AP_TC_HOST(8)

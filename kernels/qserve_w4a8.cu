@@ -196,13 +196,6 @@ struct QServeWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// QK_QSERVE_PC_AHEAD (a compile-time knob): the per-channel layout's look-ahead, QK_SMALLM_AHEAD unless set. In two
-// H200 tuning runs, rounds of 6 took QServe per channel 2% less time in total than rounds of 8 (6% at K = 14336,
-// 4% more at 28672 x 4096), while the group layout preferred 8; bench/smallm_tune.py's U8-pc6 measures the split.
-#ifndef QK_QSERVE_PC_AHEAD
-#define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
-#endif
-
 // grid (N / 32, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of a block
 // split K over one 16 x 32 output tile. s1_szeros null: per group.
 extern "C" __global__ void __launch_bounds__(512)
@@ -224,10 +217,7 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
   };
-  if (QK_QSERVE_PC_AHEAD != QK_SMALLM_AHEAD && group == 0)  // a look-ahead of its own per channel (tuning)
-    pipelined_steps<QK_QSERVE_PC_AHEAD, Stage>(copy, splits, k / 32, load, compute);
-  else
-    pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+  pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }

@@ -361,18 +361,19 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
 
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
-ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc: the block's m16 tile of channels, two n8 of tokens
+ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc(8): the m16 tile of channels, two n8 of tokens
 # From this many tokens on, the Any-Precision launch takes the tensor-core kernel: from the first. On an H200 it took
-# 8.6-44.9 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
+# 7.1-34.6 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
 # the GEMV stays, bit for bit the emulation's arithmetic, for `quantkit validate` and `tc=False`.
 ANYPREC_TC_MIN_M = 1
 
 
 def anyprec_tc_shared_bytes(bits: int) -> int:
-    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): two groups of 8 channels' tables, each
-    entry 4 copies of 32 bits for 8 channels (fp16 pairs of nibble-pair bytes up to 4 bits, else one fp16 per
-    code), and at least the 8 warps' sums [8, 2, 32, 4] float32 that reuse it at the end."""
-    entries = 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
+    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): from 4 bits on (up to 3 the tables are in
+    registers) two groups of 8 channels' tables, each entry 4 copies of 32 bits for 8 channels (fp16 pairs of
+    nibble-pair bytes up to 4 bits, else one fp16 per code), and at least the 8 warps' sums [8, 2, 32, 4] float32
+    that reuse it at the end."""
+    entries = 0 if bits <= 3 else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
     return max(2 * entries * 8 * 4 * 4, 8 * 2 * 32 * 4 * 4)
 
 
@@ -389,7 +390,8 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
     out = np.zeros((m, n), dtype=np.uint16)
     lut = _half_bits(tensors[f"lut{bits}"])
     if m >= ANYPREC_TC_MIN_M if tc is None else tc:
-        return Launch("anyprec_gemv", f"anyprec_gemm_tc_{bits}", [x16, planes, lut, out, m, n, k],
+        name = f"anyprec_gemm_tc{8 if m <= 8 else ''}_{bits}"  # up to 8 tokens: one n8 block, fewer registers
+        return Launch("anyprec_gemv", name, [x16, planes, lut, out, m, n, k],
                       (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 256, out,
                       anyprec_tc_shared_bytes(bits))
     args = [x16, planes, lut, out, m, n, k, bits]

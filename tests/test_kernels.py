@@ -376,7 +376,8 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
         launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
-        assert launch.name == f"anyprec_gemm_tc_{bits}" and launch.grid == (-(-n // 16), 1, -(-m // 16))
+        assert launch.name == f"anyprec_gemm_tc{8 if m <= 8 else ''}_{bits}"
+        assert launch.grid == (-(-n // 16), 1, -(-m // 16))
         out = kernels.run(launch, "cpu").view(np.float16)
         reference = assert_within_tc_bound(tensors, x, bits, out)
         assert np.mean(out == reference) > 0.9  # mostly the same fp16: only rounding differs
@@ -578,13 +579,14 @@ def test_anyprec_gpu_kernel_matches_the_emulation():
 
 
 @needs_gpu
-@pytest.mark.parametrize("k", [1024, 4096, 2080])
-def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k):
+@pytest.mark.parametrize("k,m", [(1024, 20), (4096, 20), (2080, 20), (4096, 5), (2080, 1), (8736, 3)])
+def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k, m):
     """On the device: within the bound at every width, and the same bits on every call (the warps' sums meet in
-    shared memory in warp order), with 20 tokens (both n8 blocks of a tile, and a second tile) and K past a whole
-    step (2080)."""
+    shared memory in warp order), with 20 tokens (both n8 blocks of a tile, and a second tile), up to 8 (the
+    one-block kernels, tables in registers at 3 bits, the next step's words loaded during this one's), K past a
+    whole step (2080) and warps of several steps (8736)."""
     tensors = synthetic("anyprec", 300, k, seed=k)
-    x = activations(20, k, seed=1)
+    x = activations(m, k, seed=1)
     for bits in range(3, 9):
         call = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True))
         call()
@@ -608,7 +610,7 @@ def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
     launch = variant_launch(variant, tensors, m, k, seed=2)
     if variant.path in ("tiled", "tensor cores", "wgmma"):
-        ending = {"tiled": "_tiled", "tensor cores": f"_tc_{variant.bits}", "wgmma": "_wgmma"}[variant.path]
+        ending = {"tiled": "_tiled", "tensor cores": f"_tc8_{variant.bits}", "wgmma": "_wgmma"}[variant.path]  # m 5
         assert launch.name.endswith(ending)
     elif variant.path is not None:
         assert not launch.name.endswith(("_tiled", "_tc", "_wgmma"))
@@ -694,7 +696,7 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     assert ran[("LiquidQuant W4A8 g64 [wgmma]", 64)] == "liquidquant_w4a8_wgmma"
     assert not any(v.path == "wgmma" for v in kb.with_paths(kb.VARIANTS, hopper=False))  # not on other GPUs
     assert ran[("Atom W4A4 g128 + 128 INT8 [tiled]", 4)] == "atom_w4a4_tiled"
-    assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc_3"
+    assert ran[("Any-Precision 3-bit GEMV [tensor cores]", 4)] == "anyprec_gemm_tc8_3"  # up to 8 tokens
     assert ran[("Any-Precision 3-bit GEMV [CUDA cores]", 4)] == "anyprec_gemv"
     assert ("Any-Precision 3-bit GEMV [CUDA cores]", 64) not in ran  # decode batches only
     checks = kb.bars(rows, bandwidth=1e9)
