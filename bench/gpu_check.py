@@ -116,8 +116,9 @@ def main() -> None:
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
-            step("profile", [ncu, "--kernel-name", "regex:_gemm$|_gemv$|_tc8?_3$", *(f"--section={s}" for s in PROFILE),
-                             py, "bench/profile_smallm.py", *formats], args.out, results, 100, env)
+            kernels = "regex:_gemm8?$|_gemv$|_tc8?_3$"  # the decode kernels (Any-Precision's at 3 bits)
+            step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
+                             "bench/profile_smallm.py", *formats], args.out, results, 100, env)
     else:
         step("kernel-tests", pytest, args.out, results, 300, env)
 

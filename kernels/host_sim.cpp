@@ -397,20 +397,20 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
   }
 }
 
-// The host twin of liquidquant_w4a8_gemm: block (nt, y) is `splits` copies of four independent warps (split-K as
-// in qserve_w4a8_gemm_host).
-extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
-                                           const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
-                                           int splits) {
+// The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile) and liquidquant_w4a8_gemm8 (TB = 1, up to 8
+// tokens): block (nt, y) is `splits` copies of four independent warps (split-K as in qserve_w4a8_gemm_host).
+template <int TB>
+void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  std::vector<int32_t> acc((size_t)splits * 4 * 4 * 32 * 4), partials((size_t)(splits - 1) * 16 * 128);
+  std::vector<int32_t> acc((size_t)splits * 4 * TB * 32 * 4), partials((size_t)(splits - 1) * 4 * TB * 128);
   uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
   // accumulators of copy, warp w, token block tb, lane
   auto at = [&](int copy, int w, int tb, int lane) {
-    return &acc[((((size_t)copy * 4 + w) * 4 + tb) * 32 + lane) * 4];
+    return &acc[((((size_t)copy * 4 + w) * TB + tb) * 32 + lane) * 4];
   };
   for (int nt = 0; nt < n / 64; ++nt) {
-    for (int by = 0; by < (m + 31) / 32; ++by) {
+    for (int by = 0; by < (m + 8 * TB - 1) / (8 * TB); ++by) {
       std::fill(acc.begin(), acc.end(), 0);
       for (int copy = 0; copy < splits; ++copy) {
         for (int w = 0; w < 4; ++w) {
@@ -419,10 +419,10 @@ extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, co
               qk::load_weights_raw(args, nt, kt, 32 * w + lane, r, sa);
               qk::unpack_weights(r, sa, fa[lane]);
             }
-            for (int tb = 0; tb < 4; ++tb) {
+            for (int tb = 0; tb < TB; ++tb) {
               for (int j = 0; j < 2; ++j) {
                 for (int lane = 0; lane < 32; ++lane) {
-                  qk::load_tokens(args, 4 * by + tb, kt, j, lane, fb[lane]);
+                  qk::load_tokens(args, TB * by + tb, kt, j, lane, fb[lane]);
                   std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
                 }
                 mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, w, tb, 0)), aj, fb);
@@ -433,16 +433,29 @@ extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, co
       }
       for (int t = 0; t < 128; ++t) {
         const int w = t / 32, lane = t % 32;
-        int32_t mine[4][4];
+        int32_t mine[TB][4];
         for (int copy = 1; copy < splits; ++copy)
-          for (int tb = 0; tb < 4; ++tb)
-            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * tb + i, t, 16, 128)] = at(copy, w, tb, lane)[i];
-        for (int tb = 0; tb < 4; ++tb) std::memcpy(mine[tb], at(0, w, tb, lane), sizeof(mine[tb]));
-        qk::splitk_add(&mine[0][0], partials.data(), t, 16, 128, splits);
-        for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, 4 * by + tb, t, mine[tb]);
+          for (int tb = 0; tb < TB; ++tb)
+            for (int i = 0; i < 4; ++i)
+              partials[qk::splitk_slot(copy, 4 * tb + i, t, 4 * TB, 128)] = at(copy, w, tb, lane)[i];
+        for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, w, tb, lane), sizeof(mine[tb]));
+        qk::splitk_add(&mine[0][0], partials.data(), t, 4 * TB, 128, splits);
+        for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, TB * by + tb, t, mine[tb]);
       }
     }
   }
+}
+
+extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                           const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
+                                           int splits) {
+  liquidquant_gemm_host<4>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+}
+
+extern "C" void liquidquant_w4a8_gemm8_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
+                                            int splits) {
+  liquidquant_gemm_host<1>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
 }
 
 // The host twin of liquidquant_w4a8_tiled.

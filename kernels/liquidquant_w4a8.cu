@@ -8,9 +8,10 @@
 // register becomes eight INT8 weights with LiquidQuant's five integer instructions (Eq. 12): two masks, one IMAD
 // per four lanes (u * s + a with a = 128 + min of the row's group) and one XOR 0x80808080. The low and high
 // results of registers 2j and 2j + 1 are exactly the A fragment {a0, a1, a2, a3} of MMA j.
-// Each warp computes 16 channels x 32 tokens (four n8 blocks); grid (N / 64, ceil(M / 32)). For small M the block
-// holds `splits` copies of those 4 warps, each copy taking every splits-th K step with four steps' loads in flight,
-// and their int32 accumulators meet in shared memory before the epilogue (split-K, qk_common.cuh: bit-identical).
+// Each warp computes 16 channels x 32 tokens (four n8 blocks; one, with twice the loads in flight, up to 8 tokens);
+// grid (N / 64, ceil(M / 32)). For small M the block holds `splits` copies of those 4 warps, each copy taking every
+// splits-th K step with several steps' loads in flight, and their int32 accumulators meet in shared memory before
+// the epilogue (split-K, qk_common.cuh: bit-identical).
 // No shared-memory staging of the operands yet. quantkit's warp simulator runs the same functions.
 #include "qk_common.cuh"
 
@@ -164,23 +165,21 @@ struct LiquidWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 32)), block 128 * splits, dynamic shared memory (splits - 1) * 8 KiB: warp w of each copy
-// computes channels 64 nt + 16 w .. + 15 for 32 tokens. Its K steps are 64 columns wide: half the look-ahead of the
-// others' 32-column steps keeps as many bytes in flight.
-extern "C" __global__ void __launch_bounds__(512)
-    liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
-                          const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = 4 * blockIdx.y;
-  struct Stage { uint32_t r[4], sa[2], b[4][2][2]; };
-  const int blocks = (m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
-  int32_t acc[4][4] = {};
-  pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(
-      copy, splits, k / 64,
+// The small-M kernels: block (nt, y) is `splits` copies of 4 warps, warp w of each copy computing channels
+// 64 nt + 16 w .. + 15 for TB token blocks of 8 (tokens 8 TB y ..), AHEAD K steps' loads in flight a round. Its K
+// steps are 64 columns wide, so a thread's 16 bytes of weights a step are a QServe thread's of a 32-column step.
+template <int TB, int AHEAD>
+__device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, int splits) {
+  const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = TB * blockIdx.y;
+  struct Stage { uint32_t r[4], sa[2], b[TB][2][2]; };
+  const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
+  int32_t acc[TB][4] = {};
+  pipelined_steps<AHEAD, Stage>(
+      copy, splits, args.k / 64,
       [&](int kt, Stage& st) {
         qk::load_weights_raw(args, nt, kt, t, st.r, st.sa);
 #pragma unroll
-        for (int tb = 0; tb < 4; ++tb)
+        for (int tb = 0; tb < TB; ++tb)
           if (tb < blocks)
 #pragma unroll
             for (int j = 0; j < 2; ++j) qk::load_tokens(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
@@ -189,13 +188,29 @@ extern "C" __global__ void __launch_bounds__(512)
         uint32_t fa[2][4];
         qk::unpack_weights(st.r, st.sa, fa);
 #pragma unroll
-        for (int tb = 0; tb < 4; ++tb)  // blocks past M would only multiply zeros into sums never stored
+        for (int tb = 0; tb < TB; ++tb)  // blocks past M would only multiply zeros into sums never stored
           if (tb < blocks)
 #pragma unroll
             for (int j = 0; j < 2; ++j) mma_s8(acc[tb], fa[j], st.b[tb][j]);
       });
-  if (!splitk_reduce<16>(&acc[0][0], t, copy, 128, splits)) return;
-  for (int tb = 0; tb < 4; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
+  if (!splitk_reduce<4 * TB>(&acc[0][0], t, copy, 128, splits)) return;
+  for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
+}
+
+// grid (N / 64, ceil(M / 32)), block 128 * splits, dynamic shared memory (splits - 1) * 8 KiB: 4 token blocks, half
+// QK_SMALLM_AHEAD steps a round (the four blocks' activations take registers too).
+extern "C" __global__ void __launch_bounds__(512)
+    liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                          const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
+  liquidquant_gemm_at<4, (QK_SMALLM_AHEAD + 1) / 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+}
+
+// Up to 8 tokens (decode): grid (N / 64, 1), block 128 * splits, dynamic shared memory (splits - 1) * 2 KiB: one
+// token block, QK_SMALLM_AHEAD steps a round, the loads in flight of the other layouts' small-M kernels.
+extern "C" __global__ void __launch_bounds__(512)
+    liquidquant_w4a8_gemm8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
+  liquidquant_gemm_at<1, QK_SMALLM_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of

@@ -299,11 +299,12 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
             _half_bits(tensors["s1_scales"]), out, m, n, k]
     if large := large_m_launch("liquidquant", "liquidquant_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    grid = (n // 64, -(-m // 32))
-    partial_bytes = 128 * 16 * 4  # four warps' 16 accumulators per thread
+    decode = m <= 8  # one token block a tile: registers for twice the loads in flight (liquidquant_w4a8_gemm8)
+    grid = (n // 64, 1 if decode else -(-m // 32))
+    partial_bytes = 128 * (4 if decode else 16) * 4  # four warps' 4 or 16 accumulators per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
-    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm", [*args, splits], grid, 128 * splits, out,
-                  (splits - 1) * partial_bytes)
+    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm8" if decode else "liquidquant_w4a8_gemm", [*args, splits],
+                  grid, 128 * splits, out, (splits - 1) * partial_bytes)
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,

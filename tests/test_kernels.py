@@ -69,21 +69,22 @@ def test_qserve_kernel_matches_the_emulation(m, n, k, group):
 
 
 @needs_compiler
-@pytest.mark.parametrize(("fmt", "group", "k", "partial_bytes"), [
-    ("qserve", None, 416, 2048), ("qserve", 128, 384, 2048),  # 13 and 12 k tiles of 32
-    ("qqq", None, 400, 4096), ("qqq", 128, 384, 4096),  # 25 and 24 k tiles of 16
-    ("liquidquant", 64, 448, 8192),  # 7 k blocks of 64
+@pytest.mark.parametrize(("fmt", "group", "k", "m", "partial_bytes"), [
+    ("qserve", None, 416, 7, 2048), ("qserve", 128, 384, 7, 2048),  # 13 and 12 k tiles of 32
+    ("qqq", None, 400, 7, 4096), ("qqq", 128, 384, 7, 4096),  # 25 and 24 k tiles of 16
+    ("liquidquant", 64, 448, 7, 2048), ("liquidquant", 64, 448, 20, 8192),  # 7 k blocks of 64; 1 and 4 token blocks
 ])
 @pytest.mark.parametrize("splits", [2, 3, 5])
-def test_split_k_matches_the_emulation(fmt, group, k, partial_bytes, splits):
+def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     """Warps splitting K (each every splits-th step) and meeting in the block's partial sums give the emulation's
     bits; the step counts divide by no split count."""
-    m, n = 7, 64
+    n = 64
     tensors = synthetic(fmt, n, k, seed=splits, group=group)
     x = activations(m, k, seed=splits)
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
+    assert launch.name.endswith("_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm")
     assert launch.block == (128 if fmt == "liquidquant" else 32) * splits
     assert launch.shared_mem == (splits - 1) * partial_bytes
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
@@ -400,12 +401,14 @@ def test_anyprec_tc_bound_catches_one_wrong_weight():
 
 
 @needs_gpu
-@pytest.mark.parametrize(("fmt", "group", "splits"), [("qserve", None, 16), ("qserve", 128, 5), ("qqq", None, 8),
-                                                     ("qqq", 128, 3), ("liquidquant", 64, 4)])
-def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits):
+@pytest.mark.parametrize(("fmt", "group", "splits", "m"), [
+    ("qserve", None, 16, 9), ("qserve", 128, 5, 9), ("qqq", None, 8, 9), ("qqq", 128, 3, 9), ("liquidquant", 64, 4, 9),
+    ("liquidquant", 64, 4, 3),  # liquidquant_w4a8_gemm8
+])
+def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits, m):
     """The split-K path on the device: the copies' partial sums through shared memory, at split counts up to the
     largest the launch chooses."""
-    m, n, k = 9, 128, 2048
+    n, k = 128, 2048
     tensors = synthetic(fmt, n, k, seed=splits, group=group)
     x = activations(m, k, seed=splits)
     reference = emulate(fmt, tensors, x)
@@ -522,9 +525,10 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, tmp_path):
 
 
 @needs_gpu
-def test_liquidquant_gpu_kernel_matches_the_emulation():
+@pytest.mark.parametrize("m", [40, 5])  # 4 token blocks a tile; 1 (liquidquant_w4a8_gemm8)
+def test_liquidquant_gpu_kernel_matches_the_emulation(m):
     tensors = synthetic("liquidquant", 256, 512, seed=5)
-    x = activations(40, 512, seed=3)
+    x = activations(m, 512, seed=3)
     reference = emulate("liquidquant", tensors, x)
     out = kernels.gemm("liquidquant", tensors, reference.x_int8, reference.s_x, device="cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
