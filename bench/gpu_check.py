@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the threshold sweep")
     parser.add_argument("--tune-args", default="", help="arguments for bench/smallm_tune.py (e.g. \"--formats "
-                        "anyprec --configs U8,AP-smem\")")
+                        "anyprec --ms 1,4,16\")")
     parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
                         "bench/profile_smallm.py --formats)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")

@@ -110,8 +110,9 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
                 seconds, _ = timing(call, 10, 50)
                 results[f"{v.label}|{n}x{k}|{m}"] = seconds
                 threads[f"{v.label}|{n}x{k}|{m}"] = launch.block  # 32 x warps: the split count shows here
-                function = kernels.upload(launch).function
-                registers[launch.name] = (function.num_regs, function.local_size_bytes)  # spills show as local
+                if launch.name not in registers:  # spills show as local memory
+                    function = kernels.upload(launch).function
+                    registers[launch.name] = (function.num_regs, function.local_size_bytes)
     return {"config": name, "checked": checked, "seconds": results, "threads": threads, "registers": registers}
 
 

@@ -193,7 +193,9 @@ QK_FN constexpr bool tc_reg_tables() { return BITS <= 3; }
 // distinct banks. Entry e is the fp16 pair of byte e = hi << 4 | lo up to 4 bits, lut[lo] | lut[hi] << 16 (nibble
 // pairs with both codes below 2^BITS written; the others unused), else code e's fp16 in the low half.
 template <int BITS>
-QK_FN constexpr int tc_entries() { return tc_reg_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS; }
+QK_FN constexpr int tc_entries() {
+  return tc_reg_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
+}
 template <int BITS>
 QK_FN constexpr int tc_group_bytes() { return tc_entries<BITS>() * 8 * 4 * 4; }
 // Dynamic shared memory: both groups' tables, at least the warps' sums that reuse it at the end.
@@ -388,10 +390,11 @@ QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, in
 
 #ifndef QK_HOST
 // NB token blocks of 8 a tile: 1 for the kernels of up to 8 tokens (anyprec_gemm_tc8_*, fewer registers), 2 for
-// any number (anyprec_gemm_tc_*). Where the registers allow two steps' words at 2 blocks an SM (tc_prefetch), a warp's
-// next step's plane words are in flight while this one's are decoded (H200: 8% faster at K = 14336; blocks that
-// took several tiles each, the next tile's words in flight likewise, were 4% faster at N = 28672 and 10% slower at
-// 6144: bench/results/kernels_h200_smallm_tune.json, run 8).
+// any number (anyprec_gemm_tc_*). Where the registers allow two steps' words at 2 blocks an SM (tc_prefetch), a
+// warp's next step's plane words are in flight while this one's are decoded (H200, 4096 x 14336, M = 1: 16.8-17.3 us
+// in two runs against 18.8 us in the run before). Blocks that took several tiles each, the next tile's words in
+// flight likewise, were 4% faster at N = 28672 and 10% slower at 6144 (bench/results/kernels_h200_smallm_tune.json,
+// run 8), and are not kept.
 template <int BITS, int NB>
 QK_FN constexpr bool tc_prefetch() { return NB == 1 && BITS <= 4; }
 
