@@ -307,7 +307,9 @@ def inspect(output: Path) -> None:
 
 @main.command()
 @click.argument("output", type=click.Path(path_type=Path))
-@click.option("--tokens", type=int, default=16, show_default=True, help="Activation rows per check (the GEMM's M).")
+@click.option("--tokens", type=int, default=16, show_default=True,
+              help="Activation rows per check (the GEMM's M); above 8 the kernels also run on the first row alone, "
+              "which takes the decode kernels.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random activations.")
 @click.option("--tolerance", type=float, default=4e-3, show_default=True,
               help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs.")
@@ -355,7 +357,7 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
         weight = q.dequantize()
         k = weight.shape[1]
         if device:
-            for label in kernels.path_labels(fmt, weight.shape[0], k, device):
+            for label in kernels.path_labels(fmt, weight.shape[0], k, device, tokens):
                 ran[label] = ran.get(label, 0) + 1
         plain = rng.standard_normal((tokens, k)).astype(np.float32)
         heavy = plain.copy()

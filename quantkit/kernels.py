@@ -406,13 +406,15 @@ def anyprec_gemv(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, dev
     return run(anyprec_launch(tensors, x, bits, tc), device).view(np.float16)
 
 
-def anyprec_matches(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str) -> bool:
-    """Both Any-Precision kernels at width `bits` against the emulation: the GEMV bit for bit, the tensor-core
-    kernel within `emulate.anyprec_tc_bound`."""
+def anyprec_matches(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, device: str,
+                    gemv: bool = True) -> bool:
+    """The Any-Precision kernels at width `bits` against the emulation: the GEMV bit for bit (unless not `gemv`),
+    the tensor-core kernel within `emulate.anyprec_tc_bound`."""
     from quantkit import emulate
 
     reference = emulate.emulate_anyprec(tensors, x, bits)[1]
-    exact = np.array_equal(anyprec_gemv(tensors, x, bits, device, tc=False).view(np.uint16), reference.view(np.uint16))
+    exact = not gemv or np.array_equal(anyprec_gemv(tensors, x, bits, device, tc=False).view(np.uint16),
+                                       reference.view(np.uint16))
     tc = anyprec_gemv(tensors, x, bits, device, tc=True).astype(np.float64)
     return exact and bool(np.all(np.abs(tc - reference) <= emulate.anyprec_tc_bound(tensors, x, bits, reference)))
 
@@ -464,19 +466,29 @@ def paths(fmt: str, n: int, k: int, device: str = "cpu") -> tuple[dict[str, bool
     return tuple(found)
 
 
-def path_labels(fmt: str, n: int, k: int, device: str) -> list[str]:
-    """What `matches_emulation` runs for a linear [N, K] of layout `fmt` on `device`, in words."""
+# Up to this many tokens the decode kernels run (liquidquant_w4a8_gemm8, anyprec_gemm_tc8_*): `matches_emulation`
+# also checks them, on the first token alone, when the activations have more.
+DECODE_MAX_M = 8
+
+
+def path_labels(fmt: str, n: int, k: int, device: str, m: int = 1) -> list[str]:
+    """What `matches_emulation` runs for a linear [N, K] of layout `fmt` on `device` from M tokens, in words."""
+    decode = m > DECODE_MAX_M and fmt != "atom"
     if fmt == "anyprec":
-        return ["CUDA-core GEMV (bit for bit)", "tensor cores (within anyprec_tc_bound)"]
+        return ["CUDA-core GEMV (bit for bit)", "tensor cores (within anyprec_tc_bound)"] + (
+            ["tensor cores, 1 token"] if decode else [])
     names = {"tiled": "tiled (large-M)", "wgmma": "wgmma (Hopper)"}
-    return [next((names[key] for key, on in path.items() if on), "small-M") for path in paths(fmt, n, k, device)]
+    labels = [next((names[key] for key, on in path.items() if on), "small-M") for path in paths(fmt, n, k, device)]
+    return labels + (["small-M, 1 token"] if decode else [])
 
 
 def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray, device: str, act_bits: int = 4,
                       clip_ratio: float = 1.0) -> bool:
     """Run the kernel of layout `fmt` on activations x [M, K] and compare its fp16 output with the CPU emulation's,
     bit for bit (Any-Precision: at every width the artifact serves, the GEMV bit for bit and the tensor-core kernel
-    within its bound; W4A8: the small- and, where the shape fits it, the large-M kernel, whatever M)."""
+    within its bound; W4A8: the small- and, where the shape fits it, the large-M kernel, whatever M). Past
+    DECODE_MAX_M tokens the small-M kernels (Any-Precision's tensor-core one) also run on the first token alone,
+    which takes the decode kernels."""
     from quantkit import emulate
 
     k = x.shape[1]
@@ -487,12 +499,18 @@ def matches_emulation(fmt: str, tensors: dict[str, torch.Tensor], x: np.ndarray,
                    for path in paths(fmt, reference.out.shape[1], k, device))
     if fmt == "anyprec":
         widths = sorted(int(key[3:]) for key in tensors if key.startswith("lut"))
-        return all(anyprec_matches(tensors, x, b, device) for b in widths)
-    reference = emulate.emulate(fmt, tensors, x)
-    t_x = np.asarray(x, dtype=np.float32).sum(axis=1, dtype=np.float32)
-    return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, **path).view(np.uint16),
-                              reference.out.view(np.uint16))
-               for path in paths(fmt, reference.out.shape[1], k, device))
+        return (all(anyprec_matches(tensors, x, b, device) for b in widths)
+                and (x.shape[0] <= DECODE_MAX_M or all(anyprec_matches(tensors, x[:1], b, device, gemv=False)
+                                                       for b in widths)))
+
+    def same(xs: np.ndarray, path_list: tuple[dict[str, bool], ...] | None = None) -> bool:
+        reference = emulate.emulate(fmt, tensors, xs)
+        t_x = np.asarray(xs, dtype=np.float32).sum(axis=1, dtype=np.float32)
+        return all(np.array_equal(gemm(fmt, tensors, reference.x_int8, reference.s_x, t_x, device, **path)
+                                  .view(np.uint16), reference.out.view(np.uint16))
+                   for path in path_list or paths(fmt, reference.out.shape[1], k, device))
+
+    return same(x) and (x.shape[0] <= DECODE_MAX_M or same(x[:1], ({"tiled": False},)))
 
 
 def cuda_available() -> bool:

@@ -355,6 +355,24 @@ def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
         np.testing.assert_array_equal(out.view(np.uint16), reference.view(np.uint16), err_msg=f"{bits} bits")
 
 
+@needs_compiler
+@pytest.mark.parametrize("fmt", ["liquidquant", "anyprec", "qserve"])
+def test_validate_runs_the_decode_kernels_too(fmt, monkeypatch):
+    """`matches_emulation` (quantkit validate's kernel check) from 16 tokens also runs the first token alone, which
+    takes the decode kernels (liquidquant_w4a8_gemm8, anyprec_gemm_tc8_*), and says so in its labels."""
+    n, k = 128, 512
+    tensors = synthetic(fmt, n, k, seed=2, group=64 if fmt == "liquidquant" else None)
+    if fmt == "anyprec":
+        tensors = {key: value for key, value in tensors.items() if key in ("qweight", "lut3")}
+    ran, run = [], kernels.run
+    monkeypatch.setattr(kernels, "run", lambda launch, device="cpu": ran.append(launch.name) or run(launch, device))
+    assert kernels.matches_emulation(fmt, tensors, activations(16, k, seed=1), "cpu")
+    decode = {"liquidquant": "liquidquant_w4a8_gemm8", "anyprec": "anyprec_gemm_tc8_3", "qserve": "qserve_w4a8_gemm"}
+    assert decode[fmt] in ran and ran[-1] == decode[fmt]
+    assert any("1 token" in label for label in kernels.path_labels(fmt, n, k, "cpu", 16))
+    assert not any("1 token" in label for label in kernels.path_labels(fmt, n, k, "cpu", 8))
+
+
 def assert_within_tc_bound(tensors, x, bits, out):
     from quantkit.emulate import anyprec_tc_bound, emulate_anyprec
 
