@@ -397,8 +397,9 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
   }
 }
 
-// The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile) and liquidquant_w4a8_gemm8 (TB = 1, up to 8
-// tokens): block (nt, y) is `splits` copies of four independent warps (split-K as in qserve_w4a8_gemm_host).
+// The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8
+// tokens) and liquidquant_w4a8_gemm16 (TB = 2): block (nt, y) is `splits` copies of four independent warps (split-K
+// as in qserve_w4a8_gemm_host).
 template <int TB>
 void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
@@ -456,6 +457,12 @@ extern "C" void liquidquant_w4a8_gemm8_host(const int8_t* x, const float* s_x, c
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                             int splits) {
   liquidquant_gemm_host<1>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+}
+
+extern "C" void liquidquant_w4a8_gemm16_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
+                                             int splits) {
+  liquidquant_gemm_host<2>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
 }
 
 // The host twin of liquidquant_w4a8_tiled.

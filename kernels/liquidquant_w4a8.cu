@@ -213,6 +213,15 @@ extern "C" __global__ void __launch_bounds__(512)
   liquidquant_gemm_at<1, QK_SMALLM_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
+// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (not yet measured): grid (N / 64, 1), block
+// 128 * splits, dynamic shared memory (splits - 1) * 4 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round
+// (125 registers at 6; 8 spill).
+extern "C" __global__ void __launch_bounds__(512)
+    liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
+  liquidquant_gemm_at<2, 3 * QK_SMALLM_AHEAD / 4>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+}
+
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // LiquidTiled::STAGE_BYTES (N % 128 == 0).
 extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_tiled(const int8_t* x, const float* s_x,

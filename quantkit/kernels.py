@@ -286,6 +286,14 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
                   (splits - 1) * partial_bytes)
 
 
+# LiquidQuant's small-M kernel holds the activations of its tile's token blocks of 8 in registers beside the
+# weights' loads: up to 8 tokens one block (liquidquant_w4a8_gemm8: 8 K steps a round, 0.81-0.89x the four-block
+# kernel's time at M = 1 on an H200), else four (4 steps a round). Two blocks up to 16 tokens
+# (liquidquant_w4a8_gemm16, 6 steps a round) only when this is set: not yet measured (bench/smallm_tune.py's
+# LQQ-16 configuration times it).
+LIQUIDQUANT_GEMM16 = False
+
+
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                        t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                        wgmma: bool | None = None) -> Launch:
@@ -299,12 +307,12 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
             _half_bits(tensors["s1_scales"]), out, m, n, k]
     if large := large_m_launch("liquidquant", "liquidquant_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    decode = m <= 8  # one token block a tile: registers for twice the loads in flight (liquidquant_w4a8_gemm8)
-    grid = (n // 64, 1 if decode else -(-m // 32))
-    partial_bytes = 128 * (4 if decode else 16) * 4  # four warps' 4 or 16 accumulators per thread
+    blocks = 1 if m <= 8 else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
+    grid = (n // 64, -(-m // (8 * blocks)))
+    partial_bytes = 128 * 4 * blocks * 4  # four warps' 4 accumulators a token block per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
-    return Launch("liquidquant_w4a8", "liquidquant_w4a8_gemm8" if decode else "liquidquant_w4a8_gemm", [*args, splits],
-                  grid, 128 * splits, out, (splits - 1) * partial_bytes)
+    name = {1: "liquidquant_w4a8_gemm8", 2: "liquidquant_w4a8_gemm16", 4: "liquidquant_w4a8_gemm"}[blocks]
+    return Launch("liquidquant_w4a8", name, [*args, splits], grid, 128 * splits, out, (splits - 1) * partial_bytes)
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,

@@ -356,6 +356,21 @@ def test_anyprec_kernel_matches_the_emulation_at_every_width(m, k):
 
 
 @needs_compiler
+@pytest.mark.parametrize("m,splits", [(12, 3), (16, 2), (9, 1)])
+def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypatch):
+    """liquidquant_w4a8_gemm16 (two token blocks a tile, where LIQUIDQUANT_GEMM16 takes it) gives the emulation's
+    bits, split or not, with the second block partly past M."""
+    monkeypatch.setattr(kernels, "LIQUIDQUANT_GEMM16", True)
+    tensors = synthetic("liquidquant", 128, 448, seed=m, group=64)
+    x = activations(m, 448, seed=splits)
+    reference = emulate("liquidquant", tensors, x)
+    launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits)
+    assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (2, 1)
+    assert launch.shared_mem == (splits - 1) * 128 * 8 * 4
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
 @pytest.mark.parametrize("fmt", ["liquidquant", "anyprec", "qserve"])
 def test_validate_runs_the_decode_kernels_too(fmt, monkeypatch):
     """`matches_emulation` (quantkit validate's kernel check) from 16 tokens also runs the first token alone, which
@@ -543,8 +558,9 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, tmp_path):
 
 
 @needs_gpu
-@pytest.mark.parametrize("m", [40, 5])  # 4 token blocks a tile; 1 (liquidquant_w4a8_gemm8)
-def test_liquidquant_gpu_kernel_matches_the_emulation(m):
+@pytest.mark.parametrize("m,two", [(40, False), (5, False), (12, True)])  # 4, 1 and 2 token blocks a tile
+def test_liquidquant_gpu_kernel_matches_the_emulation(m, two, monkeypatch):
+    monkeypatch.setattr(kernels, "LIQUIDQUANT_GEMM16", two)
     tensors = synthetic("liquidquant", 256, 512, seed=5)
     x = activations(m, 512, seed=3)
     reference = emulate("liquidquant", tensors, x)
