@@ -63,14 +63,14 @@ def matches(v, tensors, launch, out) -> bool:
     `anyprec_tc_bound`."""
     import numpy as np
 
-    from quantkit.emulate import anyprec_tc_bound
+    from quantkit.emulate import within_anyprec_tc_bound
     from quantkit.kernel_bench import emulated_out
 
     reference = emulated_out(v.fmt, tensors, launch, v.bits)
     if v.fmt != "anyprec":
         return bool(np.array_equal(out, reference))
-    got, want = out.view(np.float16).astype(np.float64), reference.view(np.float16).astype(np.float64)
-    return bool(np.all(np.abs(got - want) <= anyprec_tc_bound(tensors, launch.args[0].view(np.float16), v.bits, want)))
+    return within_anyprec_tc_bound(tensors, launch.args[0].view(np.float16), v.bits, out.view(np.float16),
+                                   reference.view(np.float16))
 
 
 def make_tensors(job: tuple[int, int, int, Path]) -> None:

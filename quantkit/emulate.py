@@ -306,6 +306,13 @@ def anyprec_tc_bound(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int,
     return 2.0**-10 * np.abs(reference.astype(np.float64)) + 2.0**-16 * (x16 @ np.abs(weights).T)
 
 
+def within_anyprec_tc_bound(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, out: np.ndarray,
+                            reference: np.ndarray) -> bool:
+    """Whether the tensor-core kernel's fp16 output `out` lies within `anyprec_tc_bound` of the emulation's."""
+    error = np.abs(out.astype(np.float64) - reference.astype(np.float64))
+    return bool(np.all(error <= anyprec_tc_bound(tensors, x, bits, reference)))
+
+
 def check_anyprec(tensors: dict[str, torch.Tensor], q, x: np.ndarray) -> Check:
     """Every width the artifact serves: the decoded codes equal the reference unpack's (`at_bits`), and the fp16
     GEMV output matches x W_b^T; the worst width is reported."""

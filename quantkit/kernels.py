@@ -286,6 +286,10 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
                   (splits - 1) * partial_bytes)
 
 
+# Up to this many tokens (one n8 block of the MMAs) the launches take the decode kernels (liquidquant_w4a8_gemm8,
+# anyprec_gemm_tc8_*); `matches_emulation` also checks them, on the first token alone, when the activations have more.
+DECODE_MAX_M = 8
+
 # LiquidQuant's small-M kernel holds the activations of its tile's token blocks of 8 in registers beside the
 # weights' loads: up to 8 tokens one block (liquidquant_w4a8_gemm8: 8 K steps a round, 0.81-0.89x the four-block
 # kernel's time at M = 1 on an H200), else four (4 steps a round). Two blocks up to 16 tokens
@@ -307,7 +311,7 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
             _half_bits(tensors["s1_scales"]), out, m, n, k]
     if large := large_m_launch("liquidquant", "liquidquant_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    blocks = 1 if m <= 8 else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
+    blocks = 1 if m <= DECODE_MAX_M else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
     grid = (n // 64, -(-m // (8 * blocks)))
     partial_bytes = 128 * 4 * blocks * 4  # four warps' 4 accumulators a token block per thread
     splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
@@ -399,7 +403,7 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
     out = np.zeros((m, n), dtype=np.uint16)
     lut = _half_bits(tensors[f"lut{bits}"])
     if m >= ANYPREC_TC_MIN_M if tc is None else tc:
-        name = f"anyprec_gemm_tc{8 if m <= 8 else ''}_{bits}"  # up to 8 tokens: one n8 block, fewer registers
+        name = f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}"  # one n8 block, fewer registers
         return Launch("anyprec_gemv", name, [x16, planes, lut, out, m, n, k],
                       (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 256, out,
                       anyprec_tc_shared_bytes(bits))
@@ -423,8 +427,8 @@ def anyprec_matches(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, 
     reference = emulate.emulate_anyprec(tensors, x, bits)[1]
     exact = not gemv or np.array_equal(anyprec_gemv(tensors, x, bits, device, tc=False).view(np.uint16),
                                        reference.view(np.uint16))
-    tc = anyprec_gemv(tensors, x, bits, device, tc=True).astype(np.float64)
-    return exact and bool(np.all(np.abs(tc - reference) <= emulate.anyprec_tc_bound(tensors, x, bits, reference)))
+    return exact and emulate.within_anyprec_tc_bound(tensors, x, bits, anyprec_gemv(tensors, x, bits, device, tc=True),
+                                                     reference)
 
 
 LAUNCHES = {"qserve": qserve_launch, "liquidquant": liquidquant_launch, "qqq": qqq_launch}
@@ -472,11 +476,6 @@ def paths(fmt: str, n: int, k: int, device: str = "cpu") -> tuple[dict[str, bool
     if fmt in WGMMA and WGMMA[fmt].fits(n, k) and (device == "cpu" or hopper_available()):
         found.append({"wgmma": True})
     return tuple(found)
-
-
-# Up to this many tokens the decode kernels run (liquidquant_w4a8_gemm8, anyprec_gemm_tc8_*): `matches_emulation`
-# also checks them, on the first token alone, when the activations have more.
-DECODE_MAX_M = 8
 
 
 def path_labels(fmt: str, n: int, k: int, device: str, m: int = 1) -> list[str]:
