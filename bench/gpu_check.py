@@ -9,7 +9,7 @@
    right after the tests, so that a short lease still brings the bars back).
 2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
    bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
-   --skip-profile leave them out).
+   --skip-profile leave them out; --profile-large adds the Hopper kernels at M = 1024).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
@@ -23,7 +23,8 @@ gets at most what is left, and one that would get under 30 s is skipped (exit co
 without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
-        [--skip-tune] [--tune-args ARGS] [--skip-profile] [--profile-formats F,...] [--skip-validate] [--skip-sweep]
+        [--skip-tune] [--tune-args ARGS] [--skip-profile] [--profile-formats F,...] [--profile-large]
+        [--skip-validate] [--skip-sweep]
         [--recipes NAME,...]
 """
 
@@ -41,6 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats")
+PROFILE_LARGE = ("ComputeWorkloadAnalysis", "SchedulerStats", "MemoryWorkloadAnalysis_Tables")
 RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anyprec-3to8")
 
 
@@ -91,6 +93,8 @@ def main() -> None:
                         "anyprec --ms 1,4,16\")")
     parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
                         "bench/profile_smallm.py --formats)")
+    parser.add_argument("--profile-large", action="store_true", help="also profile the Hopper (wgmma) kernels at "
+                        "M = 1024 under Nsight Compute (bench/profile_smallm.py --large)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated recipes to quantize and validate (default: every one that packs)")
@@ -119,6 +123,10 @@ def main() -> None:
             kernels = "regex:_gemm8?$|_gemv$|_tc8?_3$"  # the decode kernels (Any-Precision's at 3 bits)
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats], args.out, results, 100, env)
+        if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes
+            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma$",
+                                   *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
+                                   "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
     else:
         step("kernel-tests", pytest, args.out, results, 300, env)
 

@@ -2,10 +2,10 @@
 
 Every small-M kernel of quantkit bench's variants (and both Any-Precision 3-bit kernels, the GEMV and the
 tensor-core one) at M = 1 on (4096, 4096) and (28672, 4096), once each, on synthetic tensors; --formats keeps some
-layouts only. Without a profiler it only launches them.
+layouts only; --large the Hopper (wgmma) kernels at M = 1024 instead. Without a profiler it only launches them.
 
     ncu --kernel-name regex:'_gemm8?$|_gemv$|_tc8?_3$' --section SpeedOfLight --section WarpStateStats \\
-        python3 bench/profile_smallm.py [--formats anyprec,...]
+        python3 bench/profile_smallm.py [--formats anyprec,...] [--large]
 """
 
 from __future__ import annotations
@@ -22,19 +22,24 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", help="comma-separated layouts (qserve, qqq, liquidquant, atom, anyprec)")
-    formats = parser.parse_args().formats
+    parser.add_argument("--large", action="store_true", help="the Hopper (wgmma) kernels at M = 1024 instead")
+    args = parser.parse_args()
+    formats, m = args.formats, 1024 if args.large else 1
     for n, k in SHAPES:
         for v in VARIANTS:
             if formats and v.fmt not in formats.split(","):
                 continue
-            # the decode kernel (the first path); for Any-Precision both, the GEMV and the tensor-core kernel
-            for path in list(PATHS[v.fmt]) if v.fmt == "anyprec" else [next(iter(PATHS[v.fmt]))]:
-                launch = variant_launch(replace(v, path=path), synthetic(v.fmt, n, k, group=v.group), 1, k)
+            if args.large:
+                paths = ["wgmma"] if "wgmma" in PATHS[v.fmt] else []
+            else:  # the decode kernel (the first path); for Any-Precision both, the GEMV and the tensor-core kernel
+                paths = list(PATHS[v.fmt]) if v.fmt == "anyprec" else [next(iter(PATHS[v.fmt]))]
+            for path in paths:
+                launch = variant_launch(replace(v, path=path), synthetic(v.fmt, n, k, group=v.group), m, k)
                 call = kernels.upload(launch)
                 call()
                 call.result()
-                print(f"{v.label} ({path}): {launch.name} grid {launch.grid} block {launch.block} on {n} x {k}",
-                      flush=True)
+                print(f"{v.label} ({path}): {launch.name} grid {launch.grid} block {launch.block} on {n} x {k}, "
+                      f"M = {m}", flush=True)
 
 
 if __name__ == "__main__":

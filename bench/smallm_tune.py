@@ -6,13 +6,15 @@ under each configuration of
   - QK_SMALLM_AHEAD: K steps' loads per round into registers (compile time, kernels/qk_common.cuh
     pipelined_steps),
   - SPLITK_WARPS and SPLITK_MIN_STEPS: how far split-K spreads a small grid (quantkit/kernels.py, per launch).
-Each configuration runs in a process of its own (NVRTC builds the kernels once per process, with
-QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them (in parallel). It first checks each kernel
-against the emulation at a split shape (bit for bit; Any-Precision's within its bound), then times it as `quantkit
-bench` does (CUDA-graph replays, operands rotating past the L2 cache). Prints one table (microseconds; the fastest
-configuration of each row marked) and the total per configuration; --json keeps it all.
+With --large it tunes the Hopper (wgmma) kernels at M = 1024 instead, over their ring of shared-memory stages
+(QK_WGMMA_STAGES deep, copies QK_WGMMA_LEAD steps ahead). Each configuration runs in a process of its own (NVRTC
+builds the kernels once per process, with QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them
+(in parallel). It first checks each kernel against the emulation (bit for bit; Any-Precision's within its bound),
+then times it as `quantkit bench` does (CUDA-graph replays, operands rotating past the L2 cache). Prints one table
+(microseconds; the fastest configuration of each row marked) and the total per configuration; --json keeps it all.
 
     PYTHONPATH=. python3 bench/smallm_tune.py [--json FILE] [--ms 1,16] [--configs NAME,...] [--formats F,...]
+                                              [--large]
 """
 
 from __future__ import annotations
@@ -44,16 +46,34 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
     "LQQ-16": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "LIQUIDQUANT_GEMM16": True}),
 }
+# --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
+# goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the
+# 256-channel kernels (*_wgmma2: one block of 17 KiB stages an SM, where the 128-channel kernel fits two of 13 KiB).
+LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "W5L3": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {}),
+    "W5L4": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 4}, {}),
+    "W8L6": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
+    "W8L7": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {}),
+    "WIDE": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {"WGMMA_WIDE": True}),
+    "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
+    "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
+}
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 
 
-def variants():
+def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    return LARGE_CONFIGS if large else CONFIGS
+
+
+def variants(large: bool = False):
     """The tuned kernels: each variant of quantkit bench on its small-M path, and Any-Precision's tensor-core kernel
-    (its GEMV left out)."""
+    (its GEMV left out); with `large`, the W4A8 variants on their Hopper (wgmma) path."""
     from dataclasses import replace
 
     from quantkit.kernel_bench import PATHS, VARIANTS
 
+    if large:
+        return [replace(v, path="wgmma") for v in VARIANTS if "wgmma" in PATHS[v.fmt]]
     return [replace(v, path="small-M" if "small-M" in PATHS[v.fmt] else "tensor cores") for v in VARIANTS
             if "small-M" in PATHS[v.fmt] or v.fmt == "anyprec"]
 
@@ -73,19 +93,24 @@ def matches(v, tensors, launch, out) -> bool:
                                    reference.view(np.float16))
 
 
-def make_tensors(job: tuple[int, int, int, Path]) -> None:
+def tensor_file(cache: Path, v, n: int, k: int) -> Path:
+    """Where the synthetic tensors of variant v's layout at (N, K) are kept (shared by its paths)."""
+    return cache / f"{v.fmt}-{v.group}-{v.bits}-{n}x{k}.pt"
+
+
+def make_tensors(job: tuple[int, int, int, Path, bool]) -> None:
     """Synthetic tensors of variant i at (N, K), saved under `cache` (a pool worker)."""
     import torch
 
     from quantkit.kernel_bench import synthetic
 
-    i, n, k, cache = job
-    v = variants()[i]
+    i, n, k, cache, large = job
+    v = variants(large)[i]
     torch.save(synthetic(v.fmt, n, k, seed=3 if (n, k) == CHECK_SHAPE else 0, group=v.group),
-               cache / f"{i}-{n}x{k}.pt")
+               tensor_file(cache, v, n, k))
 
 
-def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...] = ()) -> dict:
+def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...] = (), large: bool = False) -> dict:
     """One configuration, in this process (its defines already in the environment): check, then time."""
     import numpy as np
     import torch
@@ -93,19 +118,19 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
     from quantkit import kernel_bench, kernels
     from quantkit.kernel_bench import rotation, timing, variant_launch, weight_bytes
 
-    for setting, value in CONFIGS[name][1].items():
+    for setting, value in configs(large)[name][1].items():
         setattr(kernels, setting, value)
     results, checked, threads, registers = {}, {}, {}, {}
-    for i, v in enumerate(variants()):
+    for v in variants(large):
         if formats and v.fmt not in formats:
             continue
         n, k = CHECK_SHAPE
-        tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
-        launch = variant_launch(v, tensors, 3, k, seed=4)
+        tensors = torch.load(tensor_file(cache, v, n, k))
+        launch = variant_launch(v, tensors, 200 if large else 3, k, seed=4)  # large: two token blocks, the 2nd partial
         out = kernels.run(launch, "cuda").view(np.uint16)
         checked[v.label] = matches(v, tensors, launch, out)
         for n, k in kernel_bench.SHAPE_SETS["llama3-8b"]:
-            tensors = torch.load(cache / f"{i}-{n}x{k}.pt")
+            tensors = torch.load(tensor_file(cache, v, n, k))
             for m in ms:
                 launch = variant_launch(v, tensors, m, k)
                 call = rotation(lambda _, launch=launch: kernels.upload(launch), weight_bytes(tensors, v))
@@ -121,8 +146,10 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write every configuration's times here")
-    parser.add_argument("--ms", default="1,16", help="token counts (default 1,16)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, by name")
+    parser.add_argument("--large", action="store_true", help="tune the Hopper (wgmma) kernels' ring instead, at "
+                        "M = 1024 unless --ms says otherwise (configurations " + ", ".join(LARGE_CONFIGS) + ")")
+    parser.add_argument("--ms", help="token counts (default 1,16; with --large 1024)")
+    parser.add_argument("--configs", help="which configurations, by name (default all: " + ", ".join(CONFIGS) + ")")
     parser.add_argument("--formats", default="", help="only these layouts (qserve, liquidquant, qqq, atom, anyprec; "
                         "default all)")
     parser.add_argument("--limit", type=float, default=120, help="seconds per configuration before it is skipped")
@@ -133,27 +160,35 @@ def main() -> None:
                         "the built-in default, whose builds are cached already)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    table = configs(args.large)
+    args.ms = args.ms or ("1024" if args.large else "1,16")
     ms = tuple(int(m) for m in args.ms.split(","))
     formats = tuple(filter(None, args.formats.split(",")))
     if args.worker:
-        print(json.dumps(worker(args.worker, ms, args.cache, formats)))
+        print(json.dumps(worker(args.worker, ms, args.cache, formats, args.large)))
         return
+    names = (args.configs or ",".join(table)).split(",")
+    if unknown := [name for name in names if name not in table]:
+        parser.error(f"unknown configurations {', '.join(unknown)}; {'--large ' if args.large else ''}has "
+                     f"{', '.join(table)}")
     from concurrent.futures import ProcessPoolExecutor
 
     from quantkit.kernel_bench import SHAPE_SETS
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, n, k, args.cache) for i, v in enumerate(variants()) if not formats or v.fmt in formats
-            for n, k in (*SHAPE_SETS["llama3-8b"], CHECK_SHAPE) if not (args.cache / f"{i}-{n}x{k}.pt").exists()]
+    jobs = [(i, n, k, args.cache, args.large) for i, v in enumerate(variants(args.large))
+            if not formats or v.fmt in formats
+            for n, k in (*SHAPE_SETS["llama3-8b"], CHECK_SHAPE) if not tensor_file(args.cache, v, n, k).exists()]
     with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1) or 1) as pool:
         list(pool.map(make_tensors, jobs))
     runs = []
-    for name in args.configs.split(","):
-        defines = " ".join(f"{key}={value}" for key, value in CONFIGS[name][0].items())
+    for name in names:
+        defines = " ".join(f"{key}={value}" for key, value in table[name][0].items())
         env = {**os.environ, "PYTHONPATH": str(REPO), "QUANTKIT_NVRTC_DEFINES": defines}
         try:
             done = subprocess.run([sys.executable, __file__, "--worker", name, "--ms", args.ms, "--cache",
-                                   str(args.cache), "--formats", args.formats], env=env, capture_output=True,
+                                   str(args.cache), "--formats", args.formats, *(["--large"] if args.large else [])],
+                                  env=env, capture_output=True,
                                   text=True, timeout=args.limit,
                                   cwd=REPO)
         except subprocess.TimeoutExpired:
@@ -166,7 +201,7 @@ def main() -> None:
         bad = [label for label, ok in runs[-1]["checked"].items() if not ok]
         registers = ", ".join(f"{kernel} {regs} ({local} B local)"
                               for kernel, (regs, local) in runs[-1]["registers"].items())
-        settings = ", ".join(f"{setting} {value}" for setting, value in CONFIGS[name][1].items())
+        settings = ", ".join(f"{setting} {value}" for setting, value in table[name][1].items())
         print(f"{name} ({defines}, {settings}): "
               f"{'MISMATCH ' + ', '.join(bad) if bad else 'every kernel matches the emulation'}; registers "
               f"{registers}", flush=True)
@@ -191,8 +226,8 @@ def main() -> None:
     good = [r for r in runs if all(r["checked"].values())]
     if args.best and good:
         best = min(good, key=lambda r: sum(r["seconds"].values()))
-        defines = CONFIGS[best["config"]][0]
-        args.best.write_text("" if best["config"] == next(iter(CONFIGS))
+        defines = table[best["config"]][0]
+        args.best.write_text("" if best["config"] == next(iter(table))
                              else " ".join(f"{key}={value}" for key, value in defines.items()))
         print(f"\nfastest: {best['config']}")
     sys.exit(any(not ok for r in runs for ok in r["checked"].values()))

@@ -250,14 +250,15 @@ void wgmma_warpgroup(int32_t d[128][64], const uint32_t a[128][4], const uint8_t
   }
 }
 
-// The host twin of wgmma_gemm (qk_common.cuh) for layout F: the same ring, copies issued two steps ahead, each
-// step's A fragments loaded by every thread, and its wgmmas run late, when the next step's copy has been issued
-// (the latest moment wgmma_wait<1> allows), so that a copy into a stage still being read would show. Shared
+// The host twin of wgmma_gemm (qk_common.cuh) for layout F: the same ring, copies issued LEAD steps ahead, each
+// step's A fragments loaded by every thread, and its wgmmas run as late as the kernel allows: when the next step's
+// copy has been issued where that copy goes into another step's slot (LEAD <= STAGES - 2; the latest moment
+// wgmma_wait<1> would allow), else before it. A copy into a stage still being read would show. Shared
 // address 0 is the ring's start (aligned, as the kernel aligns it); the accumulators start as garbage, which the
 // first wgmma of each sum must ignore.
-template <class F>
+template <class F, int W = 1>
 void wgmma_host(const typename F::Args& args) {
-  using T = qk::WgmmaTiles<F>;
+  using T = qk::WgmmaTiles<F, W>;
   constexpr int KS = T::BK / 32;
   std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
   std::vector<int32_t> acc((size_t)T::THREADS * 64);
@@ -281,13 +282,15 @@ void wgmma_host(const typename F::Args& args) {
     for (int n0 = 0; n0 < args.n; n0 += T::BN) {
       std::fill(acc.begin(), acc.end(), 0x5A5A5A5A);
       std::fill(smem.begin(), smem.end(), 0xA5);
-      for (int s = 0; s < T::STAGES - 2 && s < steps; ++s) copy(m0, n0, s);
+      constexpr bool late = T::LEAD <= T::STAGES - 2;
+      for (int s = 0; s < T::LEAD && s < steps; ++s) copy(m0, n0, s);
       for (int kt = 0; kt < steps; ++kt) {
-        if (kt + T::STAGES - 2 < steps) copy(m0, n0, kt + T::STAGES - 2);
-        if (kt > 0) run_wgmmas(kt - 1);
+        if (!late && kt > 0) run_wgmmas(kt - 1);
+        if (kt + T::LEAD < steps) copy(m0, n0, kt + T::LEAD);
+        if (late && kt > 0) run_wgmmas(kt - 1);
         const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
         for (int t = 0; t < T::THREADS; ++t)
-          F::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
+          T::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
       }
       run_wgmmas(steps - 1);
       for (int t = 0; t < T::THREADS; ++t) {  // the epilogue's two phases, a barrier between them
@@ -314,6 +317,9 @@ extern "C" bool qk_tiles(const char* fmt, int out[6]) {
   else if (std::strcmp(fmt, "qserve-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma>>(out);
   else if (std::strcmp(fmt, "qqq-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma>>(out);
   else if (std::strcmp(fmt, "liquidquant-wgmma") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma>>(out);
+  else if (std::strcmp(fmt, "qserve-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma, 2>>(out);
+  else if (std::strcmp(fmt, "qqq-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma, 2>>(out);
+  else if (std::strcmp(fmt, "liquidquant-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma, 2>>(out);
   else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
   else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
   else if (std::strcmp(fmt, "atom") == 0) tiles_of<qk::AtomTiled>(out);
@@ -353,6 +359,20 @@ extern "C" void qqq_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uin
 extern "C" void liquidquant_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
   wgmma_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+}
+extern "C" void qserve_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                        qk_half* out, int m, int n, int k, int group) {
+  wgmma_host<qk::QServeWgmma, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+}
+extern "C" void qqq_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                     const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  wgmma_host<qk::QQQWgmma, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+}
+extern "C" void liquidquant_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
+                                             int k) {
+  wgmma_host<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its

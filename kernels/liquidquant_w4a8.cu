@@ -90,9 +90,14 @@ struct LiquidTiled {
 
   QK_FN static void copy_stage(const LiquidArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    copy_weights(a, stage, n0, kt, tid, THREADS);
+  }
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their step and offset bytes (from W_OFF on), `threads`
+  // copying.
+  QK_FN static void copy_weights(const LiquidArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
     const size_t block = (size_t)(n0 / 64) * (a.k / 64) + kt;
-    copy_runs(stage + W_OFF, a.qweight + block * 2048, (size_t)(a.k / 64) * 2048, BN / 64, 2048, tid, THREADS);
-    copy_runs(stage + P_OFF, a.s2a + block * 128, (size_t)(a.k / 64) * 128, BN / 64, 128, tid, THREADS);
+    copy_runs(stage + W_OFF, a.qweight + block * 2048, (size_t)(a.k / 64) * 2048, BN / 64, 2048, tid, threads);
+    copy_runs(stage + P_OFF, a.s2a + block * 128, (size_t)(a.k / 64) * 128, BN / 64, 128, tid, threads);
   }
 
   // Warp (wt, wc) = (warp / 4, warp % 4): weight block wc / 2, its rows 16 w .. for w = 2 (wc % 2) + slice.
@@ -232,13 +237,21 @@ extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_tiled(const i
 }
 
 #if defined(QK_WGMMA)
-// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
-// WgmmaTiles<LiquidWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0).
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory QK_WGMMA_STAGES (5)
+// stages of WgmmaTiles<LiquidWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0).
 extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_wgmma(const int8_t* x, const float* s_x,
                                                                          const uint8_t* qweight, const uint8_t* s2a,
                                                                          const qk_half* s1, qk_half* out, int m,
                                                                          int n, int k) {
   wgmma_gemm<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+}
+// The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
+// WgmmaTiles<LiquidWgmma, 2>::STAGE_BYTES (N % 256 == 0).
+extern "C" __global__ void __launch_bounds__(512) liquidquant_w4a8_wgmma2(const int8_t* x, const float* s_x,
+                                                                          const uint8_t* qweight, const uint8_t* s2a,
+                                                                          const qk_half* s1, qk_half* out, int m,
+                                                                          int n, int k) {
+  wgmma_gemm<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
 #endif
 #endif

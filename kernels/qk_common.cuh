@@ -362,14 +362,17 @@ QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int runs, 
 }
 
 // The Hopper path (the *_wgmma kernels, sm_90a): wgmma.mma_async with the weights as its M operand, from
-// registers, and the activations as its N operand, read by the tensor cores from shared memory. A block of two
-// warpgroups computes BN = 128 channels (warp w: channels 16 w .. 16 w + 15) x BM = 128 tokens with one
+// registers, and the activations as its N operand, read by the tensor cores from shared memory. A block of 2 W
+// warpgroups computes BN = 128 W channels (warp w: channels 16 w .. 16 w + 15) x BM = 128 tokens with one
 // m64n128k32 per warpgroup and k32, on the *Tiled policy's stages: the activation tile at offset 0 of a stage is
 // already the canonical K-major layout with the 64-byte swizzle (swizzled<64>: 16-byte chunk c of row r at
 // 64 r + 16 (c ^ (r / 2 % 4)), 8-row groups 512 bytes apart), so a descriptor names it; the stages are rounded up
-// to 1 KiB so that every tile starts where the swizzle pattern does. Layout F supplies the Tiled policy (stages),
-// load_a (a warp's A fragments of the stage's two k32 steps, each {row g k 4q.., row g + 8 k 4q.., row g
-// k 16 + 4q.., row g + 8 k 16 + 4q..} as for mma.m16n8k32) and out_value (the epilogue of one int32 sum).
+// to 1 KiB so that every tile starts where the swizzle pattern does. With W = 2 (the *_wgmma2 kernels) the four
+// warpgroups share each activation tile, which the block then reads from L2 once per 256 channels, not 128: a
+// stage holds the tile, then the Tiled policy's weight region (its bytes from W_OFF on) once per 128 channels.
+// Layout F supplies the Tiled policy (stages, copy_weights), load_a (a warp's A fragments of the stage's two k32
+// steps, each {row g k 4q.., row g + 8 k 4q.., row g k 16 + 4q.., row g + 8 k 16 + 4q..} as for mma.m16n8k32, for
+// warps 0-7 of one 128-channel region) and out_value (the epilogue of one int32 sum).
 //
 // The descriptor of a K-major operand with the 64-byte swizzle at shared address addr (PTX ISA, "Matrix
 // Descriptor Format"): start address >> 4 in bits 0-13, leading byte offset 16 (unused by swizzled K-major
@@ -380,18 +383,41 @@ QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
          ((uint64_t)2 << 62);
 }
 
-template <class F>
+// The ring's depth (QK_WGMMA_STAGES) and how many steps ahead its copies go (QK_WGMMA_LEAD) are compile-time knobs
+// for tuning on a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py --large); they change no bit of any output.
+// Each step's wgmmas retire before the barrier of the next, so a copy may go into the slot of the step before this
+// one: LEAD <= STAGES - 1. Two blocks of five 13 KiB stages fit an SM (W = 1), so would two of eight; W = 2 takes
+// 17 KiB a stage, one block an SM (its 512 threads hold all the registers).
+#ifndef QK_WGMMA_STAGES
+#define QK_WGMMA_STAGES 5
+#endif
+#ifndef QK_WGMMA_LEAD
+#define QK_WGMMA_LEAD (QK_WGMMA_STAGES - 2)
+#endif
+template <class F, int W = 1>
 struct WgmmaTiles {
   using Tiled = typename F::Tiled;
   using Args = typename F::Args;
-  static constexpr int BM = Tiled::BM, BN = Tiled::BN, BK = Tiled::BK, THREADS = 256, STAGES = 5, ALIGN = 1024;
-  static constexpr int STAGE_BYTES = (Tiled::STAGE_BYTES + ALIGN - 1) / ALIGN * ALIGN;
-  static_assert(BM == 128 && BN == 128 && BK == 64 && Tiled::THREADS == THREADS, "one m64n128 per warpgroup");
+  static constexpr int BM = Tiled::BM, BN = W * Tiled::BN, BK = Tiled::BK, THREADS = 256 * W, ALIGN = 1024;
+  static constexpr int STAGES = QK_WGMMA_STAGES, LEAD = QK_WGMMA_LEAD;
+  // A stage: the activation tile (Tiled::W_OFF bytes), then W regions of REGION bytes, each the weights (and group
+  // parameters) of 128 channels at the offsets the Tiled policy gives them; W = 1 is the Tiled policy's stage.
+  static constexpr int REGION = Tiled::STAGE_BYTES - Tiled::W_OFF;
+  static constexpr int STAGE_BYTES = (Tiled::W_OFF + W * REGION + ALIGN - 1) / ALIGN * ALIGN;
+  static_assert(Tiled::BM == 128 && Tiled::BN == 128 && BK == 64 && Tiled::THREADS == 256, "one m64n128 a warpgroup");
+  static_assert(Tiled::W_OFF == BM * BK && (W == 1 || W == 2), "the activation tile first, then the weights");
+  static_assert(LEAD >= 1 && LEAD <= STAGES - 1, "a copy goes into a slot no warpgroup still reads");
   struct Acc { int32_t d[64]; };  // d[4 j + 2 h + e]: channel 16 warp + g + 8 h, token 8 j + 2 q + e
 
   QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
   QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
-    Tiled::copy_stage(a, stage, m0, n0, kt, tid);
+    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    for (int r = 0; r < W; ++r) Tiled::copy_weights(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid, THREADS);
+  }
+  // Warp w's A fragments: warp w % 8 of the 128 channels of region w / 8.
+  QK_FN static void load_a(const Args& a, const uint8_t* stage, int warp, int lane, uint32_t fa[BK / 32][4]) {
+    if (W == 1) F::load_a(a, stage, warp, lane, fa);
+    else F::load_a(a, stage + warp / 8 * REGION, warp % 8, lane, fa);
   }
   // The B descriptor of k32 step kk of the stage at shared address `stage`: 32 kk bytes into each row.
   QK_FN static uint64_t b_desc(uint32_t stage, int kk) { return wgmma_desc_sw64(stage + 32 * kk); }
@@ -613,14 +639,14 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 }
 
 // The Hopper GEMM of layout F (WgmmaTiles): a ring of STAGES stages in shared memory aligned to 1 KiB, filled by
-// cp.async as in tiled_gemm, but two steps behind instead of one: the copy issued at step kt goes to the slot of step
-// kt - 2, which every warpgroup finished before the barrier. That margin dates from a loop whose step kt wgmmas
-// could still be reading their stage while step kt + 1's weights were unpacked (wgmma_wait<1>); with each step's
-// wgmmas retired below (wgmma_wait<0>), one step would do. It stays until a GPU run measures the change. Each thread
+// cp.async as in tiled_gemm, LEAD steps ahead: the copy issued at step kt (after its barrier) is step kt + LEAD's,
+// into the slot of step kt + LEAD - STAGES, which every warpgroup finished before the barrier (by default kt - 2, a
+// margin from a loop whose wgmmas could still be reading their stage during the next step, wgmma_wait<1>; with each
+// step's wgmmas retired below, kt - 1 would do: LEAD = STAGES - 1, a knob until a GPU run measures it). Each thread
 // fences its completed copies into the async proxy (the tensor cores' view of shared memory) before the barrier.
-template <class F>
+template <class F, int W = 1>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
-  using T = qk::WgmmaTiles<F>;
+  using T = qk::WgmmaTiles<F, W>;
   extern __shared__ uint4 qk_stages[];
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(qk_stages), pad = (T::ALIGN - raw % T::ALIGN) % T::ALIGN;
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages) + pad;
@@ -633,21 +659,21 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "=r"(acc.d[i]));
 #pragma unroll
-  for (int s = 0; s < T::STAGES - 2; ++s) {
+  for (int s = 0; s < T::LEAD; ++s) {
     if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
     cp_async_commit();
   }
   for (int kt = 0; kt < steps; ++kt) {
-    cp_async_wait<T::STAGES - 3>();
+    cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     fence_proxy_async();
     __syncthreads();
-    const int next = kt + T::STAGES - 2;
+    const int next = kt + T::LEAD;
     if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
     cp_async_commit();
     const int slot = kt % T::STAGES;
     // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
     uint32_t fa[T::BK / 32][4];
-    F::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
+    T::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < T::BK / 32; ++kk)

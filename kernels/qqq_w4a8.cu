@@ -168,12 +168,16 @@ struct QQQTiled {
 
   QK_FN static void copy_stage(const QQQArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    copy_weights(a, stage, n0, kt, tid, THREADS);
+  }
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their group ratios (from W_OFF on), `threads` copying.
+  QK_FN static void copy_weights(const QQQArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(a.b);
     copy_runs(stage + W_OFF, b + ((size_t)kt * (BK / 16) * 2 * a.n + 2 * n0) * 4, (size_t)2 * a.n * 4, BK / 16,
-              BN * 8, tid, THREADS);
+              BN * 8, tid, threads);
     if (a.s_group != nullptr)
       copy_runs(stage + R_OFF, reinterpret_cast<const uint8_t*>(a.s_group + (size_t)(kt * BK / 128) * a.n + n0), 0, 1,
-                2 * BN, tid, THREADS);
+                2 * BN, tid, threads);
   }
 
   // Warp (wm, wn) = (warp / 2, warp % 2): rows 32 wm + 16 i, chunk wn; ldmatrix kk gives k tiles 2 kk and 2 kk + 1.
@@ -284,12 +288,19 @@ extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_tiled(const int8_t* x
 }
 
 #if defined(QK_WGMMA)
-// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
-// WgmmaTiles<QQQWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory QK_WGMMA_STAGES (5)
+// stages of WgmmaTiles<QQQWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
 extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_wgmma(const int8_t* x, const float* s_x, const uint32_t* b,
                                                                  const float* s_channel, const qk_half* s_group,
                                                                  qk_half* out, int m, int n, int k) {
   wgmma_gemm<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+}
+// The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
+// WgmmaTiles<QQQWgmma, 2>::STAGE_BYTES (N % 256 == 0).
+extern "C" __global__ void __launch_bounds__(512) qqq_w4a8_wgmma2(const int8_t* x, const float* s_x, const uint32_t* b,
+                                                                  const float* s_channel, const qk_half* s_group,
+                                                                  qk_half* out, int m, int n, int k) {
+  wgmma_gemm<qk::QQQWgmma, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
 }
 #endif
 #endif

@@ -111,10 +111,14 @@ struct QServeTiled {
 
   QK_FN static void copy_stage(const QServeArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
+    copy_weights(a, stage, n0, kt, tid, THREADS);
+  }
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their group parameters (from W_OFF on), `threads` copying.
+  QK_FN static void copy_weights(const QServeArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
     copy_runs(stage + W_OFF, a.qweight + ((size_t)(n0 / 32) * (a.k / 32) + (size_t)kt * (BK / 32)) * 512,
-              (size_t)(a.k / 32) * 512, BN / 32, (BK / 32) * 512, tid, THREADS);
+              (size_t)(a.k / 32) * 512, BN / 32, (BK / 32) * 512, tid, threads);
     if (a.s2 == nullptr) return;
-    for (int c = tid; c < 2 * P_BYTES / 16; c += THREADS) {  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
+    for (int c = tid; c < 2 * P_BYTES / 16; c += threads) {  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
       const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
       const int8_t* src = which ? a.z2 : a.s2;
       copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
@@ -231,12 +235,19 @@ extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_tiled(
 }
 
 #if defined(QK_WGMMA)
-// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 5 stages of
-// WgmmaTiles<QServeWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
+// The Hopper path (sm_90a): grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory QK_WGMMA_STAGES (5)
+// stages of WgmmaTiles<QServeWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
 extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_wgmma(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
   wgmma_gemm<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+}
+// The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
+// WgmmaTiles<QServeWgmma, 2>::STAGE_BYTES (N % 256 == 0).
+extern "C" __global__ void __launch_bounds__(512) qserve_w4a8_wgmma2(
+    const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
+  wgmma_gemm<qk::QServeWgmma, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
 }
 #endif
 #endif

@@ -51,11 +51,12 @@ def host_library() -> ctypes.CDLL:
     if compiler is None:
         raise KernelUnavailable("the warp simulator needs a C++ compiler (g++ or c++) on PATH")
     src = source_dir()
-    lib = _built("libqk_host", ".so", (".cu", ".cuh", ".cpp"))
+    defines = tuple(f"-D{d}" for d in nvrtc_defines())  # the same knobs as the GPU build, so the same policies
+    lib = _built("libqk_host", ".so", (".cu", ".cuh", ".cpp"), repr(defines).encode() if defines else b"")
     if not lib.exists():
         def build(tmp: str) -> None:
-            cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", str(src / "host_sim.cpp"),
-                   "-o", tmp]
+            cmd = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", *defines,
+                   str(src / "host_sim.cpp"), "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise KernelUnavailable(f"building the warp simulator failed:\n{done.stderr[-2000:]}")
@@ -63,6 +64,18 @@ def host_library() -> ctypes.CDLL:
         atomic_write_with(lib, build)
     _HOST = ctypes.CDLL(str(lib))
     return _HOST
+
+
+def nvrtc_defines() -> tuple[str, ...]:
+    """The compile-time tuning knobs (NAME=VALUE) in $QUANTKIT_NVRTC_DEFINES, space-separated (bench/smallm_tune.py
+    sets them per configuration): QK_SMALLM_AHEAD, QK_WGMMA_STAGES, QK_WGMMA_LEAD."""
+    return tuple(os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split())
+
+
+def _define(name: str, default: int) -> int:
+    """The integer value of knob `name` in nvrtc_defines(), else `default`."""
+    values = dict(d.partition("=")[::2] for d in nvrtc_defines())
+    return int(values[name]) if values.get(name) else default
 
 
 def _built(stem: str, suffix: str, kinds: tuple[str, ...], salt: bytes = b"") -> Path:
@@ -134,9 +147,12 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    function = _module(launch.module, hopper=launch.name.endswith("_wgmma")).get_function(launch.name)
+    function = _module(launch.module, hopper="_wgmma" in launch.name).get_function(launch.name)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
         function.max_dynamic_shared_size_bytes = launch.shared_mem
+        # and asks for the largest shared-memory share of the SM's L1, so that as many blocks as its registers allow
+        # (two of the wgmma kernels') can share an SM whatever split the driver would pick by itself (not measured)
+        function.preferred_shared_memory_carveout = 100
     return GpuCall(function, launch.grid, launch.block, args, out, launch.shared_mem)
 
 
@@ -203,9 +219,20 @@ TILES = {
     "atom": Tiles(128, 64, 64, 256, 128 * 64 + 64 * 64 + 4 * 128 + 8 * 64),  # a K step per group of 128 INT4
 }
 # The Hopper path of the W4A8 layouts (qk_common.cuh WgmmaTiles, sm_90a only): the tiled policy's stages rounded up
-# to 1 KiB, five deep, wgmma.mma_async with the weights in registers.
-WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024, stages=5, kernel="wgmma",
-                      slack=1024) for fmt in ("qserve", "qqq", "liquidquant")}
+# to 1 KiB, QK_WGMMA_STAGES (5) deep, wgmma.mma_async with the weights in registers.
+WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024,
+                      stages=_define("QK_WGMMA_STAGES", 5), kernel="wgmma", slack=1024)
+         for fmt in ("qserve", "qqq", "liquidquant")}
+# The same kernels on 256 channels a block (the *_wgmma2 kernels, WgmmaTiles<F, 2>): four warpgroups share each
+# activation tile, which then crosses from L2 once per 256 channels, not 128 (a third less L2 traffic per MAC); a
+# stage holds the tile and two 128-channel weight regions. One block of 512 threads an SM, where the 128-channel
+# kernel fits two of 256.
+WGMMA2 = {fmt: replace(t, bn=256, threads=512, kernel="wgmma2",
+                       stage_bytes=-(-(t.bm * t.bk + 2 * (TILES[fmt].stage_bytes - t.bm * t.bk)) // 1024) * 1024)
+          for fmt, t in WGMMA.items()}
+# Whether a Hopper launch takes the 256-channel kernel where N % 256 == 0. Off until a GPU run times it against the
+# 128-channel one (bench/smallm_tune.py --large); validate checks whichever a launch would take.
+WGMMA_WIDE = False
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
 # M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
@@ -240,6 +267,12 @@ def use_wgmma(fmt: str, m: int, n: int, k: int, tiled: bool | None, wgmma: bool 
             and hopper_available())
 
 
+def wgmma_tiles(fmt: str, n: int, k: int) -> Tiles:
+    """The Hopper kernel a launch of layout `fmt` on [N, K] takes: 256 channels a block where WGMMA_WIDE is on and
+    N allows it, else 128."""
+    return WGMMA2[fmt] if WGMMA_WIDE and WGMMA2[fmt].fits(n, k) else WGMMA[fmt]
+
+
 def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, out: np.ndarray,
                    tiled: bool | None, wgmma: bool | None) -> Launch | None:
     """The large-M launch of W4A8 layout `fmt` (the Hopper kernel per `use_wgmma`), or None for the small-M
@@ -247,7 +280,7 @@ def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, ou
     if use_wgmma(fmt, m, n, k, tiled, wgmma):
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-        return WGMMA[fmt].launch(module, args, m, n, out)
+        return wgmma_tiles(fmt, n, k).launch(module, args, m, n, out)
     return TILES[fmt].launch(module, args, m, n, out) if use_tiles(fmt, m, n, k, tiled) else None
 
 
@@ -554,7 +587,7 @@ def _module(name: str, hopper: bool = False) -> Any:
 
     src = source_dir()
     code = (src / f"{name}.cu").read_text()
-    defines = tuple(f"-D{d}" for d in os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split())  # tuning knobs
+    defines = tuple(f"-D{d}" for d in nvrtc_defines())  # tuning knobs
     if not hopper:
         return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src}", *defines))
     if not hopper_available():

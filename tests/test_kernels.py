@@ -129,6 +129,32 @@ def test_hopper_path_matches_the_emulation(fmt, group, m, n, k):
 
 
 @needs_compiler
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (130, 512, 384), (200, 256, 640)])
+def test_wide_hopper_path_matches_the_emulation(fmt, group, m, n, k, monkeypatch):
+    """The 256-channel *_wgmma2 kernels (four warpgroups on one activation tile, two 128-channel weight regions a
+    stage): the emulation's bits, over several blocks each way, with fewer and more K steps than the ring holds."""
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", True)
+    tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
+    x = activations(m, k, seed=k)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    assert launch.name.endswith("_wgmma2") and launch.shared_mem == kernels.WGMMA2[fmt].shared_mem
+    assert launch.grid == (n // 256, -(-m // 128)) and launch.block == 512
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_wide_hopper_kernel_only_where_n_allows_it(monkeypatch):
+    """WGMMA_WIDE picks the 256-channel kernel only where N % 256 == 0, elsewhere the 128-channel one; off, never."""
+    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qserve", 512, 4096) is kernels.WGMMA["qserve"]
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", True)
+    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qqq", 512, 4096) is kernels.WGMMA2["qqq"]
+
+
+@needs_compiler
 @pytest.mark.parametrize("m,n,groups", [(1, 64, 1), (128, 64, 2), (130, 128, 3), (200, 192, 5)])
 def test_atom_large_m_path_matches_the_emulation(m, n, groups):
     """Atom's tiled kernel: a K step per group of 128 INT4 columns and two for the INT8 outliers, each group's
@@ -156,11 +182,12 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
     assert kernels.host_library().qk_tiles(fmt.encode(), values)
     t = kernels.TILES[fmt]
     assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
-    if fmt in kernels.WGMMA:
-        assert kernels.host_library().qk_tiles(f"{fmt}-wgmma".encode(), values)
-        t = kernels.WGMMA[fmt]
-        assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
-        assert t.stage_bytes % 1024 == 0 and t.slack == 1024
+    for name, table in (("wgmma", kernels.WGMMA), ("wgmma2", kernels.WGMMA2)):
+        if fmt in table:
+            assert kernels.host_library().qk_tiles(f"{fmt}-{name}".encode(), values)
+            t = table[fmt]
+            assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
+            assert t.stage_bytes % 1024 == 0 and t.slack == 1024 and t.kernel == name
 
 
 @needs_compiler
@@ -518,40 +545,70 @@ def test_large_m_gpu_kernel_matches_the_emulation(fmt, group):
 @needs_hopper
 @pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
 @pytest.mark.parametrize("m", [1, 300])
-def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m):
-    """The *_wgmma kernels on the device, built by NVRTC for sm_90a: what the simulator's model of wgmma (operand
-    layouts, descriptor, swizzle) and of the asynchronous ring stands for, over several blocks each way and more K
-    steps than stages."""
-    n, k = 384, 1024
+@pytest.mark.parametrize("wide", [False, True])
+def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatch):
+    """The *_wgmma kernels (with `wide`, the 256-channel *_wgmma2) on the device, built by NVRTC for sm_90a: what the
+    simulator's model of wgmma (operand layouts, descriptor, swizzle) and of the asynchronous ring stands for, over
+    several blocks each way and more K steps than stages."""
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", wide)
+    n, k = 512 if wide else 384, 1024
     tensors = synthetic(fmt, n, k, seed=m, group=group)
     x = activations(m, k, seed=n)
     reference = emulate(fmt, tensors, x)
-    out = kernels.gemm(fmt, tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                       device="cuda", wgmma=True)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    assert launch.name.endswith("_wgmma2" if wide else "_wgmma")
+    out = kernels.run(launch, "cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+# The Hopper ring's knobs (QK_WGMMA_STAGES, QK_WGMMA_LEAD) other than the default that a tuning run may pick: the
+# deepest ring that two blocks an SM fit, copies one step behind the slot being read; and copies one step ahead in
+# the shallowest ring whose slots hold the 256-channel kernel's staged outputs.
+RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_LEAD=1"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("defines", RING_KNOBS)
+def test_hopper_ring_knobs_keep_the_bits(defines):
+    """Under each ring setting (a warp simulator built with the same defines, in a process of its own), the
+    *_wgmma kernels still give the emulation's bits and quantkit.kernels sizes their shared memory from the
+    compiled ring. The simulator runs each step's wgmmas as late as the ring allows, so a copy into a slot still
+    being read would show (running them after the copy at LEAD = STAGES - 1 fails these tests)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "hopper_path_matches or mirror_the_kernels"],
+                          env={**os.environ, "QUANTKIT_NVRTC_DEFINES": defines}, capture_output=True, text=True)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
-def test_hopper_device_code_pipelines_its_wgmmas(name, tmp_path):
+def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
     registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
-    they are in flight)."""
+    they are in flight); under each ring setting too."""
     import re
     import subprocess
 
     src = kernels.source_dir()
-    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", "-std=c++17", "-cubin",
-                           "-Xptxas", "-v", str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
+    knobs = [f"-D{d}" for d in defines.split()]
+    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", *knobs, "-std=c++17",
+                           "-cubin", "-Xptxas", "-v", str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     log = done.stderr
     assert "serialized" not in log, log
-    entry = log[log.index(f"'{name}_wgmma'"):]
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-    registers = re.search(r"Used (\d+) registers", entry)
-    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, log
+    for kernel in (f"'{name}_wgmma'", f"'{name}_wgmma2'"):  # 2 blocks of 256 threads an SM, or 1 of 512
+        entry = log[log.index(kernel):]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+        registers = re.search(r"Used (\d+) registers", entry)
+        assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, log
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
                           "-o", "-"], capture_output=True, text=True).stdout
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
