@@ -4,7 +4,9 @@
    bit, the split-K paths included, and a quantize run on the GPU must match the CPU's. The Hopper (wgmma)
    kernels' tests (-m hopper) run first in a process of their own: if they fail, every later step runs with
    QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky CUDA error ends the process's context) costs none of
-   the other kernels' results. With --kernel sim, the kernel tests of tests/test_kernels.py instead.
+   the other kernels' results. The bulk-copy decode kernel's tests (-m bulk; the kernel is off by default) follow
+   in a process of their own with a short limit. With --kernel sim, the kernel tests of tests/test_kernels.py
+   instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
 2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
@@ -108,8 +110,10 @@ def main() -> None:
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
     env = {}
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
-        if step("wgmma-tests", [*pytest, "-m", "hopper"], args.out, results, 120) != 0:
+        if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk"], args.out, results, 120) != 0:
             env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
+        # the bulk-copy decode kernel (off by default) apart: a wrong mbarrier count would hang only this step
+        step("bulk-tests", [*pytest, "-m", "bulk"], args.out, results, 60, env)
         step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240, env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",

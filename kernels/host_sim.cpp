@@ -377,24 +377,20 @@ extern "C" void liquidquant_w4a8_wgmma2_host(const int8_t* x, const float* s_x, 
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its
 // own K steps, the copies' accumulators then added in the kernel's order.
-extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
-                                      const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group, int splits) {
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+// The block of qserve_w4a8_gemm and qserve_w4a8_bulk: for each tile, walk(mt, nt, copy, step) calls step(fragments)
+// for each of the copy's K steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments;
+// then the copies' accumulators meet as splitk_reduce adds them and copy 0 stores.
+template <class Walk>
+void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
   std::vector<int32_t> acc((size_t)splits * 4 * 32 * 4), partials((size_t)(splits - 1) * 16 * 32);
-  uint32_t fa[32][4], w[4], s, z, fb[32][4][2], bn[32][2];
-  for (int mt = 0; mt < (m + 15) / 16; ++mt) {
-    for (int nt = 0; nt < n / 32; ++nt) {
+  uint32_t fa[32][4], fb[32][4][2], bn[32][2];
+  for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
+    for (int nt = 0; nt < args.n / 32; ++nt) {
       std::fill(acc.begin(), acc.end(), 0);
       auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 4 + nb) * 32 + lane) * 4]; };
       for (int copy = 0; copy < splits; ++copy) {
-        for (int kt = copy; kt < k / 32; kt += splits) {
-          for (int lane = 0; lane < 32; ++lane) {
-            qk::load_a(args, mt, kt, lane, fa[lane]);
-            qk::load_b_raw(args, nt, kt, lane, w);
-            qk::load_group_params(args, nt, kt, lane, s, z);
-            qk::unpack_b(args, w, s, z, fb[lane]);
-          }
+        walk(mt, nt, copy, [&](auto&& fragments) {
+          for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
           for (int nb = 0; nb < 4; ++nb) {
             for (int lane = 0; lane < 32; ++lane) {
               bn[lane][0] = fb[lane][nb][0];
@@ -402,7 +398,7 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
             }
             mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
           }
-        }
+        });
       }
       for (int lane = 0; lane < 32; ++lane) {
         int32_t mine[4][4];
@@ -415,6 +411,61 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
       }
     }
   }
+}
+
+// The host twin of qserve_w4a8_gemm: copy c of a tile's warps takes K steps c, c + splits, ...
+extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                      const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                      qk_half* out, int m, int n, int k, int group, int splits) {
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  qserve_host(args, splits, [&](int mt, int nt, int copy, auto&& step) {
+    for (int kt = copy; kt < k / 32; kt += splits)
+      step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
+        uint32_t w[4], s, z;
+        qk::load_a(args, mt, kt, lane, fa);
+        qk::load_b_raw(args, nt, kt, lane, w);
+        qk::load_group_params(args, nt, kt, lane, s, z);
+        qk::unpack_b(args, w, s, z, fb);
+      });
+  });
+}
+
+// The host twin of qserve_w4a8_bulk: copy c walks its contiguous range chunk by chunk, each chunk's bulk copies
+// (QServeBulk::copies, as the device issues them) done into a slot first filled with garbage, so that a step reading
+// a byte no copy wrote, or a copy outside its slot or misaligned, shows; then its steps read the slot.
+extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                      const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                      qk_half* out, int m, int n, int k, int group, int splits, int chunk, int slots) {
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  const qk::QServeBulk layout{chunk, std::min(16, m), s2 != nullptr};
+  if (slots < 1 || chunk < 1) fail("bulk: no slot");
+  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
+  const int steps = k / 32;
+  qserve_host(args, splits, [&](int mt, int nt, int copy, auto&& step) {
+    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
+    for (int s0 = begin; s0 < end; s0 += chunk) {
+      const int cnt = std::min(chunk, end - s0);
+      std::fill(slot.begin(), slot.end(), 0xA5);
+      layout.copies(args, mt, nt, s0, cnt, [&](int offset, const void* src, int bytes) {
+        if (offset < 0 || offset % 16 || bytes <= 0 || bytes % 16 || offset + bytes > (int)slot.size() ||
+            reinterpret_cast<uintptr_t>(src) % 16)
+          fail("bulk: a copy outside its slot, or not in 16-byte units");
+        std::memcpy(slot.data() + offset, src, (size_t)bytes);
+      });
+      for (int u = 0; u < cnt; ++u)
+        step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
+          uint32_t w[4], s, z;
+          layout.load_a(args, slot.data(), mt, u, lane, fa);
+          layout.load_b(args, slot.data(), s0, u, lane, w, s, z);
+          qk::unpack_b(args, w, s, z, fb);
+        });
+    }
+  });
+}
+
+// The bytes of one slot of qserve_w4a8_bulk, for quantkit.kernels to size the launch's shared memory with.
+extern "C" int qserve_bulk_slot_bytes(int chunk, int rows, int grouped) {
+  return qk::QServeBulk{chunk, rows, grouped != 0}.slot_bytes();
 }
 
 // The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8

@@ -698,5 +698,73 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   __syncthreads();
   T::write_out(args, smem, m0, n0, tid);
 }
+
+// The bulk decode pipeline (the *_bulk kernels, sm_90: built with the Hopper module). A warp walks a contiguous range
+// [begin, end) of K steps in chunks of `chunk` steps, `nslots` chunks in flight in its own slots of shared memory:
+// each chunk arrives by bulk copies (cp.async.bulk, the TMA engine's 1-D copies, a handful of instructions for
+// kilobytes, no registers held while in flight) that complete on the slot's mbarrier. copies(s0, cnt, emit) names
+// the copies of chunk [s0, s0 + cnt) as emit(offset in the slot, source, bytes) (16-byte multiples, both ends
+// aligned), the same on every lane; lane 0 posts their byte count on the barrier (arrive.expect_tx), then lane
+// i % 32 issues copy i. compute(s0, u, slot) runs step s0 + u from the landed slot. A slot is refilled once every
+// lane has read it: each lane fences its reads against the async proxy, the warp meets, then the next copies go.
+__device__ __forceinline__ uint32_t shared_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// Until the phase of the given parity has completed (acquire: the bytes its copies wrote are visible after).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(shared_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   shared_addr(dst)),
+               "l"(src), "r"(bytes), "r"(shared_addr(bar))
+               : "memory");
+}
+
+template <class Copies, class Compute>
+__device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint64_t* bars, int nslots, int chunk,
+                                           int begin, int end, int lane, Copies copies, Compute compute) {
+  if (lane == 0) {
+    for (int r = 0; r < nslots; ++r) mbar_init(&bars[r], 1);
+    mbar_fence_init();
+  }
+  __syncwarp();
+  const int chunks = end > begin ? (end - begin + chunk - 1) / chunk : 0;
+  auto issue = [&](int j) {
+    const int s0 = begin + j * chunk, cnt = min(chunk, end - s0);
+    uint8_t* slot = slots + (size_t)(j % nslots) * slot_bytes;
+    uint32_t total = 0;
+    copies(s0, cnt, [&](int, const void*, int bytes) { total += bytes; });
+    if (lane == 0) mbar_arrive_expect_tx(&bars[j % nslots], total);
+    __syncwarp();
+    int i = 0;
+    copies(s0, cnt, [&](int offset, const void* src, int bytes) {
+      if (i++ % 32 == lane) bulk_copy(slot + offset, src, bytes, &bars[j % nslots]);
+    });
+  };
+  for (int j = 0; j < min(nslots, chunks); ++j) issue(j);
+  for (int j = 0; j < chunks; ++j) {
+    mbar_wait(&bars[j % nslots], (j / nslots) & 1);
+    const int s0 = begin + j * chunk, cnt = min(chunk, end - s0);
+    const uint8_t* slot = slots + (size_t)(j % nslots) * slot_bytes;
+    for (int u = 0; u < cnt; ++u) compute(s0, u, slot);
+    if (j + nslots < chunks) {
+      fence_proxy_async();  // this lane's reads of the slot before the copies that overwrite it
+      __syncwarp();
+      issue(j + nslots);
+    }
+  }
+}
 #endif  // QK_WGMMA
 #endif

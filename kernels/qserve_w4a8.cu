@@ -97,6 +97,56 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   }
 }
 
+// The bulk decode kernel's slot (qserve_w4a8_bulk, Hopper): a chunk of up to `chunk` K steps of a 32-channel tile
+// (nt) for its 16-token tile (mt), each part copied as one contiguous run of the stored tensors: the weights (512
+// bytes a step, consecutive steps adjacent in the compute-aware order), each token's activations (32 bytes a step; a
+// row every 32 chunk + 16 bytes, so that a fragment's eight rows fall in distinct banks) and, per group, the tile's
+// 32 bytes of the s2 and of the z2 row of every group the chunk touches.
+struct QServeBulk {
+  int chunk, rows;  // rows: the activation rows a slot holds, min(16, M)
+  bool grouped;
+
+  QK_FN int row_bytes() const { return 32 * chunk + 16; }
+  QK_FN int act_offset() const { return 512 * chunk; }
+  QK_FN int param_offset() const { return act_offset() + rows * row_bytes(); }
+  QK_FN int slot_bytes() const { return param_offset() + (grouped ? 64 * (chunk + 1) : 0); }  // chunk + 1 groups
+
+  QK_FN static int first_group(const QServeArgs& a, int s0) { return 32 * s0 / a.group; }
+
+  // emit(offset in the slot, source, bytes) for each copy of steps [s0, s0 + cnt) of tile (mt, nt).
+  template <class Emit>
+  QK_FN void copies(const QServeArgs& a, int mt, int nt, int s0, int cnt, Emit&& emit) const {
+    emit(0, a.qweight + ((size_t)nt * (a.k / 32) + s0) * 512, 512 * cnt);
+    for (int r = 0; r < rows && 16 * mt + r < a.m; ++r)
+      emit(act_offset() + r * row_bytes(), a.x + (size_t)(16 * mt + r) * a.k + 32 * s0, 32 * cnt);
+    if (!grouped) return;
+    for (int g = first_group(a, s0); g <= (32 * (s0 + cnt) - 1) / a.group; ++g) {
+      const size_t row = (size_t)g * a.n + 32 * nt;
+      emit(param_offset() + 64 * (g - first_group(a, s0)), a.s2 + row, 32);
+      emit(param_offset() + 64 * (g - first_group(a, s0)) + 32, a.z2 + row, 32);
+    }
+  }
+
+  // The lane's A fragment of step s0 + u (load_a's, from the slot; rows past M are zero).
+  QK_FN void load_a(const QServeArgs& a, const uint8_t* slot, int mt, int u, int lane, uint32_t frag[4]) const {
+    const int g = frag_group(lane), q = frag_quad(lane);
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i & 1), col = 32 * u + 16 * (i >> 1) + 4 * q;
+      frag[i] = 16 * mt + row < a.m ? load_u32(slot + act_offset() + row * row_bytes() + col) : 0u;
+    }
+  }
+  // Its 16 weight bytes and group parameters of step s0 + u (load_b_raw's and load_group_params').
+  QK_FN void load_b(const QServeArgs& a, const uint8_t* slot, int s0, int u, int lane, uint32_t w[4], uint32_t& s,
+                    uint32_t& z) const {
+    load_u128(slot + 512 * u + 16 * lane, w);
+    s = z = 0;
+    if (grouped) {
+      const uint8_t* p = slot + param_offset() + 64 * (32 * (s0 + u) / a.group - first_group(a, s0));
+      group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + 32), lane, s, z);
+    }
+  }
+};
+
 // The large-M path: a block of 8 warps computes 128 tokens x 128 channels, 2 x 4 warps of 64 x 32 (four m16 tiles
 // by one 32-channel weight tile), K in steps of 64 staged in shared memory 4 deep (qk_common.cuh tiled_gemm).
 // A stage holds the swizzled activations [128, 64], the 4 x 2 weight tiles as stored (each n tile's two k tiles
@@ -225,6 +275,40 @@ extern "C" __global__ void __launch_bounds__(512)
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
+
+#if defined(QK_WGMMA)
+// The bulk decode kernel (Hopper): grid (N / 32, ceil(M / 16)), block 32 * splits, as qserve_w4a8_gemm, but copy c of
+// a tile's warps takes the contiguous K steps [c S / splits, (c + 1) S / splits) (S = K / 32), fetched by bulk copies
+// into `slots` slots of `chunk` steps each (QServeBulk). Dynamic shared memory: the split-K partials ((splits - 1) *
+// 2 KiB), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then each warp's slots.
+extern "C" __global__ void __launch_bounds__(512)
+    qserve_w4a8_bulk(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+                     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                     int group, int splits, int chunk, int slots) {
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y, steps = k / 32;
+  const qk::QServeBulk layout{chunk, min(16, m), s2 != nullptr};
+  extern __shared__ uint4 qk_dynamic[];
+  uint8_t* base = reinterpret_cast<uint8_t*>(qk_dynamic);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base + (splits - 1) * 2048) + copy * slots;
+  uint8_t* mine = base + (splits - 1) * 2048 + (splits * slots * 8 + 15) / 16 * 16 +
+                  (size_t)copy * slots * layout.slot_bytes();
+  int32_t acc[4][4] = {};
+  bulk_steps(
+      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
+      [&](int s0, int u, const uint8_t* slot) {
+        uint32_t fa[4], w[4], sc, z, fb[4][2];
+        layout.load_a(args, slot, mt, u, lane, fa);
+        layout.load_b(args, slot, s0, u, lane, w, sc, z);
+        qk::unpack_b(args, w, sc, z, fb);
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], fa, fb[nb]);
+      });
+  if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
+  for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+}
+#endif
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // QServeTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0; groups of 32, 64 or 128).

@@ -136,6 +136,11 @@ class GpuCall:
         return cupy.asnumpy(self.out)
 
 
+def hopper_kernel(name: str) -> bool:
+    """Whether kernel `name` is built only into the Hopper (sm_90a) module: the *_wgmma* and *_bulk kernels."""
+    return "_wgmma" in name or name.endswith("_bulk")
+
+
 def upload(launch: Launch) -> GpuCall:
     """Copy `launch`'s arrays to the GPU once (for timing, repeated calls then touch only the kernel)."""
     import cupy
@@ -147,7 +152,7 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    function = _module(launch.module, hopper="_wgmma" in launch.name).get_function(launch.name)
+    function = _module(launch.module, hopper=hopper_kernel(launch.name)).get_function(launch.name)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
         function.max_dynamic_shared_size_bytes = launch.shared_mem
         # and asks for the largest shared-memory share of the SM's L1, so that as many blocks as its registers allow
@@ -292,13 +297,43 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
     return _c(t.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16), np.uint16)
 
 
+# Whether a small-M QServe launch on a Hopper GPU takes the bulk-copy kernel (qserve_w4a8_bulk): each warp's weights,
+# activations and group parameters arrive by cp.async.bulk into its own slots of shared memory, BULK_SLOTS chunks in
+# flight, no registers held by loads in flight (the register kernel's cap: 8 steps a warp). Off until a GPU run
+# times it against qserve_w4a8_gemm (bench/smallm_tune.py's BULK configuration).
+BULK_DECODE = False
+BULK_SLOTS = 2
+BULK_MAX_SHARED = 227 * 1024  # an sm_90 block's most dynamic shared memory (opted in)
+
+
+def qserve_bulk_slot_bytes(chunk: int, rows: int, grouped: bool) -> int:
+    """One slot of qserve_w4a8_bulk (kernels/qserve_w4a8.cu QServeBulk): `chunk` steps' weights (512 bytes each),
+    `rows` activation rows of 32 chunk + 16 bytes, and per group the s2 and z2 rows of up to chunk + 1 groups."""
+    return 512 * chunk + rows * (32 * chunk + 16) + (64 * (chunk + 1) if grouped else 0)
+
+
+def bulk_plan(m: int, grouped: bool, splits: int, partial_bytes: int) -> tuple[int, int, int]:
+    """(chunk, slots, shared memory) of a qserve_w4a8_bulk launch: chunks of 8 K steps (4 KiB of weights) up to 4
+    tokens, else 4 (their activation rows take the room), BULK_SLOTS of them a warp, fewer steps a chunk while the
+    block's shared memory would pass BULK_MAX_SHARED."""
+    rows, chunk = min(16, m), 8 if m <= 4 else 4
+
+    def shared(chunk: int) -> int:
+        return ((splits - 1) * partial_bytes + -(-splits * BULK_SLOTS * 8 // 16) * 16
+                + splits * BULK_SLOTS * qserve_bulk_slot_bytes(chunk, rows, grouped))
+
+    while chunk > 1 and shared(chunk) > BULK_MAX_SHARED:
+        chunk //= 2
+    return chunk, BULK_SLOTS, shared(chunk)
+
+
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-                  wgmma: bool | None = None) -> Launch:
+                  wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
     activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path, default
     split_count's; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
-    default per use_wgmma)."""
+    default per use_wgmma; `bulk`: the small-M path's bulk-copy kernel, default BULK_DECODE on a Hopper GPU)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -315,6 +350,12 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     grid = (n // 32, -(-m // 16))
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
+    if bulk is None:
+        bulk = BULK_DECODE and hopper_available()
+    if bulk:
+        chunk, slots, shared = bulk_plan(m, grouped, splits, partial_bytes)
+        return Launch("qserve_w4a8", "qserve_w4a8_bulk", [*args, splits, chunk, slots], grid, 32 * splits, out,
+                      shared)
     return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
                   (splits - 1) * partial_bytes)
 

@@ -69,6 +69,47 @@ def test_qserve_kernel_matches_the_emulation(m, n, k, group):
 
 
 @needs_compiler
+@pytest.mark.parametrize("group", [None, 128, 64, 32])
+@pytest.mark.parametrize(("m", "k", "splits", "chunk", "slots"), [
+    (1, 384, 1, 8, 2),  # 12 steps: one warp, a partial last chunk
+    (1, 384, 5, 8, 2),  # ranges of 2, 2, 3, 2 and 3 steps: chunks that start inside a group of 128 or 64
+    (3, 768, 5, 3, 2),  # 24 steps over 5 warps, chunks of 3: more chunks than slots, each slot reused
+    (16, 384, 2, 4, 3),  # a full 16-token tile
+    (20, 256, 2, 1, 1),  # two token tiles, the second of 4 rows; one slot of one step
+])
+def test_qserve_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, slots):
+    """qserve_w4a8_bulk (each warp's contiguous K range in chunks of bulk copies: weights, activation rows, the
+    groups' s2 and z2 rows) gives the emulation's bits. The simulator fills each slot with garbage before its copies,
+    so a step reading a byte no copy wrote, or a copy past its slot or not in 16-byte units, shows."""
+    n = 64
+    tensors = synthetic("qserve", n, k, seed=m + k + splits, group=group)
+    x = activations(m, k, seed=splits)
+    reference = emulate("qserve", tensors, x)
+    launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, bulk=True)
+    assert launch.name == "qserve_w4a8_bulk" and launch.block == 32 * splits
+    assert launch.args[-3:] == [splits, *kernels.bulk_plan(m, group is not None, splits, 2048)[:2]]
+    launch.args[-2:] = [chunk, slots]
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bulk_slots_mirror_the_kernel(grouped):
+    """quantkit.kernels sizes qserve_w4a8_bulk's shared memory from its slots: they must be the kernel's, and a
+    launch's plan must fit the block's shared memory."""
+    for chunk in (1, 3, 4, 8):
+        for rows in (1, 5, 16):
+            compiled = kernels.host_library().qserve_bulk_slot_bytes(chunk, rows, int(grouped))
+            assert kernels.qserve_bulk_slot_bytes(chunk, rows, grouped) == compiled
+    for m in (1, 4, 5, 16):
+        for splits in (1, 4, 16):
+            chunk, slots, shared = kernels.bulk_plan(m, grouped, splits, 2048)
+            assert chunk >= 1 and slots == kernels.BULK_SLOTS and shared <= kernels.BULK_MAX_SHARED
+            assert shared >= splits * slots * kernels.qserve_bulk_slot_bytes(chunk, min(16, m), grouped)
+
+
+@needs_compiler
 @pytest.mark.parametrize(("fmt", "group", "k", "m", "partial_bytes"), [
     ("qserve", None, 416, 7, 2048), ("qserve", 128, 384, 7, 2048),  # 13 and 12 k tiles of 32
     ("qqq", None, 400, 7, 4096), ("qqq", 128, 384, 7, 4096),  # 25 and 24 k tiles of 16
@@ -112,36 +153,24 @@ def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
 
 @needs_compiler
 @pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
-@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (128, 128, 256), (130, 256, 384), (200, 128, 640)])
-def test_hopper_path_matches_the_emulation(fmt, group, m, n, k):
+@pytest.mark.parametrize("wide,m,n,k", [(False, 1, 128, 128), (False, 128, 128, 256), (False, 130, 256, 384),
+                                        (False, 200, 128, 640), (True, 1, 256, 128), (True, 130, 512, 384),
+                                        (True, 200, 256, 640)])
+def test_hopper_path_matches_the_emulation(fmt, group, wide, m, n, k, monkeypatch):
     """The *_wgmma kernels as the simulator models wgmma (weights as the A operand from registers, activations
     through a 64-byte-swizzle descriptor, the first product of a sum ignoring the garbage accumulators, each step's
-    products run only when the copy two steps ahead has been issued): the emulation's bits, with fewer K steps than
-    the ring holds, more than it holds, and token counts that end inside a block."""
+    products run as late as the ring allows): the emulation's bits, with fewer K steps than the ring holds, more
+    than it holds, and token counts that end inside a block. With `wide`, the 256-channel *_wgmma2 kernels (four
+    warpgroups on one activation tile, two 128-channel weight regions a stage), several blocks each way."""
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", wide)
     tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
     x = activations(m, k, seed=k)
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    wgmma=True)
-    assert launch.name.endswith("_wgmma") and launch.shared_mem == kernels.WGMMA[fmt].shared_mem
-    assert launch.grid == (n // 128, -(-m // 128)) and launch.block == 256
-    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
-
-
-@needs_compiler
-@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
-@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (130, 512, 384), (200, 256, 640)])
-def test_wide_hopper_path_matches_the_emulation(fmt, group, m, n, k, monkeypatch):
-    """The 256-channel *_wgmma2 kernels (four warpgroups on one activation tile, two 128-channel weight regions a
-    stage): the emulation's bits, over several blocks each way, with fewer and more K steps than the ring holds."""
-    monkeypatch.setattr(kernels, "WGMMA_WIDE", True)
-    tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
-    x = activations(m, k, seed=k)
-    reference = emulate(fmt, tensors, x)
-    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                   wgmma=True)
-    assert launch.name.endswith("_wgmma2") and launch.shared_mem == kernels.WGMMA2[fmt].shared_mem
-    assert launch.grid == (n // 256, -(-m // 128)) and launch.block == 512
+    tiles = kernels.WGMMA2[fmt] if wide else kernels.WGMMA[fmt]
+    assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem
+    assert launch.grid == (n // tiles.bn, -(-m // 128)) and launch.block == tiles.threads
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -560,6 +589,47 @@ def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatc
     assert launch.name.endswith("_wgmma2" if wide else "_wgmma")
     out = kernels.run(launch, "cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
+
+
+@pytest.mark.bulk
+@needs_hopper
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (3, 96, 1664, 5), (16, 64, 1024, 4),
+                                                     (20, 64, 512, 2)])
+def test_qserve_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
+    """qserve_w4a8_bulk on the device (its mbarriers and bulk copies, which the simulator runs as plain copies):
+    the emulation's bits, with the launch's own plan, slots reused many times over (K = 4096 at one warp a tile
+    is 16 chunks in 2 slots), ranges that start inside groups and two token tiles."""
+    tensors = synthetic("qserve", n, k, seed=m + k, group=group)
+    x = activations(m, k, seed=n)
+    reference = emulate("qserve", tensors, x)
+    launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits or 1, bulk=True)
+    assert launch.name == "qserve_w4a8_bulk"
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
+def test_bulk_device_code_uses_the_copy_engine(tmp_path):
+    """qserve_w4a8_bulk builds for sm_90a with its bulk copies completing on mbarriers, no stack frame, and at most
+    64 registers (nothing waits in registers: 16 warps an SM leave room for twice as many)."""
+    import re
+    import subprocess
+
+    src = kernels.source_dir() / "qserve_w4a8.cu"
+    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", "-std=c++17", "-cubin",
+                           "-Xptxas", "-v", str(src), "-o", str(tmp_path / "q.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    entry = done.stderr[done.stderr.index("'qserve_w4a8_bulk'"):]
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+    registers = re.search(r"Used (\d+) registers", entry)
+    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 64, entry[:500]
+    ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src), "-o", "-"],
+                         capture_output=True, text=True).stdout
+    body = ptx[ptx.index(".entry qserve_w4a8_bulk"):]
+    for op in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.arrive.expect_tx",
+               "mbarrier.try_wait.parity", "fence.proxy.async.shared::cta", "mma.sync.aligned.m16n8k32"):
+        assert op in body, op
 
 
 # The Hopper ring's knobs (QK_WGMMA_STAGES, QK_WGMMA_LEAD) other than the default that a tuning run may pick: the
