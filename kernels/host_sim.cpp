@@ -23,6 +23,15 @@ namespace {
   std::abort();
 }
 
+// Copies into a slot of a bulk kernel's host twin: each checked to stay inside the slot in 16-byte units from a
+// 16-byte-aligned source, as cp.async.bulk requires.
+void bulk_copy_host(std::vector<uint8_t>& slot, int offset, const void* src, int bytes) {
+  if (offset < 0 || offset % 16 || bytes <= 0 || bytes % 16 || offset + bytes > (int)slot.size() ||
+      reinterpret_cast<uintptr_t>(src) % 16)
+    fail("bulk: a copy outside its slot, or not in 16-byte units");
+  std::memcpy(slot.data() + offset, src, (size_t)bytes);
+}
+
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
 // D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
@@ -446,12 +455,8 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
     for (int s0 = begin; s0 < end; s0 += chunk) {
       const int cnt = std::min(chunk, end - s0);
       std::fill(slot.begin(), slot.end(), 0xA5);
-      layout.copies(args, mt, nt, s0, cnt, [&](int offset, const void* src, int bytes) {
-        if (offset < 0 || offset % 16 || bytes <= 0 || bytes % 16 || offset + bytes > (int)slot.size() ||
-            reinterpret_cast<uintptr_t>(src) % 16)
-          fail("bulk: a copy outside its slot, or not in 16-byte units");
-        std::memcpy(slot.data() + offset, src, (size_t)bytes);
-      });
+      layout.copies(args, mt, nt, s0, cnt,
+                    [&](int offset, const void* src, int bytes) { bulk_copy_host(slot, offset, src, bytes); });
       for (int u = 0; u < cnt; ++u)
         step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
           uint32_t w[4], s, z;
@@ -468,40 +473,39 @@ extern "C" int qserve_bulk_slot_bytes(int chunk, int rows, int grouped) {
   return qk::QServeBulk{chunk, rows, grouped != 0}.slot_bytes();
 }
 
-// The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8
-// tokens) and liquidquant_w4a8_gemm16 (TB = 2): block (nt, y) is `splits` copies of four independent warps (split-K
-// as in qserve_w4a8_gemm_host).
-template <int TB>
-void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
-                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+// The block of LiquidQuant's small-M kernels: `splits` copies of four independent warps (split-K as in
+// qserve_host), TB token blocks of 8 a tile. walk(nt, by, copy, step) calls step(weights, tokens) for each of the
+// copy's K steps in its order: weights(t, r, sa) gives thread t's weight bytes and group parameters, tokens(tb, j,
+// lane, fb) the lane's B fragment of token block tb for MMA j.
+template <int TB, class Walk>
+void liquidquant_host(const qk::LiquidArgs& args, int splits, Walk walk) {
   std::vector<int32_t> acc((size_t)splits * 4 * TB * 32 * 4), partials((size_t)(splits - 1) * 4 * TB * 128);
   uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
   // accumulators of copy, warp w, token block tb, lane
   auto at = [&](int copy, int w, int tb, int lane) {
     return &acc[((((size_t)copy * 4 + w) * TB + tb) * 32 + lane) * 4];
   };
-  for (int nt = 0; nt < n / 64; ++nt) {
-    for (int by = 0; by < (m + 8 * TB - 1) / (8 * TB); ++by) {
+  for (int nt = 0; nt < args.n / 64; ++nt) {
+    for (int by = 0; by < (args.m + 8 * TB - 1) / (8 * TB); ++by) {
       std::fill(acc.begin(), acc.end(), 0);
       for (int copy = 0; copy < splits; ++copy) {
-        for (int w = 0; w < 4; ++w) {
-          for (int kt = copy; kt < k / 64; kt += splits) {
+        walk(nt, by, copy, [&](auto&& weights, auto&& tokens) {
+          for (int w = 0; w < 4; ++w) {
             for (int lane = 0; lane < 32; ++lane) {
-              qk::load_weights_raw(args, nt, kt, 32 * w + lane, r, sa);
+              weights(32 * w + lane, r, sa);
               qk::unpack_weights(r, sa, fa[lane]);
             }
             for (int tb = 0; tb < TB; ++tb) {
               for (int j = 0; j < 2; ++j) {
                 for (int lane = 0; lane < 32; ++lane) {
-                  qk::load_tokens(args, TB * by + tb, kt, j, lane, fb[lane]);
+                  tokens(TB * by + tb, j, lane, fb[lane]);
                   std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
                 }
                 mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, w, tb, 0)), aj, fb);
               }
             }
           }
-        }
+        });
       }
       for (int t = 0; t < 128; ++t) {
         const int w = t / 32, lane = t % 32;
@@ -517,6 +521,48 @@ void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qwe
     }
   }
 }
+
+// The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8
+// tokens) and liquidquant_w4a8_gemm16 (TB = 2): copy c takes K steps c, c + splits, ...
+template <int TB>
+void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
+  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+  liquidquant_host<TB>(args, splits, [&](int nt, int, int copy, auto&& step) {
+    for (int kt = copy; kt < k / 64; kt += splits)
+      step([&](int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
+           [&](int tb, int j, int lane, uint32_t fb[2]) { qk::load_tokens(args, tb, kt, j, lane, fb); });
+  });
+}
+
+// The host twin of liquidquant_w4a8_bulk8: the warps of 64-channel block nt (16-channel tiles 4 nt + w) walk the
+// same contiguous range of copy c chunk by chunk, each warp's chunk copies (LiquidBulk::copies) done into its own
+// slot first filled with garbage, then the chunk's steps read from the slots.
+extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
+                                            int splits, int chunk, int slots) {
+  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+  const qk::LiquidBulk layout{chunk, std::min(8, m)};
+  if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
+  std::vector<std::vector<uint8_t>> slot(4, std::vector<uint8_t>((size_t)layout.slot_bytes()));
+  const int steps = k / 64;
+  liquidquant_host<1>(args, splits, [&](int nt, int, int copy, auto&& step) {
+    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
+    for (int s0 = begin; s0 < end; s0 += chunk) {
+      const int cnt = std::min(chunk, end - s0);
+      for (int w = 0; w < 4; ++w) {
+        std::fill(slot[w].begin(), slot[w].end(), 0xA5);
+        layout.copies(args, 4 * nt + w, s0, cnt,
+                      [&](int offset, const void* src, int bytes) { bulk_copy_host(slot[w], offset, src, bytes); });
+      }
+      for (int u = 0; u < cnt; ++u)
+        step([&](int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot[t / 32].data(), u, t % 32, r, sa); },
+             [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot[0].data(), u, j, lane, fb); });
+    }
+  });
+}
+
+extern "C" int liquidquant_bulk_slot_bytes(int chunk, int rows) { return qk::LiquidBulk{chunk, rows}.slot_bytes(); }
 
 extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
@@ -561,28 +607,25 @@ extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, c
   });
 }
 
-// The host twin of qqq_w4a8_gemm (split-K as in qserve_w4a8_gemm_host).
-extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+// The block of qqq_w4a8_gemm and qqq_w4a8_bulk: walk(mt, c, copy, step) calls step(fragments) for each of the copy's
+// k16 steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments; then split-K as in
+// qserve_host.
+template <class Walk>
+void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
   std::vector<int32_t> acc((size_t)splits * 8 * 32 * 4), partials((size_t)(splits - 1) * 32 * 32);
-  uint32_t fa[32][2], w[4], fb[32][8], bn[32];
+  uint32_t fa[32][2], fb[32][8], bn[32];
   auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 8 + nb) * 32 + lane) * 4]; };
-  for (int c = 0; c < n / 64; ++c) {
-    for (int mt = 0; mt < (m + 15) / 16; ++mt) {
+  for (int c = 0; c < args.n / 64; ++c) {
+    for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
       std::fill(acc.begin(), acc.end(), 0);
       for (int copy = 0; copy < splits; ++copy) {
-        for (int i = copy; i < k / 16; i += splits) {
-          for (int lane = 0; lane < 32; ++lane) {
-            qk::load_a(args, mt, i, lane, fa[lane]);
-            qk::load_b_raw(args, c, i, lane, w);
-            qk::unpack_b(qk::ratio_row(args, c, i), lane, w, fb[lane]);
-          }
+        walk(mt, c, copy, [&](auto&& fragments) {
+          for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
           for (int nb = 0; nb < 8; ++nb) {
             for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
             mma_warp_k16(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
           }
-        }
+        });
       }
       for (int lane = 0; lane < 32; ++lane) {
         int32_t mine[8][4];
@@ -595,6 +638,55 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
       }
     }
   }
+}
+
+// The host twin of qqq_w4a8_gemm: copy c takes k16 steps c, c + splits, ...
+extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  qqq_host(args, splits, [&](int mt, int c, int copy, auto&& step) {
+    for (int i = copy; i < k / 16; i += splits)
+      step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
+        uint32_t w[4];
+        qk::load_a(args, mt, i, lane, fa);
+        qk::load_b_raw(args, c, i, lane, w);
+        qk::unpack_b(qk::ratio_row(args, c, i), lane, w, fb);
+      });
+  });
+}
+
+// The host twin of qqq_w4a8_bulk: copy c walks its contiguous range chunk by chunk, the chunk's bulk copies
+// (QQQBulk::copies) done into a slot first filled with garbage, then its steps read from the slot.
+extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int chunk,
+                                   int slots) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  const bool grouped = s_group != nullptr;
+  const qk::QQQBulk layout{chunk, std::min(16, m), grouped};
+  if (slots < 1 || chunk < 1) fail("bulk: no slot");
+  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
+  const int steps = k / 16;
+  qqq_host(args, splits, [&](int mt, int c, int copy, auto&& step) {
+    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
+    for (int s0 = begin; s0 < end; s0 += chunk) {
+      const int cnt = std::min(chunk, end - s0);
+      std::fill(slot.begin(), slot.end(), 0xA5);
+      layout.copies(args, mt, c, s0, cnt,
+                    [&](int offset, const void* src, int bytes) { bulk_copy_host(slot, offset, src, bytes); });
+      for (int u = 0; u < cnt; ++u)
+        step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
+          uint32_t w[4], r[4] = {};
+          layout.load_a(args, slot.data(), mt, u, lane, fa);
+          layout.load_b(slot.data(), s0, u, lane, w, r);
+          for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+        });
+    }
+  });
+}
+
+// The bytes of one slot of qqq_w4a8_bulk.
+extern "C" int qqq_bulk_slot_bytes(int chunk, int rows, int grouped) {
+  return qk::QQQBulk{chunk, rows, grouped != 0}.slot_bytes();
 }
 
 // The host twin of qqq_w4a8_tiled.

@@ -76,6 +76,43 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
   }
 }
 
+// The bulk decode kernel's slot (liquidquant_w4a8_bulk8, Hopper, up to 8 tokens): a chunk of up to `chunk` K steps
+// of one warp's 16 channels (n16: rows 16 (n16 % 4) .. of 64-channel block n16 / 4), from the stored tensors: per
+// step the warp's 512 bytes of the weight block and its 32 bytes of step and offset bytes, and each token's
+// activations over the chunk in one run (64 bytes a step; a row every 64 chunk + 16 bytes, so that a fragment's
+// eight rows fall in distinct banks).
+struct LiquidBulk {
+  int chunk, rows;  // rows: the activation rows a slot holds, min(8, M)
+
+  QK_FN int row_bytes() const { return 64 * chunk + 16; }
+  QK_FN int param_offset() const { return 512 * chunk; }
+  QK_FN int token_offset() const { return param_offset() + 32 * chunk; }
+  QK_FN int slot_bytes() const { return token_offset() + rows * row_bytes(); }
+
+  // emit(offset in the slot, source, bytes) for each copy of steps [s0, s0 + cnt) of 16-channel tile n16.
+  template <class Emit>
+  QK_FN void copies(const LiquidArgs& a, int n16, int s0, int cnt, Emit&& emit) const {
+    for (int u = 0; u < cnt; ++u) {
+      const size_t block = (size_t)(n16 / 4) * (a.k / 64) + s0 + u;
+      emit(512 * u, a.qweight + block * 2048 + 512 * (n16 % 4), 512);
+      emit(param_offset() + 32 * u, a.s2a + block * 128 + 32 * (n16 % 4), 32);
+    }
+    for (int r = 0; r < rows && r < a.m; ++r)
+      emit(token_offset() + r * row_bytes(), a.x + (size_t)r * a.k + 64 * s0, 64 * cnt);
+  }
+  // The lane's weight bytes and group parameters of step s0 + u (load_weights_raw's for its warp, from the slot).
+  QK_FN void load_weights(const uint8_t* slot, int u, int lane, uint32_t r[4], uint32_t sa[2]) const {
+    load_weights_at(slot + 512 * u, slot + param_offset() + 32 * u, lane, r, sa);
+  }
+  // The lane's B fragment of MMA j of step s0 + u (load_tokens' for token block 0, from the slot).
+  QK_FN void load_tokens(const LiquidArgs& a, const uint8_t* slot, int u, int j, int lane, uint32_t frag[2]) const {
+    const int token = frag_group(lane), q = frag_quad(lane);
+    for (int i = 0; i < 2; ++i)
+      frag[i] = token < a.m ? load_u32(slot + token_offset() + token * row_bytes() + 64 * u + 32 * j + 16 * i + 4 * q)
+                            : 0u;
+  }
+};
+
 // The large-M path: a block of 8 warps computes 128 channels x 128 tokens, 4 x 2 warps of 32 channels (two m16
 // slices, rows 16 w .. of a 64 x 64 weight block) x 64 tokens (eight n8 blocks), K in steps of 64 staged in shared
 // memory 4 deep (qk_common.cuh tiled_gemm; BN counts channels, BM tokens). A stage holds the swizzled activations
@@ -226,6 +263,39 @@ extern "C" __global__ void __launch_bounds__(512)
                             const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   liquidquant_gemm_at<2, 3 * QK_SMALLM_AHEAD / 4>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
+
+#if defined(QK_WGMMA)
+// The bulk decode kernel (Hopper, up to 8 tokens): grid (N / 16, 1), block 32 * splits: copy c of a block's warps
+// computes the 16 channels 16 blockIdx.x .. (warp blockIdx.x % 4 of a 64-channel block in liquidquant_w4a8_gemm8)
+// over the contiguous K steps [c S / splits, (c + 1) S / splits) (S = K / 64), fetched by bulk copies into `slots`
+// slots of `chunk` steps each (LiquidBulk, bulk_shared; partials 512 bytes a copy).
+extern "C" __global__ void __launch_bounds__(512)
+    liquidquant_w4a8_bulk8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits, int chunk, int slots) {
+  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, n16 = blockIdx.x, steps = k / 64;
+  const qk::LiquidBulk layout{chunk, min(8, m)};
+  uint64_t* bars;
+  uint8_t* mine;
+  bulk_shared(splits, 512, slots, layout.slot_bytes(), copy, bars, mine);
+  int32_t acc[4] = {};
+  bulk_steps(
+      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
+      [&](int, int u, const uint8_t* slot) {
+        uint32_t r[4], sa[2], fa[2][4], fb[2];
+        layout.load_weights(slot, u, lane, r, sa);
+        qk::unpack_weights(r, sa, fa);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          layout.load_tokens(args, slot, u, j, lane, fb);
+          mma_s8(acc, fa[j], fb);
+        }
+      });
+  if (!splitk_reduce<4>(acc, lane, copy, 32, splits)) return;
+  qk::store(args, n16 / 4, 0, 32 * (n16 % 4) + lane, acc);
+}
+#endif
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // LiquidTiled::STAGE_BYTES (N % 128 == 0).

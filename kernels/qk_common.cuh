@@ -766,5 +766,16 @@ __device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint6
     }
   }
 }
+
+// The shared memory of a bulk kernel's block of `splits` warps: the split-K partials first (where splitk_reduce
+// expects them, `partial_bytes` a copy), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then
+// each warp's `nslots` slots. Sets warp `copy`'s barriers and slots.
+__device__ __forceinline__ void bulk_shared(int splits, int partial_bytes, int nslots, int slot_bytes, int copy,
+                                            uint64_t*& bars, uint8_t*& slots) {
+  extern __shared__ uint4 qk_dynamic[];
+  uint8_t* base = reinterpret_cast<uint8_t*>(qk_dynamic) + (splits - 1) * partial_bytes;
+  bars = reinterpret_cast<uint64_t*>(base) + copy * nslots;
+  slots = base + (splits * nslots * 8 + 15) / 16 * 16 + (size_t)copy * nslots * slot_bytes;
+}
 #endif  // QK_WGMMA
 #endif

@@ -155,6 +155,50 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
   }
 }
 
+// The bulk decode kernel's slot (qqq_w4a8_bulk, Hopper): a chunk of up to `chunk` k16 steps of a 64-channel chunk
+// of channels (c) for its 16-token tile (mt), from the stored tensors: per step the chunk's 512 bytes of B, each
+// token's activations over the chunk in one run (16 bytes a step; a row every 16 chunk + 16 bytes, so that a
+// fragment's eight rows fall in distinct banks) and, per group, the chunk's 64 ratios of each group the chunk
+// touches (128 bytes each).
+struct QQQBulk {
+  int chunk, rows;  // rows: the activation rows a slot holds, min(16, M)
+  bool grouped;
+
+  QK_FN int row_bytes() const { return 16 * chunk + 16; }
+  QK_FN int act_offset() const { return 512 * chunk; }
+  QK_FN int ratio_offset() const { return act_offset() + rows * row_bytes(); }
+  QK_FN int slot_bytes() const { return ratio_offset() + (grouped ? 128 * (chunk / 8 + 2) : 0); }
+
+  QK_FN static int first_group(int s0) { return 16 * s0 / 128; }
+
+  // emit(offset in the slot, source, bytes) for each copy of steps [s0, s0 + cnt) of chunk c, tile mt.
+  template <class Emit>
+  QK_FN void copies(const QQQArgs& a, int mt, int c, int s0, int cnt, Emit&& emit) const {
+    for (int u = 0; u < cnt; ++u) emit(512 * u, a.b + (size_t)(s0 + u) * 2 * a.n + 128 * c, 512);
+    for (int r = 0; r < rows && 16 * mt + r < a.m; ++r)
+      emit(act_offset() + r * row_bytes(), a.x + (size_t)(16 * mt + r) * a.k + 16 * s0, 16 * cnt);
+    if (!grouped) return;
+    for (int g = first_group(s0); g <= (16 * (s0 + cnt) - 1) / 128; ++g)
+      emit(ratio_offset() + 128 * (g - first_group(s0)), a.s_group + (size_t)g * a.n + 64 * c, 128);
+  }
+  // The lane's A fragment of step s0 + u (load_a's, from the slot; rows past M are zero).
+  QK_FN void load_a(const QQQArgs& a, const uint8_t* slot, int mt, int u, int lane, uint32_t frag[2]) const {
+    const int g = frag_group(lane), q = frag_quad(lane);
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      frag[h] = 16 * mt + row < a.m ? load_u32(slot + act_offset() + row * row_bytes() + 16 * u + 4 * q) : 0u;
+    }
+  }
+  // Its four words of step s0 + u (load_b_raw's) and per group its ratio pairs (load_ratios').
+  QK_FN void load_b(const uint8_t* slot, int s0, int u, int lane, uint32_t w[4], uint32_t r[4]) const {
+    load_u128(slot + 512 * u + 16 * lane, w);
+    if (grouped)
+      load_ratios(reinterpret_cast<const qk_half*>(slot + ratio_offset() +
+                                                   128 * (16 * (s0 + u) / 128 - first_group(s0))),
+                  lane, r);
+  }
+};
+
 // The large-M path: a block of 8 warps computes 128 tokens x 128 channels, 4 x 2 warps of 32 x 64 (two m16 tiles
 // by one 64-channel chunk), K in steps of 64 staged in shared memory 4 deep (qk_common.cuh tiled_gemm). A stage
 // holds the swizzled activations [128, 64], the four k tiles' words of the block's two chunks as stored (1 KiB
@@ -278,6 +322,38 @@ extern "C" __global__ void __launch_bounds__(512)
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
 }
+
+#if defined(QK_WGMMA)
+// The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16)), block 32 * splits, as qqq_w4a8_gemm, but copy c of a
+// chunk's warps takes the contiguous k16 steps [c S / splits, (c + 1) S / splits) (S = K / 16), fetched by bulk
+// copies into `slots` slots of `chunk` steps each (QQQBulk, bulk_shared; partials 4 KiB a copy).
+extern "C" __global__ void __launch_bounds__(512)
+    qqq_w4a8_bulk(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int chunk, int slots) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y, steps = k / 16;
+  const bool grouped = s_group != nullptr;
+  const qk::QQQBulk layout{chunk, min(16, m), grouped};
+  uint64_t* bars;
+  uint8_t* mine;
+  bulk_shared(splits, 4096, slots, layout.slot_bytes(), copy, bars, mine);
+  int32_t acc[8][4] = {};
+  bulk_steps(
+      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
+      [&](int s0, int u, const uint8_t* slot) {
+        uint32_t fa[2], w[4], r[4] = {}, fb[8];
+        layout.load_a(args, slot, mt, u, lane, fa);
+        layout.load_b(slot, s0, u, lane, w, r);
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], fa, fb[nb]);
+      });
+  if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
+  for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+}
+#endif
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // QQQTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0).

@@ -288,11 +288,9 @@ extern "C" __global__ void __launch_bounds__(512)
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y, steps = k / 32;
   const qk::QServeBulk layout{chunk, min(16, m), s2 != nullptr};
-  extern __shared__ uint4 qk_dynamic[];
-  uint8_t* base = reinterpret_cast<uint8_t*>(qk_dynamic);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(base + (splits - 1) * 2048) + copy * slots;
-  uint8_t* mine = base + (splits - 1) * 2048 + (splits * slots * 8 + 15) / 16 * 16 +
-                  (size_t)copy * slots * layout.slot_bytes();
+  uint64_t* bars;
+  uint8_t* mine;
+  bulk_shared(splits, 2048, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[4][4] = {};
   bulk_steps(
       mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,

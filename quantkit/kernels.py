@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -137,8 +138,8 @@ class GpuCall:
 
 
 def hopper_kernel(name: str) -> bool:
-    """Whether kernel `name` is built only into the Hopper (sm_90a) module: the *_wgmma* and *_bulk kernels."""
-    return "_wgmma" in name or name.endswith("_bulk")
+    """Whether kernel `name` is built only into the Hopper (sm_90a) module: the *_wgmma* and *_bulk* kernels."""
+    return "_wgmma" in name or "_bulk" in name
 
 
 def upload(launch: Launch) -> GpuCall:
@@ -297,10 +298,11 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
     return _c(t.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16), np.uint16)
 
 
-# Whether a small-M QServe launch on a Hopper GPU takes the bulk-copy kernel (qserve_w4a8_bulk): each warp's weights,
-# activations and group parameters arrive by cp.async.bulk into its own slots of shared memory, BULK_SLOTS chunks in
-# flight, no registers held by loads in flight (the register kernel's cap: 8 steps a warp). Off until a GPU run
-# times it against qserve_w4a8_gemm (bench/smallm_tune.py's BULK configuration).
+# Whether a small-M launch on a Hopper GPU takes the bulk-copy kernel (qserve_w4a8_bulk, qqq_w4a8_bulk;
+# liquidquant_w4a8_bulk8 up to DECODE_MAX_M tokens): each warp's weights, activations and group parameters arrive by
+# cp.async.bulk into its own slots of shared memory, BULK_SLOTS chunks in flight, no registers held by loads in
+# flight (the register kernels' cap: 8 steps a warp). Off until a GPU run times it (bench/smallm_tune.py's BULK
+# configurations).
 BULK_DECODE = False
 BULK_SLOTS = 2
 BULK_MAX_SHARED = 227 * 1024  # an sm_90 block's most dynamic shared memory (opted in)
@@ -312,19 +314,34 @@ def qserve_bulk_slot_bytes(chunk: int, rows: int, grouped: bool) -> int:
     return 512 * chunk + rows * (32 * chunk + 16) + (64 * (chunk + 1) if grouped else 0)
 
 
-def bulk_plan(m: int, grouped: bool, splits: int, partial_bytes: int) -> tuple[int, int, int]:
-    """(chunk, slots, shared memory) of a qserve_w4a8_bulk launch: chunks of 8 K steps (4 KiB of weights) up to 4
-    tokens, else 4 (their activation rows take the room), BULK_SLOTS of them a warp, fewer steps a chunk while the
-    block's shared memory would pass BULK_MAX_SHARED."""
-    rows, chunk = min(16, m), 8 if m <= 4 else 4
+def liquidquant_bulk_slot_bytes(chunk: int, rows: int) -> int:
+    """One slot of liquidquant_w4a8_bulk8 (kernels/liquidquant_w4a8.cu LiquidBulk): a warp's 512 weight bytes and
+    32 bytes of step and offset a step, and `rows` activation rows of 64 chunk + 16 bytes."""
+    return 544 * chunk + rows * (64 * chunk + 16)
 
+
+def qqq_bulk_slot_bytes(chunk: int, rows: int, grouped: bool) -> int:
+    """One slot of qqq_w4a8_bulk (kernels/qqq_w4a8.cu QQQBulk): `chunk` k16 steps' words (512 bytes each), `rows`
+    activation rows of 16 chunk + 16 bytes, and per group the 64 ratios (128 bytes) of up to chunk / 8 + 2 groups."""
+    return 512 * chunk + rows * (16 * chunk + 16) + (128 * (chunk // 8 + 2) if grouped else 0)
+
+
+def bulk_plan(splits: int, partial_bytes: int, slot_bytes: Callable[[int], int], chunk: int) -> tuple[int, int, int]:
+    """(chunk, slots, shared memory) of a bulk kernel's block of `splits` warps: chunks of `chunk` K steps (their
+    bytes `slot_bytes(chunk)`), BULK_SLOTS of them a warp, fewer steps a chunk while the block's shared memory would
+    pass BULK_MAX_SHARED (kernels/qk_common.cuh bulk_shared: partials, mbarriers, slots)."""
     def shared(chunk: int) -> int:
-        return ((splits - 1) * partial_bytes + -(-splits * BULK_SLOTS * 8 // 16) * 16
-                + splits * BULK_SLOTS * qserve_bulk_slot_bytes(chunk, rows, grouped))
+        return (splits - 1) * partial_bytes + -(-splits * BULK_SLOTS * 8 // 16) * 16 + splits * BULK_SLOTS * slot_bytes(
+            chunk)
 
     while chunk > 1 and shared(chunk) > BULK_MAX_SHARED:
         chunk //= 2
     return chunk, BULK_SLOTS, shared(chunk)
+
+
+def use_bulk(bulk: bool | None) -> bool:
+    """Whether a small-M launch takes its bulk-copy kernel: `bulk` if given, else BULK_DECODE on a Hopper GPU."""
+    return bulk if bulk is not None else BULK_DECODE and hopper_available()
 
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
@@ -350,10 +367,9 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     grid = (n // 32, -(-m // 16))
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
-    if bulk is None:
-        bulk = BULK_DECODE and hopper_available()
-    if bulk:
-        chunk, slots, shared = bulk_plan(m, grouped, splits, partial_bytes)
+    if use_bulk(bulk):  # chunks of 8 K steps (4 KiB of weights) up to 4 tokens, else 4 (their activation rows)
+        chunk, slots, shared = bulk_plan(splits, partial_bytes,
+                                         lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
         return Launch("qserve_w4a8", "qserve_w4a8_bulk", [*args, splits, chunk, slots], grid, 32 * splits, out,
                       shared)
     return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
@@ -374,10 +390,11 @@ LIQUIDQUANT_GEMM16 = False
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                        t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-                       wgmma: bool | None = None) -> Launch:
+                       wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
     """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
-    tile splitting K on the small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the
-    Hopper kernel on or off, default per use_wgmma)."""
+    tile splitting K on the small-M path, of the one warp of a 16-channel tile on the bulk path; `tiled`: the
+    large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma;
+    `bulk`: up to DECODE_MAX_M tokens the bulk-copy kernel, default per use_bulk)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
     n, k, m = qweight.shape[0] * 64, qweight.shape[1] * 64, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -385,6 +402,12 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
             _half_bits(tensors["s1_scales"]), out, m, n, k]
     if large := large_m_launch("liquidquant", "liquidquant_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
+    if m <= DECODE_MAX_M and use_bulk(bulk):  # a warp a 16-channel tile; chunks of 8 K steps of 64 (4 KiB)
+        grid = (n // 16, 1)
+        splits = splits or split_count(grid[0], 1, k // 64, 512)
+        chunk, slots, shared = bulk_plan(splits, 512, lambda c: liquidquant_bulk_slot_bytes(c, m), 8)
+        return Launch("liquidquant_w4a8", "liquidquant_w4a8_bulk8", [*args, splits, chunk, slots], grid, 32 * splits,
+                      out, shared)
     blocks = 1 if m <= DECODE_MAX_M else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
     grid = (n // 64, -(-m // (8 * blocks)))
     partial_bytes = 128 * 4 * blocks * 4  # four warps' 4 accumulators a token block per thread
@@ -395,10 +418,10 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-               wgmma: bool | None = None) -> Launch:
+               wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
     """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
     small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
-    default per use_wgmma)."""
+    default per use_wgmma; `bulk`: the small-M path's bulk-copy kernel, default per use_bulk)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -411,6 +434,10 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     grid = (n // 64, -(-m // 16))
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
     splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
+    if use_bulk(bulk):  # chunks of 8 k16 steps (4 KiB of words) up to 4 tokens, else 4 (their activation rows)
+        chunk, slots, shared = bulk_plan(splits, partial_bytes,
+                                         lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
+        return Launch("qqq_w4a8", "qqq_w4a8_bulk", [*args, splits, chunk, slots], grid, 32 * splits, out, shared)
     return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
 
 

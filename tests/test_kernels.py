@@ -88,25 +88,74 @@ def test_qserve_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, sl
     launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits, bulk=True)
     assert launch.name == "qserve_w4a8_bulk" and launch.block == 32 * splits
-    assert launch.args[-3:] == [splits, *kernels.bulk_plan(m, group is not None, splits, 2048)[:2]]
+    assert launch.args[-3:] == [splits, 8 if m <= 4 else 4, kernels.BULK_SLOTS]
     launch.args[-2:] = [chunk, slots]
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
 @needs_compiler
-@pytest.mark.parametrize("grouped", [False, True])
-def test_bulk_slots_mirror_the_kernel(grouped):
-    """quantkit.kernels sizes qserve_w4a8_bulk's shared memory from its slots: they must be the kernel's, and a
+@pytest.mark.parametrize(("m", "k", "splits", "chunk", "slots"), [
+    (1, 512, 1, 8, 2),  # 8 steps of 64: one chunk
+    (1, 1344, 1, 8, 2),  # 21 steps: three chunks in two slots, the last partial
+    (3, 1024, 3, 2, 2),  # ranges of 5, 5 and 6 steps in chunks of 2
+    (8, 768, 2, 4, 1),  # a full token block, one slot reused
+])
+def test_liquidquant_bulk_kernel_matches_the_emulation(m, k, splits, chunk, slots):
+    """liquidquant_w4a8_bulk8 (a warp per 16-channel tile on its contiguous K range: per step its 512 weight bytes
+    and 32 parameter bytes, each token's row over the chunk) gives the emulation's bits, from slots the simulator
+    fills with garbage before their copies."""
+    n = 128
+    tensors = synthetic("liquidquant", n, k, seed=m + k)
+    x = activations(m, k, seed=splits)
+    reference = emulate("liquidquant", tensors, x)
+    launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits, bulk=True)
+    assert launch.name == "liquidquant_w4a8_bulk8" and launch.grid == (n // 16, 1) and launch.block == 32 * splits
+    launch.args[-2:] = [chunk, slots]
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize(("m", "k", "splits", "chunk", "slots"), [
+    (1, 384, 1, 8, 2),  # 24 k16 steps: three chunks in two slots
+    (1, 384, 5, 8, 2),  # ranges of 4 and 5 steps: chunks inside a group, and across two
+    (16, 512, 3, 3, 2),  # a full token tile, chunks of 3
+    (20, 256, 2, 16, 1),  # two token tiles; a chunk over two groups, one slot
+])
+def test_qqq_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, slots):
+    """qqq_w4a8_bulk (each warp's contiguous range of k16 steps in chunks of bulk copies: the chunk's words a step,
+    each token's row, the groups' 64 ratios) gives the emulation's bits, from garbage-filled slots."""
+    n = 128
+    tensors = synthetic("qqq", n, k, seed=m + k + splits, group=group)
+    x = activations(m, k, seed=splits)
+    reference = emulate("qqq", tensors, x)
+    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=splits, bulk=True)
+    assert launch.name == "qqq_w4a8_bulk" and launch.block == 32 * splits
+    launch.args[-2:] = [chunk, slots]
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+def test_bulk_slots_mirror_the_kernels():
+    """quantkit.kernels sizes the bulk kernels' shared memory from their slots: they must be the kernels', and a
     launch's plan must fit the block's shared memory."""
+    library = kernels.host_library()
     for chunk in (1, 3, 4, 8):
-        for rows in (1, 5, 16):
-            compiled = kernels.host_library().qserve_bulk_slot_bytes(chunk, rows, int(grouped))
-            assert kernels.qserve_bulk_slot_bytes(chunk, rows, grouped) == compiled
-    for m in (1, 4, 5, 16):
-        for splits in (1, 4, 16):
-            chunk, slots, shared = kernels.bulk_plan(m, grouped, splits, 2048)
+        for rows in (1, 5, 8, 16):
+            for grouped in (False, True):
+                compiled = library.qserve_bulk_slot_bytes(chunk, rows, int(grouped))
+                assert kernels.qserve_bulk_slot_bytes(chunk, rows, grouped) == compiled
+                compiled = library.qqq_bulk_slot_bytes(chunk, rows, int(grouped))
+                assert kernels.qqq_bulk_slot_bytes(chunk, rows, grouped) == compiled
+            assert kernels.liquidquant_bulk_slot_bytes(chunk, rows) == library.liquidquant_bulk_slot_bytes(chunk, rows)
+    for splits in (1, 4, 16):
+        for rows in (1, 16):
+            def slot(chunk: int, rows: int = rows) -> int:
+                return kernels.qserve_bulk_slot_bytes(chunk, rows, True)
+
+            chunk, slots, shared = kernels.bulk_plan(splits, 2048, slot, 8)
             assert chunk >= 1 and slots == kernels.BULK_SLOTS and shared <= kernels.BULK_MAX_SHARED
-            assert shared >= splits * slots * kernels.qserve_bulk_slot_bytes(chunk, min(16, m), grouped)
+            assert shared >= splits * slots * slot(chunk) + (splits - 1) * 2048
 
 
 @needs_compiler
@@ -609,26 +658,60 @@ def test_qserve_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
     np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
 
 
+@pytest.mark.bulk
+@needs_hopper
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (3, 128, 1664, 5), (20, 64, 512, 2)])
+def test_qqq_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
+    """qqq_w4a8_bulk on the device: the emulation's bits with the launch's own plan, ranges across groups and two
+    token tiles."""
+    tensors = synthetic("qqq", n, k, seed=m + k, group=group)
+    x = activations(m, k, seed=n)
+    reference = emulate("qqq", tensors, x)
+    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=splits or 1, bulk=True)
+    assert launch.name == "qqq_w4a8_bulk"
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@pytest.mark.bulk
+@needs_hopper
+@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (5, 128, 1344, 3), (8, 64, 4096, 1)])
+def test_liquidquant_bulk_gpu_kernel_matches_the_emulation(m, n, k, splits):
+    """liquidquant_w4a8_bulk8 on the device: the emulation's bits with the launch's own plan, and with one warp a
+    tile walking 64 steps in chunks through two slots."""
+    tensors = synthetic("liquidquant", n, k, seed=m + k)
+    x = activations(m, k, seed=n)
+    reference = emulate("liquidquant", tensors, x)
+    launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits, bulk=True)
+    assert launch.name == "liquidquant_w4a8_bulk8"
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
-def test_bulk_device_code_uses_the_copy_engine(tmp_path):
-    """qserve_w4a8_bulk builds for sm_90a with its bulk copies completing on mbarriers, no stack frame, and at most
-    64 registers (nothing waits in registers: 16 warps an SM leave room for twice as many)."""
+@pytest.mark.parametrize(("module", "kernel"), [("qserve_w4a8", "qserve_w4a8_bulk"),
+                                                ("liquidquant_w4a8", "liquidquant_w4a8_bulk8"),
+                                                ("qqq_w4a8", "qqq_w4a8_bulk")])
+def test_bulk_device_code_uses_the_copy_engine(module, kernel, tmp_path):
+    """The bulk kernels build for sm_90a with their bulk copies completing on mbarriers, no stack frame, and at most
+    80 registers (nothing waits in registers: the register kernels need 111-128)."""
     import re
     import subprocess
 
-    src = kernels.source_dir() / "qserve_w4a8.cu"
+    src = kernels.source_dir() / f"{module}.cu"
     done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", "-std=c++17", "-cubin",
-                           "-Xptxas", "-v", str(src), "-o", str(tmp_path / "q.cubin")], capture_output=True, text=True)
+                           "-Xptxas", "-v", str(src), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    entry = done.stderr[done.stderr.index("'qserve_w4a8_bulk'"):]
+    entry = done.stderr[done.stderr.index(f"'{kernel}'"):]
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
     registers = re.search(r"Used (\d+) registers", entry)
-    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 64, entry[:500]
+    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 80, entry[:500]
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src), "-o", "-"],
                          capture_output=True, text=True).stdout
-    body = ptx[ptx.index(".entry qserve_w4a8_bulk"):]
+    body = ptx[ptx.index(f".entry {kernel}("):]
+    end = body.find(".entry", 1)
+    body = body if end < 0 else body[:end]  # this kernel's alone
     for op in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.arrive.expect_tx",
-               "mbarrier.try_wait.parity", "fence.proxy.async.shared::cta", "mma.sync.aligned.m16n8k32"):
+               "mbarrier.try_wait.parity", "fence.proxy.async.shared::cta", "mma.sync.aligned.m16n8k"):
         assert op in body, op
 
 
