@@ -45,7 +45,10 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "U6": ({"QK_SMALLM_AHEAD": 6}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
     # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
     "LQQ-16": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "LIQUIDQUANT_GEMM16": True}),
-    # QServe's bulk-copy kernel on Hopper (qserve_w4a8_bulk), two or three chunks in flight a warp
+    # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
+    "LQQ-W4": ({"QK_SMALLM_AHEAD": 8, "QK_LQQ_TILE_WARPS": 4}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
+    # the bulk-copy kernels on Hopper (qserve_w4a8_bulk, qqq_w4a8_bulk, liquidquant_w4a8_bulk8), two or three
+    # chunks in flight a warp
     "BULK": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True}),
     "BULK-3": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True,
                                         "BULK_SLOTS": 3}),

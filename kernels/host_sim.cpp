@@ -32,6 +32,19 @@ void bulk_copy_host(std::vector<uint8_t>& slot, int offset, const void* src, int
   std::memcpy(slot.data() + offset, src, (size_t)bytes);
 }
 
+// The host side of bulk_steps: steps [begin, end) in chunks of `chunk`, each chunk's copies (copies(s0, cnt, emit))
+// done into `slot`, first filled with garbage so that a step reading a byte no copy wrote shows, then run(s0, u) for
+// each of its steps.
+template <class Copies, class Run>
+void bulk_walk_host(std::vector<uint8_t>& slot, int chunk, int begin, int end, Copies copies, Run run) {
+  for (int s0 = begin; s0 < end; s0 += chunk) {
+    const int cnt = std::min(chunk, end - s0);
+    std::fill(slot.begin(), slot.end(), 0xA5);
+    copies(s0, cnt, [&](int offset, const void* src, int bytes) { bulk_copy_host(slot, offset, src, bytes); });
+    for (int u = 0; u < cnt; ++u) run(s0, u);
+  }
+}
+
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
 // D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
@@ -451,20 +464,17 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 32;
   qserve_host(args, splits, [&](int mt, int nt, int copy, auto&& step) {
-    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
-    for (int s0 = begin; s0 < end; s0 += chunk) {
-      const int cnt = std::min(chunk, end - s0);
-      std::fill(slot.begin(), slot.end(), 0xA5);
-      layout.copies(args, mt, nt, s0, cnt,
-                    [&](int offset, const void* src, int bytes) { bulk_copy_host(slot, offset, src, bytes); });
-      for (int u = 0; u < cnt; ++u)
-        step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
-          uint32_t w[4], s, z;
-          layout.load_a(args, slot.data(), mt, u, lane, fa);
-          layout.load_b(args, slot.data(), s0, u, lane, w, s, z);
-          qk::unpack_b(args, w, s, z, fb);
+    bulk_walk_host(
+        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
+        [&](int s0, int u) {
+          step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
+            uint32_t w[4], s, z;
+            layout.load_a(args, slot.data(), mt, u, lane, fa);
+            layout.load_b(args, slot.data(), s0, u, lane, w, s, z);
+            qk::unpack_b(args, w, s, z, fb);
+          });
         });
-    }
   });
 }
 
@@ -473,49 +483,55 @@ extern "C" int qserve_bulk_slot_bytes(int chunk, int rows, int grouped) {
   return qk::QServeBulk{chunk, rows, grouped != 0}.slot_bytes();
 }
 
-// The block of LiquidQuant's small-M kernels: `splits` copies of four independent warps (split-K as in
-// qserve_host), TB token blocks of 8 a tile. walk(nt, by, copy, step) calls step(weights, tokens) for each of the
-// copy's K steps in its order: weights(t, r, sa) gives thread t's weight bytes and group parameters, tokens(tb, j,
-// lane, fb) the lane's B fragment of token block tb for MMA j.
+// The blocks of LiquidQuant's small-M kernels: `splits` copies of `warps` warps (lqq_tile: each warp its 16
+// channels), TB token blocks of 8 a tile, split-K as in qserve_host. walk(block, nt, by, copy, step) calls
+// step(weights, tokens) for each of the copy's K steps in its order: weights(t, r, sa) gives thread t's (of block
+// nt's 128) weight bytes and group parameters, tokens(tb, j, lane, fb) the lane's B fragment of token block tb for
+// MMA j.
 template <int TB, class Walk>
-void liquidquant_host(const qk::LiquidArgs& args, int splits, Walk walk) {
-  std::vector<int32_t> acc((size_t)splits * 4 * TB * 32 * 4), partials((size_t)(splits - 1) * 4 * TB * 128);
+void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk walk) {
+  const int threads = 32 * warps;
+  std::vector<int32_t> acc((size_t)splits * threads * TB * 4), partials((size_t)(splits - 1) * 4 * TB * threads);
   uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
-  // accumulators of copy, warp w, token block tb, lane
-  auto at = [&](int copy, int w, int tb, int lane) {
-    return &acc[((((size_t)copy * 4 + w) * TB + tb) * 32 + lane) * 4];
-  };
-  for (int nt = 0; nt < args.n / 64; ++nt) {
+  // accumulators of copy, thread `local` of the copy, token block tb
+  auto at = [&](int copy, int local, int tb) { return &acc[(((size_t)copy * threads + local) * TB + tb) * 4]; };
+  for (int block = 0; block < args.n / (16 * warps); ++block) {
+    int nt, t;
+    qk::lqq_tile(block, 0, warps, nt, t);
     for (int by = 0; by < (args.m + 8 * TB - 1) / (8 * TB); ++by) {
       std::fill(acc.begin(), acc.end(), 0);
       for (int copy = 0; copy < splits; ++copy) {
-        walk(nt, by, copy, [&](auto&& weights, auto&& tokens) {
-          for (int w = 0; w < 4; ++w) {
+        walk(block, nt, by, copy, [&](auto&& weights, auto&& tokens) {
+          for (int w = 0; w < warps; ++w) {
             for (int lane = 0; lane < 32; ++lane) {
-              weights(32 * w + lane, r, sa);
+              qk::lqq_tile(block, 32 * w + lane, warps, nt, t);
+              weights(t, r, sa);
               qk::unpack_weights(r, sa, fa[lane]);
             }
             for (int tb = 0; tb < TB; ++tb) {
               for (int j = 0; j < 2; ++j) {
+                int32_t c[32][4];
                 for (int lane = 0; lane < 32; ++lane) {
                   tokens(TB * by + tb, j, lane, fb[lane]);
                   std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
+                  std::memcpy(c[lane], at(copy, 32 * w + lane, tb), sizeof(c[lane]));
                 }
-                mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, w, tb, 0)), aj, fb);
+                mma_warp(c, aj, fb);
+                for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, 32 * w + lane, tb), c[lane], sizeof(c[lane]));
               }
             }
           }
         });
       }
-      for (int t = 0; t < 128; ++t) {
-        const int w = t / 32, lane = t % 32;
+      for (int local = 0; local < threads; ++local) {
         int32_t mine[TB][4];
         for (int copy = 1; copy < splits; ++copy)
           for (int tb = 0; tb < TB; ++tb)
             for (int i = 0; i < 4; ++i)
-              partials[qk::splitk_slot(copy, 4 * tb + i, t, 4 * TB, 128)] = at(copy, w, tb, lane)[i];
-        for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, w, tb, lane), sizeof(mine[tb]));
-        qk::splitk_add(&mine[0][0], partials.data(), t, 4 * TB, 128, splits);
+              partials[qk::splitk_slot(copy, 4 * tb + i, local, 4 * TB, threads)] = at(copy, local, tb)[i];
+        for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, local, tb), sizeof(mine[tb]));
+        qk::splitk_add(&mine[0][0], partials.data(), local, 4 * TB, threads, splits);
+        qk::lqq_tile(block, local, warps, nt, t);
         for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, TB * by + tb, t, mine[tb]);
       }
     }
@@ -523,42 +539,38 @@ void liquidquant_host(const qk::LiquidArgs& args, int splits, Walk walk) {
 }
 
 // The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8
-// tokens) and liquidquant_w4a8_gemm16 (TB = 2): copy c takes K steps c, c + splits, ...
+// tokens) and liquidquant_w4a8_gemm16 (TB = 2): QK_LQQ_TILE_WARPS warps a block, copy c taking K steps c,
+// c + splits, ...
 template <int TB>
 void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  liquidquant_host<TB>(args, splits, [&](int nt, int, int copy, auto&& step) {
+  liquidquant_host<TB>(args, splits, QK_LQQ_TILE_WARPS, [&](int, int nt, int, int copy, auto&& step) {
     for (int kt = copy; kt < k / 64; kt += splits)
       step([&](int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
            [&](int tb, int j, int lane, uint32_t fb[2]) { qk::load_tokens(args, tb, kt, j, lane, fb); });
   });
 }
 
-// The host twin of liquidquant_w4a8_bulk8: the warps of 64-channel block nt (16-channel tiles 4 nt + w) walk the
-// same contiguous range of copy c chunk by chunk, each warp's chunk copies (LiquidBulk::copies) done into its own
-// slot first filled with garbage, then the chunk's steps read from the slots.
+// The host twin of liquidquant_w4a8_bulk8: a warp a block (16-channel tile `block`) walks copy c's contiguous range
+// chunk by chunk, the chunk's copies (LiquidBulk::copies) done into a slot first filled with garbage, then the
+// chunk's steps read from the slot.
 extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                             int splits, int chunk, int slots) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   const qk::LiquidBulk layout{chunk, std::min(8, m)};
   if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
-  std::vector<std::vector<uint8_t>> slot(4, std::vector<uint8_t>((size_t)layout.slot_bytes()));
+  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 64;
-  liquidquant_host<1>(args, splits, [&](int nt, int, int copy, auto&& step) {
-    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
-    for (int s0 = begin; s0 < end; s0 += chunk) {
-      const int cnt = std::min(chunk, end - s0);
-      for (int w = 0; w < 4; ++w) {
-        std::fill(slot[w].begin(), slot[w].end(), 0xA5);
-        layout.copies(args, 4 * nt + w, s0, cnt,
-                      [&](int offset, const void* src, int bytes) { bulk_copy_host(slot[w], offset, src, bytes); });
-      }
-      for (int u = 0; u < cnt; ++u)
-        step([&](int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot[t / 32].data(), u, t % 32, r, sa); },
-             [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot[0].data(), u, j, lane, fb); });
-    }
+  liquidquant_host<1>(args, splits, 1, [&](int n16, int, int, int copy, auto&& step) {
+    bulk_walk_host(
+        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
+        [&](int, int u) {
+          step([&](int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
+               [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot.data(), u, j, lane, fb); });
+        });
   });
 }
 
@@ -667,20 +679,17 @@ extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 16;
   qqq_host(args, splits, [&](int mt, int c, int copy, auto&& step) {
-    const int begin = copy * steps / splits, end = (copy + 1) * steps / splits;
-    for (int s0 = begin; s0 < end; s0 += chunk) {
-      const int cnt = std::min(chunk, end - s0);
-      std::fill(slot.begin(), slot.end(), 0xA5);
-      layout.copies(args, mt, c, s0, cnt,
-                    [&](int offset, const void* src, int bytes) { bulk_copy_host(slot, offset, src, bytes); });
-      for (int u = 0; u < cnt; ++u)
-        step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
-          uint32_t w[4], r[4] = {};
-          layout.load_a(args, slot.data(), mt, u, lane, fa);
-          layout.load_b(slot.data(), s0, u, lane, w, r);
-          for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+    bulk_walk_host(
+        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
+        [&](int s0, int u) {
+          step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
+            uint32_t w[4], r[4] = {};
+            layout.load_a(args, slot.data(), mt, u, lane, fa);
+            layout.load_b(slot.data(), s0, u, lane, w, r);
+            for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+          });
         });
-    }
   });
 }
 

@@ -67,6 +67,20 @@ QK_FN void load_tokens(const LiquidArgs& a, int tb, int kt, int j, int lane, uin
   }
 }
 
+// A small-M block covers `warps` (4, or 1) of the four warps of a 64-channel block, each with its 16 channels: its
+// thread `local` is thread t of block nt's 128 (rows 16 (t / 32) + g ..). One warp a block gives N / 16 blocks, so
+// that a narrow N (N = 4096: 64 blocks of 64 channels) still fills every SM.
+// The small-M kernels' warps a block: QK_LQQ_TILE_WARPS, a compile-time knob for tuning on a GPU (4 until this
+// stop; one warp a block is not yet measured). It changes no bit of any output.
+#ifndef QK_LQQ_TILE_WARPS
+#define QK_LQQ_TILE_WARPS 1
+#endif
+QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t) {
+  const int first = block * warps;  // its first warp among the N / 16
+  nt = first / 4;
+  t = 32 * (first % 4) + local;
+}
+
 // The lane's accumulators of token block tb: c0, c1 at channel g, tokens 2q, 2q + 1; c2, c3 at channel g + 8.
 QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4]) {
   const int lane = t % 32, g = frag_group(lane), q = frag_quad(lane);
@@ -207,12 +221,16 @@ struct LiquidWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// The small-M kernels: block (nt, y) is `splits` copies of 4 warps, warp w of each copy computing channels
-// 64 nt + 16 w .. + 15 for TB token blocks of 8 (tokens 8 TB y ..), AHEAD K steps' loads in flight a round. Its K
-// steps are 64 columns wide, so a thread's 16 bytes of weights a step are a QServe thread's of a 32-column step.
+// The small-M kernels: block (x, y) is `splits` copies of `warps` warps (lqq_tile: 4, the whole 64-channel block x,
+// or 1, the 16 channels 16 x ..), each warp computing its 16 channels for TB token blocks of 8 (tokens 8 TB y ..),
+// AHEAD K steps' loads in flight a round. Its K steps are 64 columns wide, so a thread's 16 bytes of weights a step
+// are a QServe thread's of a 32-column step.
 template <int TB, int AHEAD>
 __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, int splits) {
-  const int t = threadIdx.x % 128, copy = threadIdx.x / 128, nt = blockIdx.x, tb0 = TB * blockIdx.y;
+  constexpr int warps = QK_LQQ_TILE_WARPS;
+  const int local = threadIdx.x % (32 * warps), copy = threadIdx.x / (32 * warps), tb0 = TB * blockIdx.y;
+  int nt, t;
+  qk::lqq_tile(blockIdx.x, local, warps, nt, t);
   struct Stage { uint32_t r[4], sa[2], b[TB][2][2]; };
   const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
   int32_t acc[TB][4] = {};
@@ -235,29 +253,30 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
 #pragma unroll
             for (int j = 0; j < 2; ++j) mma_s8(acc[tb], fa[j], st.b[tb][j]);
       });
-  if (!splitk_reduce<4 * TB>(&acc[0][0], t, copy, 128, splits)) return;
+  if (!splitk_reduce<4 * TB>(&acc[0][0], local, copy, 32 * warps, splits)) return;
   for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
 }
 
-// grid (N / 64, ceil(M / 32)), block 128 * splits, dynamic shared memory (splits - 1) * 8 KiB: 4 token blocks, half
-// QK_SMALLM_AHEAD steps a round (the four blocks' activations take registers too).
+// warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory (splits - 1) * warps * 2 KiB: 4
+// token blocks, half QK_SMALLM_AHEAD steps a round (the four blocks' activations take registers too).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   liquidquant_gemm_at<4, (QK_SMALLM_AHEAD + 1) / 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
-// Up to 8 tokens (decode): grid (N / 64, 1), block 128 * splits, dynamic shared memory (splits - 1) * 2 KiB: one
-// token block, QK_SMALLM_AHEAD steps a round, the loads in flight of the other layouts' small-M kernels.
+// Up to 8 tokens (decode): grid (N / (16 warps), 1), block 32 warps splits, dynamic shared memory (splits - 1) *
+// warps * 512 bytes: one token block, QK_SMALLM_AHEAD steps a round, the loads in flight of the other layouts'
+// small-M kernels.
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   liquidquant_gemm_at<1, QK_SMALLM_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
-// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (not yet measured): grid (N / 64, 1), block
-// 128 * splits, dynamic shared memory (splits - 1) * 4 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round
-// (125 registers at 6; 8 spill).
+// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (not yet measured): grid (N / (16 warps), 1),
+// block 32 warps splits, dynamic shared memory (splits - 1) * warps * 1 KiB: two token blocks, 3/4 of
+// QK_SMALLM_AHEAD steps a round (125 registers at 6; 8 spill).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                             const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {

@@ -386,13 +386,17 @@ DECODE_MAX_M = 8
 # (liquidquant_w4a8_gemm16, 6 steps a round) only when this is set: not yet measured (bench/smallm_tune.py's
 # LQQ-16 configuration times it).
 LIQUIDQUANT_GEMM16 = False
+# The warps of a LiquidQuant small-M block (kernels/liquidquant_w4a8.cu QK_LQQ_TILE_WARPS): one, each with its 16
+# channels, so that N / 16 blocks spread over every SM (at N = 4096 the 64 blocks of four warps, one per 64-channel
+# weight block, left half of an H200's 132 SMs idle); 4 as before, through QUANTKIT_NVRTC_DEFINES, for comparison.
+LQQ_TILE_WARPS = _define("QK_LQQ_TILE_WARPS", 1)
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                        t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                        wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
-    """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of the 4 warps of an output
-    tile splitting K on the small-M path, of the one warp of a 16-channel tile on the bulk path; `tiled`: the
+    """kernels/liquidquant_w4a8.cu on one linear's stored tensors (`splits`: copies of a block's LQQ_TILE_WARPS warps
+    splitting K on the small-M path, of the one warp of a 16-channel tile on the bulk path; `tiled`: the
     large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma;
     `bulk`: up to DECODE_MAX_M tokens the bulk-copy kernel, default per use_bulk)."""
     qweight = _c(tensors["qweight"].numpy(), np.uint8)
@@ -409,11 +413,13 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
         return Launch("liquidquant_w4a8", "liquidquant_w4a8_bulk8", [*args, splits, chunk, slots], grid, 32 * splits,
                       out, shared)
     blocks = 1 if m <= DECODE_MAX_M else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
-    grid = (n // 64, -(-m // (8 * blocks)))
-    partial_bytes = 128 * 4 * blocks * 4  # four warps' 4 accumulators a token block per thread
-    splits = splits or split_count(grid[0] * grid[1], 4, k // 64, partial_bytes)
+    warps = LQQ_TILE_WARPS
+    grid = (n // (16 * warps), -(-m // (8 * blocks)))
+    partial_bytes = 32 * warps * 4 * blocks * 4  # a copy's 4 accumulators a token block per thread
+    splits = splits or split_count(grid[0] * grid[1], warps, k // 64, partial_bytes)
     name = {1: "liquidquant_w4a8_gemm8", 2: "liquidquant_w4a8_gemm16", 4: "liquidquant_w4a8_gemm"}[blocks]
-    return Launch("liquidquant_w4a8", name, [*args, splits], grid, 128 * splits, out, (splits - 1) * partial_bytes)
+    return Launch("liquidquant_w4a8", name, [*args, splits], grid, 32 * warps * splits, out,
+                  (splits - 1) * partial_bytes)
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,

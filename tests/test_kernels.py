@@ -162,7 +162,7 @@ def test_bulk_slots_mirror_the_kernels():
 @pytest.mark.parametrize(("fmt", "group", "k", "m", "partial_bytes"), [
     ("qserve", None, 416, 7, 2048), ("qserve", 128, 384, 7, 2048),  # 13 and 12 k tiles of 32
     ("qqq", None, 400, 7, 4096), ("qqq", 128, 384, 7, 4096),  # 25 and 24 k tiles of 16
-    ("liquidquant", 64, 448, 7, 2048), ("liquidquant", 64, 448, 20, 8192),  # 7 k blocks of 64; 1 and 4 token blocks
+    ("liquidquant", 64, 448, 7, 512), ("liquidquant", 64, 448, 20, 2048),  # 7 k blocks of 64; 1 and 4 token blocks
 ])
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
@@ -175,8 +175,9 @@ def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
     assert launch.name.endswith("_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm")
-    assert launch.block == (128 if fmt == "liquidquant" else 32) * splits
-    assert launch.shared_mem == (splits - 1) * partial_bytes
+    warps = kernels.LQQ_TILE_WARPS if fmt == "liquidquant" else 1  # LiquidQuant: each warp its 16 channels
+    assert launch.block == 32 * warps * splits
+    assert launch.shared_mem == (splits - 1) * warps * partial_bytes
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -470,8 +471,9 @@ def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypat
     x = activations(m, 448, seed=splits)
     reference = emulate("liquidquant", tensors, x)
     launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits)
-    assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (2, 1)
-    assert launch.shared_mem == (splits - 1) * 128 * 8 * 4
+    warps = kernels.LQQ_TILE_WARPS
+    assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (128 // (16 * warps), 1)
+    assert launch.shared_mem == (splits - 1) * 32 * warps * 8 * 4
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -722,20 +724,23 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
 
 
 @needs_compiler
-@pytest.mark.parametrize("defines", RING_KNOBS)
-def test_hopper_ring_knobs_keep_the_bits(defines):
-    """Under each ring setting (a warp simulator built with the same defines, in a process of its own), the
-    *_wgmma kernels still give the emulation's bits and quantkit.kernels sizes their shared memory from the
-    compiled ring. The simulator runs each step's wgmmas as late as the ring allows, so a copy into a slot still
-    being read would show (running them after the copy at LEAD = STAGES - 1 fails these tests)."""
+@pytest.mark.parametrize(("defines", "tests"), [
+    *((knobs, "hopper_path_matches or mirror_the_kernels") for knobs in RING_KNOBS),
+    ("QK_LQQ_TILE_WARPS=4", "liquidquant and not bulk or split_k"),  # four warps a LiquidQuant block, as before
+], ids=["ring-8-7", "ring-4-1", "lqq-four-warps"])
+def test_compile_time_knobs_keep_the_bits(defines, tests):
+    """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
+    still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
+    simulator runs each step's wgmmas as late as the ring allows, so a copy into a slot still being read would show
+    (running them after the copy at LEAD = STAGES - 1 fails these tests)."""
     import os
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "hopper_path_matches or mirror_the_kernels"],
+                           f"({tests}) and not knobs_keep"],  # never this test again
                           env={**os.environ, "QUANTKIT_NVRTC_DEFINES": defines}, capture_output=True, text=True)
-    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
