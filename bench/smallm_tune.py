@@ -45,6 +45,8 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "U6": ({"QK_SMALLM_AHEAD": 6}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
     # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
     "LQQ-16": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "LIQUIDQUANT_GEMM16": True}),
+    # QQQ's small-M kernels with K split across up to 4 blocks a tile where the tiles are fewer than the SMs
+    "ZSPLIT": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "SPLITK_BLOCKS_MAX": 4}),
     # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
     "LQQ-W4": ({"QK_SMALLM_AHEAD": 8, "QK_LQQ_TILE_WARPS": 4}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
     # the bulk-copy kernels on Hopper (qserve_w4a8_bulk, qqq_w4a8_bulk, liquidquant_w4a8_bulk8), two or three
@@ -52,6 +54,8 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "BULK": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True}),
     "BULK-3": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True,
                                         "BULK_SLOTS": 3}),
+    "BULK-Z": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True,
+                                        "SPLITK_BLOCKS_MAX": 4}),
 }
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the

@@ -654,10 +654,12 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
 
 // The host twin of qqq_w4a8_gemm: copy c takes k16 steps c, c + splits, ...
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
+                                   int32_t*, int32_t*) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  qqq_host(args, splits, [&](int mt, int c, int copy, auto&& step) {
-    for (int i = copy; i < k / 16; i += splits)
+  const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
+  qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
+    for (int i = copy; i < k / 16; i += copies)
       step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
         uint32_t w[4];
         qk::load_a(args, mt, i, lane, fa);
@@ -670,17 +672,18 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
 // The host twin of qqq_w4a8_bulk: copy c walks its contiguous range chunk by chunk, the chunk's bulk copies
 // (QQQBulk::copies) done into a slot first filled with garbage, then its steps read from the slot.
 extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int chunk,
-                                   int slots) {
+                                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
+                                   int32_t*, int32_t*, int chunk, int slots) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
   const bool grouped = s_group != nullptr;
   const qk::QQQBulk layout{chunk, std::min(16, m), grouped};
   if (slots < 1 || chunk < 1) fail("bulk: no slot");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 16;
-  qqq_host(args, splits, [&](int mt, int c, int copy, auto&& step) {
+  const int copies = splits * zsplit;
+  qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
     bulk_walk_host(
-        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        slot, chunk, copy * steps / copies, (copy + 1) * steps / copies,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
         [&](int s0, int u) {
           step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {

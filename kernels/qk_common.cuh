@@ -479,6 +479,29 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
   return true;
 }
 
+// Split-K across the `zsplit` blocks (blockIdx.z) of one output tile, after each block's own splitk_reduce: copy 0's
+// warp adds its COUNT sums a lane into the tile's int32 slots of `sums` (COUNT x 32 a tile; atomics, since integer
+// sums do not depend on their order), and the last block to count itself in `arrived` takes the totals, zeroing the
+// slots and the count for the next launch. Returns true in that block, whose acc then holds the tile's sums; call
+// with copy 0's warp only.
+template <int COUNT>
+__device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit, int32_t* sums, int32_t* arrived) {
+  if (zsplit == 1) return true;
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  int32_t* mine = sums + (size_t)tile * COUNT * 32;
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) atomicAdd(&mine[j * 32 + lane], acc[j]);
+  __threadfence();  // this block's sums before its count
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&arrived[tile], 1) == zsplit - 1;
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
+  __threadfence();  // the others' sums after their counts
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) acc[j] = atomicExch(&mine[j * 32 + lane], 0);
+  if (lane == 0) arrived[tile] = 0;
+  return true;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -292,13 +292,16 @@ struct QQQWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null: per
-// channel.
+// grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null:
+// per channel. The zsplit blocks of a tile split K too (its copies are blockIdx.z splits + copy of splits zsplit),
+// meeting in `sums` and `arrived` (splitk_blocks; null when zsplit is 1).
 extern "C" __global__ void __launch_bounds__(512)
     qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits) {
+                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
+                  int32_t* arrived) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
+  const int lane = threadIdx.x % 32, c = blockIdx.x, mt = blockIdx.y;
+  const int copy = threadIdx.x / 32, copies = splits * zsplit, first = blockIdx.z * splits + copy;
   const bool grouped = s_group != nullptr;
   struct Stage { uint32_t w[4], r[4], a[2]; };  // r: per group, the lane's ratio pairs
   int32_t acc[8][4] = {};
@@ -316,22 +319,26 @@ extern "C" __global__ void __launch_bounds__(512)
   };
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   if (grouped)
-    pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(copy, splits, k / 16, load, compute);
+    pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(first, copies, k / 16, load, compute);
   else
-    pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 16, load, compute);
+    pipelined_steps<QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
+  if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
 }
 
 #if defined(QK_WGMMA)
-// The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16)), block 32 * splits, as qqq_w4a8_gemm, but copy c of a
-// chunk's warps takes the contiguous k16 steps [c S / splits, (c + 1) S / splits) (S = K / 16), fetched by bulk
-// copies into `slots` slots of `chunk` steps each (QQQBulk, bulk_shared; partials 4 KiB a copy).
+// The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, as qqq_w4a8_gemm, but
+// copy i = blockIdx.z splits + c of a chunk's splits zsplit takes the contiguous k16 steps [i S / copies, (i + 1) S
+// / copies) (S = K / 16), fetched by bulk copies into `slots` slots of `chunk` steps each (QQQBulk, bulk_shared;
+// partials 4 KiB a copy).
 extern "C" __global__ void __launch_bounds__(512)
     qqq_w4a8_bulk(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int chunk, int slots) {
+                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
+                  int32_t* arrived, int chunk, int slots) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y, steps = k / 16;
+  const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   const bool grouped = s_group != nullptr;
   const qk::QQQBulk layout{chunk, min(16, m), grouped};
   uint64_t* bars;
@@ -339,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(512)
   bulk_shared(splits, 4096, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[8][4] = {};
   bulk_steps(
-      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      mine, layout.slot_bytes(), bars, slots, chunk, first * steps / copies, (first + 1) * steps / copies, lane,
       [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
       [&](int s0, int u, const uint8_t* slot) {
         uint32_t fa[2], w[4], r[4] = {}, fb[8];
@@ -351,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(512)
         for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], fa, fb[nb]);
       });
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
+  if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
 }
 #endif

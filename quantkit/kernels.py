@@ -188,6 +188,24 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
     return splits
 
 
+# Split-K across blocks (QQQ's small-M kernels, whose 64-channel tiles make only 64 blocks at N = 4096, each already
+# 16 warps: 64 of an H200's 132 SMs): up to SPLITK_BLOCKS_MAX blocks a tile, while the blocks stay within
+# SPLITK_SMS, meeting in an int32 workspace that the last block of a tile zeroes again (kernels/qk_common.cuh
+# splitk_blocks). 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
+SPLITK_BLOCKS_MAX = 1
+SPLITK_SMS = 132  # an H100 / H200 SXM
+
+
+def block_split_count(blocks: int, copies: int, steps: int) -> int:
+    """How many blocks split each tile's K steps (a power of two up to SPLITK_BLOCKS_MAX): while the grid stays
+    within SPLITK_SMS blocks and each of the tile's copies x blocks walks at least SPLITK_MIN_STEPS steps."""
+    zsplit = 1
+    while (2 * zsplit <= SPLITK_BLOCKS_MAX and blocks * 2 * zsplit <= SPLITK_SMS
+           and steps // (copies * 2 * zsplit) >= SPLITK_MIN_STEPS):
+        zsplit *= 2
+    return zsplit
+
+
 @dataclass(frozen=True)
 class Tiles:
     """The large-M path of a layout (the kernel's *Tiled policy in kernels/): a block of `threads` computes `bm`
@@ -424,10 +442,11 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-               wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
+               wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
     """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
-    small-M path; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
-    default per use_wgmma; `bulk`: the small-M path's bulk-copy kernel, default per use_bulk)."""
+    small-M path, `zsplit` blocks doing so, default split_count's and block_split_count's; `tiled`: the large-M
+    path, default from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma; `bulk`: the
+    small-M path's bulk-copy kernel, default per use_bulk)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -437,14 +456,19 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
     if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    grid = (n // 64, -(-m // 16))
+    tiles = (n // 64) * -(-m // 16)
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
-    splits = splits or split_count(grid[0] * grid[1], 1, k // 16, partial_bytes)
+    splits = splits or split_count(tiles, 1, k // 16, partial_bytes)
+    zsplit = zsplit or block_split_count(tiles, splits, k // 16)
+    grid = (n // 64, -(-m // 16), zsplit)
+    meet = [np.zeros(tiles * 32 * 32, np.int32), np.zeros(tiles, np.int32)] if zsplit > 1 else [None, None]
     if use_bulk(bulk):  # chunks of 8 k16 steps (4 KiB of words) up to 4 tokens, else 4 (their activation rows)
         chunk, slots, shared = bulk_plan(splits, partial_bytes,
                                          lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
-        return Launch("qqq_w4a8", "qqq_w4a8_bulk", [*args, splits, chunk, slots], grid, 32 * splits, out, shared)
-    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits], grid, 32 * splits, out, (splits - 1) * partial_bytes)
+        return Launch("qqq_w4a8", "qqq_w4a8_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid, 32 * splits,
+                      out, shared)
+    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
+                  (splits - 1) * partial_bytes)
 
 
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,

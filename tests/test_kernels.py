@@ -136,6 +136,36 @@ def test_qqq_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, slots
 
 
 @needs_compiler
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize(("group", "m", "k", "splits", "zsplit"), [
+    (None, 1, 512, 3, 2), (128, 5, 768, 2, 4), (None, 20, 400, 1, 3),  # 25 k16 steps over 3 blocks of one warp
+])
+def test_qqq_block_split_matches_the_emulation(group, m, k, splits, zsplit, bulk):
+    """QQQ's small-M kernels with K split across `zsplit` blocks of a tile as well (their copies interleaved, or
+    contiguous ranges for the bulk kernel): the emulation's bits, whatever order the blocks' integer sums meet in."""
+    n = 128
+    tensors = synthetic("qqq", n, k, seed=m + k + zsplit, group=group)
+    x = activations(m, k, seed=zsplit)
+    reference = emulate("qqq", tensors, x)
+    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=splits, zsplit=zsplit, bulk=bulk)
+    assert launch.grid == (n // 64, -(-m // 16), zsplit)
+    sums, arrived = launch.args[-4:-2] if bulk else launch.args[-2:]
+    assert sums.shape == (n // 64 * -(-m // 16) * 1024,) and arrived.shape == (n // 64 * -(-m // 16),)
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_block_splits_fill_the_sms_only_when_tiles_are_few(monkeypatch):
+    """block_split_count: off by default; on, only while the grid stays within SPLITK_SMS blocks and each copy keeps
+    SPLITK_MIN_STEPS steps."""
+    assert kernels.block_split_count(64, 16, 256) == 1
+    monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 4)
+    assert kernels.block_split_count(64, 16, 256) == 2  # 128 blocks of 16 warps, 8 steps each
+    assert kernels.block_split_count(64, 16, 128) == 1  # 4 steps each would be too few
+    assert kernels.block_split_count(448, 1, 256) == 1  # N = 28672: 448 tiles fill the SMs already
+    assert kernels.block_split_count(16, 8, 1024) == 4  # capped at SPLITK_BLOCKS_MAX
+
+
+@needs_compiler
 def test_bulk_slots_mirror_the_kernels():
     """quantkit.kernels sizes the bulk kernels' shared memory from their slots: they must be the kernels', and a
     launch's plan must fit the block's shared memory."""
@@ -658,6 +688,25 @@ def test_qserve_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
                                    splits=splits or 1, bulk=True)
     assert launch.name == "qserve_w4a8_bulk"
     np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("group", [None, 128])
+def test_qqq_block_split_gpu_kernel_matches_the_emulation(group):
+    """QQQ's register kernel with K split across 4 blocks a tile on the device: the emulation's bits, twice in a row
+    from the same workspace, which the last block of each tile leaves zeroed again."""
+    n, k, m = 256, 4096, 3
+    tensors = synthetic("qqq", n, k, seed=7, group=group)
+    x = activations(m, k, seed=8)
+    reference = emulate("qqq", tensors, x)
+    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=4, zsplit=4, bulk=False)
+    call = kernels.upload(launch)
+    for _ in range(2):
+        call()
+        np.testing.assert_array_equal(call.result(), reference.out.view(np.uint16))
+    import cupy
+
+    assert not cupy.asnumpy(call.args[-2]).any() and not cupy.asnumpy(call.args[-1]).any()
 
 
 @pytest.mark.bulk
