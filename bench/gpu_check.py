@@ -11,21 +11,23 @@
    right after the tests, so that a short lease still brings the bars back).
 2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
    bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
-   --skip-profile leave them out; --profile-large adds the Hopper kernels at M = 1024).
+   --skip-profile leave them out; --tune-large and --profile-large add the Hopper kernels at M = 1024).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
    not travel to the device).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json and sweep.json, four files:
-the tool brings back at most eight); a table of the steps' exit codes is printed last. Each step has a time
-limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps the whole run: a step
-gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the table). On a machine
-without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the script itself.
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json, tune_large.json and
+sweep.json, five files: the tool brings back at most eight); a table of the steps' exit codes is printed last.
+Each step has a time limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps
+the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
+table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
+script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
-        [--skip-tune] [--tune-args ARGS] [--skip-profile] [--profile-formats F,...] [--profile-large]
+        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--skip-profile] [--profile-formats F,...]
+        [--profile-large]
         [--skip-validate] [--skip-sweep]
         [--recipes NAME,...]
 """
@@ -95,6 +97,8 @@ def main() -> None:
                         "anyprec --ms 1,4,16\")")
     parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
                         "bench/profile_smallm.py --formats)")
+    parser.add_argument("--tune-large", metavar="ARGS", help="also run bench/smallm_tune.py --large with these "
+                        "arguments (\"\" for its defaults): the Hopper kernels' ring and width at M = 1024")
     parser.add_argument("--profile-large", action="store_true", help="also profile the Hopper (wgmma) kernels at "
                         "M = 1024 under Nsight Compute (bench/profile_smallm.py --large)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
@@ -121,6 +125,9 @@ def main() -> None:
         if not args.skip_tune:
             step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"),
                           *shlex.split(args.tune_args)], args.out, results, 200, env)
+        if args.tune_large is not None and not env:  # the Hopper kernels' configurations at M = 1024
+            step("tune-large", [py, "bench/smallm_tune.py", "--large", "--json", str(args.out / "tune_large.json"),
+                                *shlex.split(args.tune_large)], args.out, results, 200, env)
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
