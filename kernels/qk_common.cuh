@@ -491,7 +491,8 @@ __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit
   int32_t* mine = sums + (size_t)tile * COUNT * 32;
 #pragma unroll
   for (int j = 0; j < COUNT; ++j) atomicAdd(&mine[j * 32 + lane], acc[j]);
-  __threadfence();  // this block's sums before its count
+  __threadfence();  // this block's sums before its count: every lane's, once the warp has met
+  __syncwarp();
   int last = 0;
   if (lane == 0) last = atomicAdd(&arrived[tile], 1) == zsplit - 1;
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;

@@ -69,7 +69,7 @@ def host_library() -> ctypes.CDLL:
 
 def nvrtc_defines() -> tuple[str, ...]:
     """The compile-time tuning knobs (NAME=VALUE) in $QUANTKIT_NVRTC_DEFINES, space-separated (bench/smallm_tune.py
-    sets them per configuration): QK_SMALLM_AHEAD, QK_WGMMA_STAGES, QK_WGMMA_LEAD."""
+    sets them per configuration): QK_SMALLM_AHEAD, QK_WGMMA_STAGES, QK_WGMMA_LEAD, QK_LQQ_TILE_WARPS."""
     return tuple(os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split())
 
 
@@ -348,9 +348,10 @@ def bulk_plan(splits: int, partial_bytes: int, slot_bytes: Callable[[int], int],
     """(chunk, slots, shared memory) of a bulk kernel's block of `splits` warps: chunks of `chunk` K steps (their
     bytes `slot_bytes(chunk)`), BULK_SLOTS of them a warp, fewer steps a chunk while the block's shared memory would
     pass BULK_MAX_SHARED (kernels/qk_common.cuh bulk_shared: partials, mbarriers, slots)."""
+    barriers = -(-splits * BULK_SLOTS * 8 // 16) * 16  # 8 bytes a slot, rounded up to 16
+
     def shared(chunk: int) -> int:
-        return (splits - 1) * partial_bytes + -(-splits * BULK_SLOTS * 8 // 16) * 16 + splits * BULK_SLOTS * slot_bytes(
-            chunk)
+        return (splits - 1) * partial_bytes + barriers + splits * BULK_SLOTS * slot_bytes(chunk)
 
     while chunk > 1 and shared(chunk) > BULK_MAX_SHARED:
         chunk //= 2
