@@ -45,7 +45,7 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "U6": ({"QK_SMALLM_AHEAD": 6}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
     # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
     "LQQ-16": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "LIQUIDQUANT_GEMM16": True}),
-    # QQQ's small-M kernels with K split across up to 4 blocks a tile where the tiles are fewer than the SMs
+    # QServe's and QQQ's small-M kernels with K split across up to 4 blocks a tile (split_plan)
     "ZSPLIT": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "SPLITK_BLOCKS_MAX": 4}),
     # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
     "LQQ-W4": ({"QK_SMALLM_AHEAD": 8, "QK_LQQ_TILE_WARPS": 4}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),

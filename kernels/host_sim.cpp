@@ -438,10 +438,12 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
 // The host twin of qserve_w4a8_gemm: copy c of a tile's warps takes K steps c, c + splits, ...
 extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group, int splits) {
+                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
+                                      int32_t*) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  qserve_host(args, splits, [&](int mt, int nt, int copy, auto&& step) {
-    for (int kt = copy; kt < k / 32; kt += splits)
+  const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
+  qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
+    for (int kt = copy; kt < k / 32; kt += copies)
       step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
         uint32_t w[4], s, z;
         qk::load_a(args, mt, kt, lane, fa);
@@ -457,15 +459,16 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
 // a byte no copy wrote, or a copy outside its slot or misaligned, shows; then its steps read the slot.
 extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group, int splits, int chunk, int slots) {
+                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
+                                      int32_t*, int32_t*, int chunk, int slots) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const qk::QServeBulk layout{chunk, std::min(16, m), s2 != nullptr};
   if (slots < 1 || chunk < 1) fail("bulk: no slot");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  const int steps = k / 32;
-  qserve_host(args, splits, [&](int mt, int nt, int copy, auto&& step) {
+  const int steps = k / 32, copies = splits * zsplit;
+  qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
     bulk_walk_host(
-        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        slot, chunk, copy * steps / copies, (copy + 1) * steps / copies,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
         [&](int s0, int u) {
           step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {

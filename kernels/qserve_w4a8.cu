@@ -250,14 +250,17 @@ struct QServeWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 32, ceil(M / 16)), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of a block
-// split K over one 16 x 32 output tile. s1_szeros null: per group.
+// grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of
+// a block split K over one 16 x 32 output tile, and so do the zsplit blocks of the tile (its copies are blockIdx.z
+// splits + copy of splits zsplit, meeting in `sums` and `arrived`: splitk_blocks; null when zsplit is 1).
+// s1_szeros null: per group.
 extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
                      const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                     int group, int splits) {
+                     int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
+  const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   struct Stage { uint32_t w[4], s, z, a[4]; };
   int32_t acc[4][4] = {};
   auto load = [&](int kt, Stage& st) {
@@ -271,29 +274,32 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
   };
-  pipelined_steps<QK_SMALLM_AHEAD, Stage>(copy, splits, k / 32, load, compute);
+  pipelined_steps<QK_SMALLM_AHEAD, Stage>(first, copies, k / 32, load, compute);
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
+  if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
 
 #if defined(QK_WGMMA)
-// The bulk decode kernel (Hopper): grid (N / 32, ceil(M / 16)), block 32 * splits, as qserve_w4a8_gemm, but copy c of
-// a tile's warps takes the contiguous K steps [c S / splits, (c + 1) S / splits) (S = K / 32), fetched by bulk copies
-// into `slots` slots of `chunk` steps each (QServeBulk). Dynamic shared memory: the split-K partials ((splits - 1) *
-// 2 KiB), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then each warp's slots.
+// The bulk decode kernel (Hopper): grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, as qserve_w4a8_gemm, but
+// copy i = blockIdx.z splits + c of a tile's splits zsplit takes the contiguous K steps [i S / copies, (i + 1) S /
+// copies) (S = K / 32), fetched by bulk copies into `slots` slots of `chunk` steps each (QServeBulk). Dynamic shared
+// memory: the split-K partials ((splits - 1) * 2 KiB), then 8 bytes of mbarrier per slot of every warp (rounded up
+// to 16), then each warp's slots.
 extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_bulk(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
                      const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                     int group, int splits, int chunk, int slots) {
+                     int group, int splits, int zsplit, int32_t* sums, int32_t* arrived, int chunk, int slots) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y, steps = k / 32;
+  const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   const qk::QServeBulk layout{chunk, min(16, m), s2 != nullptr};
   uint64_t* bars;
   uint8_t* mine;
   bulk_shared(splits, 2048, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[4][4] = {};
   bulk_steps(
-      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      mine, layout.slot_bytes(), bars, slots, chunk, first * steps / copies, (first + 1) * steps / copies, lane,
       [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
       [&](int s0, int u, const uint8_t* slot) {
         uint32_t fa[4], w[4], sc, z, fb[4][2];
@@ -304,6 +310,7 @@ extern "C" __global__ void __launch_bounds__(512)
         for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], fa, fb[nb]);
       });
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
+  if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
 }
 #endif

@@ -188,22 +188,46 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
     return splits
 
 
-# Split-K across blocks (QQQ's small-M kernels, whose 64-channel tiles make only 64 blocks at N = 4096, each already
-# 16 warps: 64 of an H200's 132 SMs): up to SPLITK_BLOCKS_MAX blocks a tile, while the blocks stay within
-# SPLITK_SMS, meeting in an int32 workspace that the last block of a tile zeroes again (kernels/qk_common.cuh
-# splitk_blocks). 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
+# Split-K across blocks as well (QServe's and QQQ's small-M kernels): up to SPLITK_BLOCKS_MAX blocks a tile, which
+# meet in an int32 workspace that the last block of a tile zeroes again (kernels/qk_common.cuh splitk_blocks), so
+# that the grid's blocks spread evenly over SPLITK_SMS SMs. A block is one tile's copies, and every copy of a small
+# grid is resident at once, so an SM's time follows the most blocks any SM holds: 192 QServe tiles at N = 6144 put
+# two on 60 SMs and one on 72 (73% of the even spread), 384 half-tiles three and two (97%); QQQ's 64 tiles at
+# N = 4096 (8 warps each: their partial sums fill the 48 KiB a block takes without opting in) use 64 of an H200's
+# 132 SMs and 512 warps. 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
 SPLITK_BLOCKS_MAX = 1
 SPLITK_SMS = 132  # an H100 / H200 SXM
+SPLITK_BLOCK_COPIES = 16  # a block's most copies (SPLITK_MAX_THREADS of one-warp copies)
 
 
-def block_split_count(blocks: int, copies: int, steps: int) -> int:
-    """How many blocks split each tile's K steps (a power of two up to SPLITK_BLOCKS_MAX): while the grid stays
-    within SPLITK_SMS blocks and each of the tile's copies x blocks walks at least SPLITK_MIN_STEPS steps."""
-    zsplit = 1
-    while (2 * zsplit <= SPLITK_BLOCKS_MAX and blocks * 2 * zsplit <= SPLITK_SMS
-           and steps // (copies * 2 * zsplit) >= SPLITK_MIN_STEPS):
-        zsplit *= 2
-    return zsplit
+def block_balance(blocks: int) -> float:
+    """The share of the even spread a grid of `blocks` equal blocks gets on SPLITK_SMS SMs, all resident at once."""
+    return blocks / (SPLITK_SMS * -(-blocks // SPLITK_SMS))
+
+
+def split_plan(tiles: int, steps: int, partial_bytes: int) -> tuple[int, int]:
+    """(splits, zsplit) of a small-M launch of `tiles` one-warp tiles of `steps` K steps: split_count's copies a
+    tile, doubled past a block's most while the tiles are too few for SPLITK_WARPS; then the blocks a tile (a power
+    of two up to SPLITK_BLOCKS_MAX) whose grid spreads most evenly (block_balance; the fewest on a tie), the copies
+    shared among them."""
+    splits = split_count(tiles, 1, steps, partial_bytes)
+    if SPLITK_BLOCKS_MAX == 1:
+        return splits, 1
+    total = splits
+    while (2 * total <= SPLITK_BLOCK_COPIES * SPLITK_BLOCKS_MAX and tiles * 2 * total <= SPLITK_WARPS
+           and steps // (2 * total) >= SPLITK_MIN_STEPS):
+        total *= 2
+    zsplits = [z for z in (1 << i for i in range(SPLITK_BLOCKS_MAX.bit_length())) if z <= SPLITK_BLOCKS_MAX
+               and z <= total and total // z <= SPLITK_BLOCK_COPIES
+               and (total // z - 1) * partial_bytes <= SPLITK_MAX_SHARED]
+    zsplit = max(zsplits, key=lambda z: (round(block_balance(tiles * z), 6), -z))
+    return total // zsplit, zsplit
+
+
+def meeting_point(tiles: int, count: int, zsplit: int) -> list[np.ndarray | None]:
+    """The workspace of split-K across blocks (splitk_blocks): `count` int32 sums a lane of a warp for each tile and
+    a count of the blocks arrived, zeros; nulls when a tile is one block."""
+    return [np.zeros(tiles * count * 32, np.int32), np.zeros(tiles, np.int32)] if zsplit > 1 else [None, None]
 
 
 @dataclass(frozen=True)
@@ -365,11 +389,12 @@ def use_bulk(bulk: bool | None) -> bool:
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
-                  wgmma: bool | None = None, bulk: bool | None = None) -> Launch:
+                  wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
     """kernels/qserve_w4a8.cu on one linear's stored tensors (`t_x`: per-token sums of the unquantized
-    activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path, default
-    split_count's; `tiled`: the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off,
-    default per use_wgmma; `bulk`: the small-M path's bulk-copy kernel, default BULK_DECODE on a Hopper GPU)."""
+    activations, needed per channel; `splits`: warps splitting K per output tile on the small-M path and `zsplit`
+    blocks doing so, default split_plan's (`zsplit` 1 when `splits` is given); `tiled`: the large-M path, default
+    from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma; `bulk`: the small-M path's
+    bulk-copy kernel, default per use_bulk)."""
     qweight = _c(tensors["qweight"].contiguous().view(torch.uint8).numpy(), np.uint8)
     n, k, m = qweight.shape[0], qweight.shape[1] * 2, x_int8.shape[0]
     grouped = "s2_scales" in tensors
@@ -383,15 +408,18 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    grid = (n // 32, -(-m // 16))
+    tiles = (n // 32) * -(-m // 16)
     partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
-    splits = splits or split_count(grid[0] * grid[1], 1, k // 32, partial_bytes)
+    if splits is None:
+        splits, zsplit = split_plan(tiles, k // 32, partial_bytes)
+    zsplit = zsplit or 1
+    grid, meet = (n // 32, -(-m // 16), zsplit), meeting_point(tiles, 16, zsplit)
     if use_bulk(bulk):  # chunks of 8 K steps (4 KiB of weights) up to 4 tokens, else 4 (their activation rows)
         chunk, slots, shared = bulk_plan(splits, partial_bytes,
                                          lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
-        return Launch("qserve_w4a8", "qserve_w4a8_bulk", [*args, splits, chunk, slots], grid, 32 * splits, out,
-                      shared)
-    return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits], grid, 32 * splits, out,
+        return Launch("qserve_w4a8", "qserve_w4a8_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid,
+                      32 * splits, out, shared)
+    return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
                   (splits - 1) * partial_bytes)
 
 
@@ -445,9 +473,9 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
                t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
     """kernels/qqq_w4a8.cu on one linear's stored tensors (`splits`: warps splitting K per output tile on the
-    small-M path, `zsplit` blocks doing so, default split_count's and block_split_count's; `tiled`: the large-M
-    path, default from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma; `bulk`: the
-    small-M path's bulk-copy kernel, default per use_bulk)."""
+    small-M path and `zsplit` blocks doing so, default split_plan's (`zsplit` 1 when `splits` is given); `tiled`:
+    the large-M path, default from M and the shape; `wgmma`: the Hopper kernel on or off, default per use_wgmma;
+    `bulk`: the small-M path's bulk-copy kernel, default per use_bulk)."""
     b = _c(tensors["B"].numpy().view(np.uint32), np.uint32)
     n, k, m = b.shape[1] // 2, b.shape[0] * 16, x_int8.shape[0]
     out = np.zeros((m, n), dtype=np.uint16)
@@ -459,10 +487,10 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
         return large
     tiles = (n // 64) * -(-m // 16)
     partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
-    splits = splits or split_count(tiles, 1, k // 16, partial_bytes)
-    zsplit = zsplit or block_split_count(tiles, splits, k // 16)
-    grid = (n // 64, -(-m // 16), zsplit)
-    meet = [np.zeros(tiles * 32 * 32, np.int32), np.zeros(tiles, np.int32)] if zsplit > 1 else [None, None]
+    if splits is None:
+        splits, zsplit = split_plan(tiles, k // 16, partial_bytes)
+    zsplit = zsplit or 1
+    grid, meet = (n // 64, -(-m // 16), zsplit), meeting_point(tiles, 32, zsplit)
     if use_bulk(bulk):  # chunks of 8 k16 steps (4 KiB of words) up to 4 tokens, else 4 (their activation rows)
         chunk, slots, shared = bulk_plan(splits, partial_bytes,
                                          lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)

@@ -88,7 +88,7 @@ def test_qserve_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, sl
     launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits, bulk=True)
     assert launch.name == "qserve_w4a8_bulk" and launch.block == 32 * splits
-    assert launch.args[-3:] == [splits, 8 if m <= 4 else 4, kernels.BULK_SLOTS]
+    assert launch.args[-2:] == [8 if m <= 4 else 4, kernels.BULK_SLOTS]
     launch.args[-2:] = [chunk, slots]
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
@@ -137,32 +137,41 @@ def test_qqq_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, slots
 
 @needs_compiler
 @pytest.mark.parametrize("bulk", [False, True])
-@pytest.mark.parametrize(("group", "m", "k", "splits", "zsplit"), [
-    (None, 1, 512, 3, 2), (128, 5, 768, 2, 4), (None, 20, 400, 1, 3),  # 25 k16 steps over 3 blocks of one warp
+@pytest.mark.parametrize(("fmt", "group", "m", "k", "splits", "zsplit"), [
+    ("qqq", None, 1, 512, 3, 2), ("qqq", 128, 5, 768, 2, 4),
+    ("qqq", None, 20, 400, 1, 3),  # 25 k16 steps over 3 blocks of one warp
+    ("qserve", None, 1, 416, 3, 2), ("qserve", 128, 20, 768, 2, 3),  # 13 k32 steps over 6 copies; two token tiles
 ])
-def test_qqq_block_split_matches_the_emulation(group, m, k, splits, zsplit, bulk):
-    """QQQ's small-M kernels with K split across `zsplit` blocks of a tile as well (their copies interleaved, or
-    contiguous ranges for the bulk kernel): the emulation's bits, whatever order the blocks' integer sums meet in."""
+def test_block_split_matches_the_emulation(fmt, group, m, k, splits, zsplit, bulk):
+    """QServe's and QQQ's small-M kernels with K split across `zsplit` blocks of a tile as well (their copies
+    interleaved, or contiguous ranges for the bulk kernels): the emulation's bits, whatever order the blocks'
+    integer sums meet in."""
     n = 128
-    tensors = synthetic("qqq", n, k, seed=m + k + zsplit, group=group)
+    tensors = synthetic(fmt, n, k, seed=m + k + zsplit, group=group)
     x = activations(m, k, seed=zsplit)
-    reference = emulate("qqq", tensors, x)
-    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=splits, zsplit=zsplit, bulk=bulk)
-    assert launch.grid == (n // 64, -(-m // 16), zsplit)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, zsplit=zsplit, bulk=bulk)
+    width, count = (64, 32) if fmt == "qqq" else (32, 16)  # channels and accumulators a lane of a tile's warp
+    tiles = n // width * -(-m // 16)
+    assert launch.grid == (n // width, -(-m // 16), zsplit)
     sums, arrived = launch.args[-4:-2] if bulk else launch.args[-2:]
-    assert sums.shape == (n // 64 * -(-m // 16) * 1024,) and arrived.shape == (n // 64 * -(-m // 16),)
+    assert sums.shape == (tiles * count * 32,) and arrived.shape == (tiles,)
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
-def test_block_splits_fill_the_sms_only_when_tiles_are_few(monkeypatch):
-    """block_split_count: off by default; on, only while the grid stays within SPLITK_SMS blocks and each copy keeps
-    SPLITK_MIN_STEPS steps."""
-    assert kernels.block_split_count(64, 16, 256) == 1
+def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
+    """split_plan: split_count's copies alone by default; with blocks allowed, the blocks a tile that spread the grid
+    most evenly over the SMs, within the warp budget and SPLITK_MIN_STEPS steps a copy."""
+    assert kernels.split_plan(192, 128, 2048) == (8, 1)  # QServe 6144 x 4096
     monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 4)
-    assert kernels.block_split_count(64, 16, 256) == 2  # 128 blocks of 16 warps, 8 steps each
-    assert kernels.block_split_count(64, 16, 128) == 1  # 4 steps each would be too few
-    assert kernels.block_split_count(448, 1, 256) == 1  # N = 28672: 448 tiles fill the SMs already
-    assert kernels.block_split_count(16, 8, 1024) == 4  # capped at SPLITK_BLOCKS_MAX
+    assert kernels.split_plan(192, 128, 2048) == (4, 2)  # 384 blocks: 3 or 2 an SM, not 2 or 1
+    assert kernels.split_plan(128, 128, 2048) == (16, 1)  # QServe 4096 x 4096: 128 blocks spread already
+    assert kernels.split_plan(64, 256, 4096) == (8, 4)  # QQQ 4096 x 4096: 32 copies a tile over four blocks (the
+    # partial sums of more than 12 copies would pass the 48 KiB a block may take without opting in)
+    assert kernels.split_plan(64, 128, 4096) == (8, 2)  # but not below 8 steps a copy
+    assert kernels.split_plan(896, 128, 2048) == (2, 1)  # QServe 28672 x 4096
+    assert abs(kernels.block_balance(192) - 192 / 264) < 1e-12 and kernels.block_balance(132) == 1.0
 
 
 @needs_compiler
@@ -691,15 +700,16 @@ def test_qserve_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
 
 
 @needs_gpu
-@pytest.mark.parametrize("group", [None, 128])
-def test_qqq_block_split_gpu_kernel_matches_the_emulation(group):
-    """QQQ's register kernel with K split across 4 blocks a tile on the device: the emulation's bits, twice in a row
-    from the same workspace, which the last block of each tile leaves zeroed again."""
+@pytest.mark.parametrize(("fmt", "group"), [("qqq", None), ("qqq", 128), ("qserve", None), ("qserve", 128)])
+def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
+    """QServe's and QQQ's register kernels with K split across 4 blocks a tile on the device: the emulation's bits,
+    twice in a row from the same workspace, which the last block of each tile leaves zeroed again."""
     n, k, m = 256, 4096, 3
-    tensors = synthetic("qqq", n, k, seed=7, group=group)
+    tensors = synthetic(fmt, n, k, seed=7, group=group)
     x = activations(m, k, seed=8)
-    reference = emulate("qqq", tensors, x)
-    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=4, zsplit=4, bulk=False)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=4, zsplit=4, bulk=False)
     call = kernels.upload(launch)
     for _ in range(2):
         call()
