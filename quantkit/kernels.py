@@ -387,6 +387,27 @@ def use_bulk(bulk: bool | None) -> bool:
     return bulk if bulk is not None else BULK_DECODE and hopper_available()
 
 
+def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, width: int, count: int, steps: int,
+                     splits: int | None, zsplit: int | None, bulk: bool | None,
+                     slot_bytes: Callable[[int], int]) -> Launch:
+    """The small-M launch of a layout whose warp computes a 16-token x `width`-channel tile with `count` int32 sums
+    a lane over `steps` K steps (QServe: 32 channels, 16 sums; QQQ: 64, 32): `module`_gemm, or `module`_bulk per
+    use_bulk (chunks of 8 steps, 4 KiB of weights, up to 4 tokens, else 4, for their activation rows); `splits`
+    copies a block and `zsplit` blocks a tile, default split_plan's (`zsplit` 1 when `splits` is given)."""
+    tiles = (n // width) * -(-m // 16)
+    partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
+    if splits is None:
+        splits, zsplit = split_plan(tiles, steps, partial_bytes)
+    zsplit = zsplit or 1
+    grid, meet = (n // width, -(-m // 16), zsplit), meeting_point(tiles, count, zsplit)
+    if use_bulk(bulk):
+        chunk, slots, shared = bulk_plan(splits, partial_bytes, slot_bytes, 8 if m <= 4 else 4)
+        return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid, 32 * splits, out,
+                      shared)
+    return Launch(module, f"{module}_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
+                  (splits - 1) * partial_bytes)
+
+
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                   wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
@@ -408,19 +429,8 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    tiles = (n // 32) * -(-m // 16)
-    partial_bytes = 32 * 16 * 4  # one warp's 16 accumulators per lane
-    if splits is None:
-        splits, zsplit = split_plan(tiles, k // 32, partial_bytes)
-    zsplit = zsplit or 1
-    grid, meet = (n // 32, -(-m // 16), zsplit), meeting_point(tiles, 16, zsplit)
-    if use_bulk(bulk):  # chunks of 8 K steps (4 KiB of weights) up to 4 tokens, else 4 (their activation rows)
-        chunk, slots, shared = bulk_plan(splits, partial_bytes,
-                                         lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
-        return Launch("qserve_w4a8", "qserve_w4a8_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid,
-                      32 * splits, out, shared)
-    return Launch("qserve_w4a8", "qserve_w4a8_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
-                  (splits - 1) * partial_bytes)
+    return warp_tile_launch("qserve_w4a8", args, out, m, n, 32, 16, k // 32, splits, zsplit, bulk,
+                            lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped))
 
 
 # Up to this many tokens (one n8 block of the MMAs) the launches take the decode kernels (liquidquant_w4a8_gemm8,
@@ -485,19 +495,8 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
     if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    tiles = (n // 64) * -(-m // 16)
-    partial_bytes = 32 * 32 * 4  # one warp's 32 accumulators per lane
-    if splits is None:
-        splits, zsplit = split_plan(tiles, k // 16, partial_bytes)
-    zsplit = zsplit or 1
-    grid, meet = (n // 64, -(-m // 16), zsplit), meeting_point(tiles, 32, zsplit)
-    if use_bulk(bulk):  # chunks of 8 k16 steps (4 KiB of words) up to 4 tokens, else 4 (their activation rows)
-        chunk, slots, shared = bulk_plan(splits, partial_bytes,
-                                         lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), 8 if m <= 4 else 4)
-        return Launch("qqq_w4a8", "qqq_w4a8_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid, 32 * splits,
-                      out, shared)
-    return Launch("qqq_w4a8", "qqq_w4a8_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
-                  (splits - 1) * partial_bytes)
+    return warp_tile_launch("qqq_w4a8", args, out, m, n, 64, 32, k // 16, splits, zsplit, bulk,
+                            lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped))
 
 
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,
