@@ -25,7 +25,7 @@ the whole run: a step gets at most what is left, and one that would get under 30
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
 script itself.
 
-    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-bench]
+    PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--skip-profile] [--profile-formats F,...]
         [--profile-large]
         [--skip-validate] [--skip-sweep]
@@ -88,6 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
+    parser.add_argument("--skip-tests", action="store_true", help="leave out the device tests (a second run on a "
+                        "machine whose first run passed them)")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
     parser.add_argument("--skip-tune", action="store_true", help="leave out bench/smallm_tune.py")
     parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
@@ -114,11 +116,13 @@ def main() -> None:
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
     env = {}
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
-        if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk"], args.out, results, 120) != 0:
-            env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
-        # the bulk-copy decode kernel (off by default) apart: a wrong mbarrier count would hang only this step
-        step("bulk-tests", [*pytest, "-m", "bulk"], args.out, results, 60, env)
-        step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240, env)
+        if not args.skip_tests:
+            if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk"], args.out, results, 120) != 0:
+                env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
+            # the bulk-copy decode kernel (off by default) apart: a wrong mbarrier count would hang only this step
+            step("bulk-tests", [*pytest, "-m", "bulk"], args.out, results, 60, env)
+            step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240,
+                 env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 240, env)
