@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(512)
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits, int chunk, int slots) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, n16 = blockIdx.x, steps = k / 64;
-  const qk::LiquidBulk layout{chunk, min(8, m)};
+  const qk::LiquidBulk layout{chunk, qk::imin(8, m)};
   uint64_t* bars;
   uint8_t* mine;
   bulk_shared(splits, 512, slots, layout.slot_bytes(), copy, bars, mine);

@@ -25,6 +25,9 @@ typedef unsigned long long uint64_t;
 
 namespace qk {
 
+// The smaller of two ints, written out: NVRTC's headers need not declare min().
+QK_FN int imin(int a, int b) { return a < b ? a : b; }
+
 // The m16n8k32 s8 fragment coordinates (PTX ISA, "Matrix Fragments for mma.m16n8k32"): lane = 4 * group + quad.
 QK_FN int frag_group(int lane) { return lane >> 2; }
 QK_FN int frag_quad(int lane) { return lane & 3; }
@@ -766,7 +769,7 @@ __device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint6
   __syncwarp();
   const int chunks = end > begin ? (end - begin + chunk - 1) / chunk : 0;
   auto issue = [&](int j) {
-    const int s0 = begin + j * chunk, cnt = min(chunk, end - s0);
+    const int s0 = begin + j * chunk, cnt = qk::imin(chunk, end - s0);
     uint8_t* slot = slots + (size_t)(j % nslots) * slot_bytes;
     uint32_t total = 0;
     copies(s0, cnt, [&](int, const void*, int bytes) { total += bytes; });
@@ -777,10 +780,10 @@ __device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint6
       if (i++ % 32 == lane) bulk_copy(slot + offset, src, bytes, &bars[j % nslots]);
     });
   };
-  for (int j = 0; j < min(nslots, chunks); ++j) issue(j);
+  for (int j = 0; j < qk::imin(nslots, chunks); ++j) issue(j);
   for (int j = 0; j < chunks; ++j) {
     mbar_wait(&bars[j % nslots], (j / nslots) & 1);
-    const int s0 = begin + j * chunk, cnt = min(chunk, end - s0);
+    const int s0 = begin + j * chunk, cnt = qk::imin(chunk, end - s0);
     const uint8_t* slot = slots + (size_t)(j % nslots) * slot_bytes;
     for (int u = 0; u < cnt; ++u) compute(s0, u, slot);
     if (j + nslots < chunks) {

@@ -340,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(512)
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y, steps = k / 16;
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   const bool grouped = s_group != nullptr;
-  const qk::QQQBulk layout{chunk, min(16, m), grouped};
+  const qk::QQQBulk layout{chunk, qk::imin(16, m), grouped};
   uint64_t* bars;
   uint8_t* mine;
   bulk_shared(splits, 4096, slots, layout.slot_bytes(), copy, bars, mine);

@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(512)
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y, steps = k / 32;
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
-  const qk::QServeBulk layout{chunk, min(16, m), s2 != nullptr};
+  const qk::QServeBulk layout{chunk, qk::imin(16, m), s2 != nullptr};
   uint64_t* bars;
   uint8_t* mine;
   bulk_shared(splits, 2048, slots, layout.slot_bytes(), copy, bars, mine);

@@ -776,6 +776,39 @@ def test_bulk_device_code_uses_the_copy_engine(module, kernel, tmp_path):
         assert op in body, op
 
 
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:  # CuPy absent, or its NVRTC library missing
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
+@pytest.mark.parametrize("name", ["qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8", "atom_w4a4", "anyprec_gemv"])
+def test_nvrtc_builds_every_module(name):
+    """Each kernel module builds with NVRTC as quantkit.kernels builds it on a GPU (CuPy's include directories; the
+    W4A8 modules also for sm_90a with the wgmma and bulk kernels), which needs no GPU: NVRTC's headers are not
+    nvcc's, so a module nvcc builds can still fail there, and the Hopper module holds every wgmma and bulk kernel."""
+    from cupy._core import core
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernels.source_dir()
+    builds = [("--gpu-architecture=sm_90",)]
+    if name not in ("atom_w4a4", "anyprec_gemv"):
+        builds.append(("-DQK_WGMMA", "--gpu-architecture=sm_90a"))
+    for extra in builds:
+        prog = nvrtc.createProgram((src / f"{name}.cu").read_text(), f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, list(core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", *extra))))
+        except nvrtc.NVRTCError as e:
+            pytest.fail(f"{name} {extra}: {e}\n{nvrtc.getProgramLog(prog)[-3000:]}")
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
 # The Hopper ring's knobs (QK_WGMMA_STAGES, QK_WGMMA_LEAD) other than the default that a tuning run may pick: the
 # deepest ring that two blocks an SM fit, copies one step behind the slot being read; and copies one step ahead in
 # the shallowest ring whose slots hold the 256-channel kernel's staged outputs.
