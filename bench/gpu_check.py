@@ -26,7 +26,8 @@ table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the w
 script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
-        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--skip-profile] [--profile-formats F,...]
+        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--skip-profile]
+        [--profile-formats F,...]
         [--profile-large]
         [--skip-validate] [--skip-sweep]
         [--recipes NAME,...]
@@ -99,6 +100,8 @@ def main() -> None:
                         "anyprec --ms 1,4,16\")")
     parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
                         "bench/profile_smallm.py --formats)")
+    parser.add_argument("--tune-seconds", type=float, default=200, help="the limit of each tuning step (default "
+                        "200; its JSON keeps every configuration finished in time)")
     parser.add_argument("--tune-large", metavar="ARGS", help="also run bench/smallm_tune.py --large with these "
                         "arguments (\"\" for its defaults): the Hopper kernels' ring and width at M = 1024")
     parser.add_argument("--profile-large", action="store_true", help="also profile the Hopper (wgmma) kernels at "
@@ -128,10 +131,10 @@ def main() -> None:
                            str(args.out / "bench.json")], args.out, results, 240, env)
         if not args.skip_tune:
             step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"),
-                          *shlex.split(args.tune_args)], args.out, results, 200, env)
+                          *shlex.split(args.tune_args)], args.out, results, args.tune_seconds, env)
         if args.tune_large is not None and not env:  # the Hopper kernels' configurations at M = 1024
             step("tune-large", [py, "bench/smallm_tune.py", "--large", "--json", str(args.out / "tune_large.json"),
-                                *shlex.split(args.tune_large)], args.out, results, 200, env)
+                                *shlex.split(args.tune_large)], args.out, results, args.tune_seconds, env)
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []

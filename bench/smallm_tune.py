@@ -209,6 +209,8 @@ def main() -> None:
             print(f"{name}: failed\n{done.stderr[-3000:]}", flush=True)
             continue
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if args.json:  # after every configuration, so that a run cut short keeps what it timed
+            args.json.write_text(json.dumps(runs, indent=1))
         bad = [label for label, ok in runs[-1]["checked"].items() if not ok]
         registers = ", ".join(f"{kernel} {regs} ({local} B local)"
                               for kernel, (regs, local) in runs[-1]["registers"].items())
@@ -232,8 +234,6 @@ def main() -> None:
     print("\n| config | total us (every row) |\n|---|---|")
     for r in runs:
         print(f"| {r['config']} | {sum(r['seconds'].values()) * 1e6:.1f} |")
-    if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
     good = [r for r in runs if all(r["checked"].values())]
     if args.best and good:
         best = min(good, key=lambda r: sum(r["seconds"].values()))
