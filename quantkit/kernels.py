@@ -193,8 +193,8 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
 # that the grid's blocks spread evenly over SPLITK_SMS SMs. A block is one tile's copies, and every copy of a small
 # grid is resident at once, so an SM's time follows the most blocks any SM holds: 192 QServe tiles at N = 6144 put
 # two on 60 SMs and one on 72 (73% of the even spread), 384 half-tiles three and two (97%); QQQ's 64 tiles at
-# N = 4096 (8 warps each: their partial sums fill the 48 KiB a block takes without opting in) use 64 of an H200's
-# 132 SMs and 512 warps. 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
+# N = 4096 (8 warps each: 16 copies' partial sums would pass the 48 KiB a block takes without opting in) use 64 of
+# an H200's 132 SMs and 512 warps. 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
 SPLITK_BLOCKS_MAX = 1
 SPLITK_SMS = 132  # an H100 / H200 SXM
 SPLITK_BLOCK_COPIES = 16  # a block's most copies (SPLITK_MAX_THREADS of one-warp copies)

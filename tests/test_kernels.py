@@ -167,8 +167,8 @@ def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
     monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 4)
     assert kernels.split_plan(192, 128, 2048) == (4, 2)  # 384 blocks: 3 or 2 an SM, not 2 or 1
     assert kernels.split_plan(128, 128, 2048) == (16, 1)  # QServe 4096 x 4096: 128 blocks spread already
-    assert kernels.split_plan(64, 256, 4096) == (8, 4)  # QQQ 4096 x 4096: 32 copies a tile over four blocks (the
-    # partial sums of more than 12 copies would pass the 48 KiB a block may take without opting in)
+    assert kernels.split_plan(64, 256, 4096) == (8, 4)  # QQQ 4096 x 4096: 32 copies a tile over four blocks (16
+    # copies' partial sums would pass the 48 KiB a block may take without opting in)
     assert kernels.split_plan(64, 128, 4096) == (8, 2)  # but not below 8 steps a copy
     assert kernels.split_plan(896, 128, 2048) == (2, 1)  # QServe 28672 x 4096
     assert abs(kernels.block_balance(192) - 192 / 264) < 1e-12 and kernels.block_balance(132) == 1.0
