@@ -27,10 +27,7 @@ script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--skip-profile]
-        [--profile-formats F,...]
-        [--profile-large]
-        [--skip-validate] [--skip-sweep]
-        [--recipes NAME,...]
+        [--profile-formats F,...] [--profile-large] [--skip-validate] [--skip-sweep] [--recipes NAME,...]
 """
 
 from __future__ import annotations
@@ -138,11 +135,11 @@ def main() -> None:
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
-            kernels = "regex:_gemm8?$|_gemv$|_tc8?_3$"  # the decode kernels (Any-Precision's at 3 bits)
+            kernels = "regex:_gemm8?$|_bulk8?$|_gemv$|_tc8?_3$"  # the decode kernels (Any-Precision's at 3 bits)
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats], args.out, results, 100, env)
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes
-            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma$",
+            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
                                    *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
                                    "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
     else:

@@ -40,22 +40,22 @@ REPO = Path(__file__).resolve().parent.parent
 # N = 6144 and 28672, 3-6% slower at 4096) and two accumulator sets (no faster, up to 32% slower at M = 16); run 8
 # blocks that take several tiles each, the next tile's words loaded during this one's (4% faster at N = 28672, 10%
 # slower at 6144).
+U8 = {"QK_SMALLM_AHEAD": 8}  # the built-in defines and split budget, which the other configurations vary
+SPLIT = {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}
 CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
-    "U8": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
-    "U6": ({"QK_SMALLM_AHEAD": 6}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
+    "U8": (U8, SPLIT),
+    "U6": ({"QK_SMALLM_AHEAD": 6}, SPLIT),
     # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
-    "LQQ-16": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "LIQUIDQUANT_GEMM16": True}),
+    "LQQ-16": (U8, {**SPLIT, "LIQUIDQUANT_GEMM16": True}),
     # QServe's and QQQ's small-M kernels with K split across up to 4 blocks a tile (split_plan)
-    "ZSPLIT": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "SPLITK_BLOCKS_MAX": 4}),
+    "ZSPLIT": (U8, {**SPLIT, "SPLITK_BLOCKS_MAX": 4}),
     # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
-    "LQQ-W4": ({"QK_SMALLM_AHEAD": 8, "QK_LQQ_TILE_WARPS": 4}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}),
+    "LQQ-W4": ({**U8, "QK_LQQ_TILE_WARPS": 4}, SPLIT),
     # the bulk-copy kernels on Hopper (qserve_w4a8_bulk, qqq_w4a8_bulk, liquidquant_w4a8_bulk8), two or three
     # chunks in flight a warp
-    "BULK": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True}),
-    "BULK-3": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True,
-                                        "BULK_SLOTS": 3}),
-    "BULK-Z": ({"QK_SMALLM_AHEAD": 8}, {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8, "BULK_DECODE": True,
-                                        "SPLITK_BLOCKS_MAX": 4}),
+    "BULK": (U8, {**SPLIT, "BULK_DECODE": True}),
+    "BULK-3": (U8, {**SPLIT, "BULK_DECODE": True, "BULK_SLOTS": 3}),
+    "BULK-Z": (U8, {**SPLIT, "BULK_DECODE": True, "SPLITK_BLOCKS_MAX": 4}),
 }
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the

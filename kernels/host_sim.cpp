@@ -32,11 +32,13 @@ void bulk_copy_host(std::vector<uint8_t>& slot, int offset, const void* src, int
   std::memcpy(slot.data() + offset, src, (size_t)bytes);
 }
 
-// The host side of bulk_steps: steps [begin, end) in chunks of `chunk`, each chunk's copies (copies(s0, cnt, emit))
-// done into `slot`, first filled with garbage so that a step reading a byte no copy wrote shows, then run(s0, u) for
-// each of its steps.
+// The host side of bulk_steps: copy i of `copies` walks its range of `steps` (copy_range) in chunks of `chunk`, each
+// chunk's copies (copies(s0, cnt, emit)) done into `slot`, first filled with garbage so that a step reading a byte no
+// copy wrote shows, then run(s0, u) for each of its steps.
 template <class Copies, class Run>
-void bulk_walk_host(std::vector<uint8_t>& slot, int chunk, int begin, int end, Copies copies, Run run) {
+void bulk_walk_host(std::vector<uint8_t>& slot, int chunk, int i, int n_copies, int steps, Copies copies, Run run) {
+  int begin, end;
+  qk::copy_range(i, n_copies, steps, begin, end);
   for (int s0 = begin; s0 < end; s0 += chunk) {
     const int cnt = std::min(chunk, end - s0);
     std::fill(slot.begin(), slot.end(), 0xA5);
@@ -468,7 +470,7 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
   const int steps = k / 32, copies = splits * zsplit;
   qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
     bulk_walk_host(
-        slot, chunk, copy * steps / copies, (copy + 1) * steps / copies,
+        slot, chunk, copy, copies, steps,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
         [&](int s0, int u) {
           step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
@@ -565,10 +567,9 @@ extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, c
   const qk::LiquidBulk layout{chunk, std::min(8, m)};
   if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  const int steps = k / 64;
   liquidquant_host<1>(args, splits, 1, [&](int n16, int, int, int copy, auto&& step) {
     bulk_walk_host(
-        slot, chunk, copy * steps / splits, (copy + 1) * steps / splits,
+        slot, chunk, copy, splits, k / 64,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
         [&](int, int u) {
           step([&](int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
@@ -686,7 +687,7 @@ extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint
   const int copies = splits * zsplit;
   qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
     bulk_walk_host(
-        slot, chunk, copy * steps / copies, (copy + 1) * steps / copies,
+        slot, chunk, copy, copies, steps,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
         [&](int s0, int u) {
           step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {

@@ -2,17 +2,17 @@
 // digest-liquidgemm-qqq §A3): out[M, N] (fp16) = fp16((acc * s1[n]) * s_x[m]), acc = sum_k W8[n, k] x_int8[m, k].
 //
 // The weights are the MMA's A operand (16 output channels x 32 k per mma.m16n8k32), the activations its B operand
-// (32 k x 8 tokens). A block of 128 threads (4 warps) owns one 64 x 64 weight block per K step: thread t makes one
+// (32 k x 8 tokens). The 4 warps of a 64 x 64 weight block share its K step: thread t makes one
 // 128-bit load of bytes 16t.. of the block and holds four registers, register 2j + h with the codes of row
 // r_h = 16 w + g (+ 8 for h = 1) at k = 32 j + 4 q + e (low nibbles) and 32 j + 16 + 4 q + e (high nibbles). Each
 // register becomes eight INT8 weights with LiquidQuant's five integer instructions (Eq. 12): two masks, one IMAD
 // per four lanes (u * s + a with a = 128 + min of the row's group) and one XOR 0x80808080. The low and high
 // results of registers 2j and 2j + 1 are exactly the A fragment {a0, a1, a2, a3} of MMA j.
 // Each warp computes 16 channels x 32 tokens (four n8 blocks; one, with twice the loads in flight, up to 8 tokens);
-// grid (N / 64, ceil(M / 32)). For small M the block holds `splits` copies of those 4 warps, each copy taking every
-// splits-th K step with several steps' loads in flight, and their int32 accumulators meet in shared memory before
-// the epilogue (split-K, qk_common.cuh: bit-identical).
-// No shared-memory staging of the operands yet. quantkit's warp simulator runs the same functions.
+// a small-M block holds `splits` copies of QK_LQQ_TILE_WARPS of those warps (lqq_tile: one, grid (N / 16,
+// ceil(M / 32))), each copy taking every splits-th K step with several steps' loads in flight, and their int32
+// accumulators meet in shared memory before the epilogue (split-K, qk_common.cuh: bit-identical).
+// quantkit's warp simulator runs the same functions.
 #include "qk_common.cuh"
 
 namespace qk {
@@ -287,19 +287,16 @@ extern "C" __global__ void __launch_bounds__(512)
 // The bulk decode kernel (Hopper, up to 8 tokens): grid (N / 16, 1), block 32 * splits: copy c of a block's warps
 // computes the 16 channels 16 blockIdx.x .. (warp blockIdx.x % 4 of a 64-channel block in liquidquant_w4a8_gemm8)
 // over the contiguous K steps [c S / splits, (c + 1) S / splits) (S = K / 64), fetched by bulk copies into `slots`
-// slots of `chunk` steps each (LiquidBulk, bulk_shared; partials 512 bytes a copy).
+// slots of `chunk` steps each (LiquidBulk; bulk_steps's shared memory, partials 512 bytes a copy).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_bulk8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits, int chunk, int slots) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, n16 = blockIdx.x, steps = k / 64;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, n16 = blockIdx.x;
   const qk::LiquidBulk layout{chunk, qk::imin(8, m)};
-  uint64_t* bars;
-  uint8_t* mine;
-  bulk_shared(splits, 512, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[4] = {};
   bulk_steps(
-      mine, layout.slot_bytes(), bars, slots, chunk, copy * steps / splits, (copy + 1) * steps / splits, lane,
+      splits, 1, 512, slots, layout.slot_bytes(), chunk, k / 64,
       [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
       [&](int, int u, const uint8_t* slot) {
         uint32_t r[4], sa[2], fa[2][4], fb[2];

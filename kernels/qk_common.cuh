@@ -28,6 +28,12 @@ namespace qk {
 // The smaller of two ints, written out: NVRTC's headers need not declare min().
 QK_FN int imin(int a, int b) { return a < b ? a : b; }
 
+// The bulk kernels' split-K: copy i of a tile's `copies` walks the contiguous K steps [begin, end) of its `steps`.
+QK_FN void copy_range(int i, int copies, int steps, int& begin, int& end) {
+  begin = i * steps / copies;
+  end = (i + 1) * steps / copies;
+}
+
 // The m16n8k32 s8 fragment coordinates (PTX ISA, "Matrix Fragments for mma.m16n8k32"): lane = 4 * group + quad.
 QK_FN int frag_group(int lane) { return lane >> 2; }
 QK_FN int frag_quad(int lane) { return lane & 3; }
@@ -726,14 +732,18 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   T::write_out(args, smem, m0, n0, tid);
 }
 
-// The bulk decode pipeline (the *_bulk kernels, sm_90: built with the Hopper module). A warp walks a contiguous range
-// [begin, end) of K steps in chunks of `chunk` steps, `nslots` chunks in flight in its own slots of shared memory:
+// The bulk decode pipeline (the *_bulk kernels, sm_90: built with the Hopper module). Warp `copy` of a block of
+// `splits` is copy blockIdx.z splits + copy of the tile's splits zsplit (copy_range), and walks its contiguous range
+// of the tile's `steps` K steps in chunks of `chunk` steps, `nslots` chunks in flight in its own slots of shared
+// memory:
 // each chunk arrives by bulk copies (cp.async.bulk, the TMA engine's 1-D copies, a handful of instructions for
 // kilobytes, no registers held while in flight) that complete on the slot's mbarrier. copies(s0, cnt, emit) names
 // the copies of chunk [s0, s0 + cnt) as emit(offset in the slot, source, bytes) (16-byte multiples, both ends
 // aligned), the same on every lane; lane 0 posts their byte count on the barrier (arrive.expect_tx), then lane
 // i % 32 issues copy i. compute(s0, u, slot) runs step s0 + u from the landed slot. A slot is refilled once every
 // lane has read it: each lane fences its reads against the async proxy, the warp meets, then the next copies go.
+// The block's dynamic shared memory: the split-K partials first (where splitk_reduce expects them, `partial_bytes`
+// a copy), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then each warp's slots.
 __device__ __forceinline__ uint32_t shared_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(count) : "memory");
@@ -760,8 +770,15 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 }
 
 template <class Copies, class Compute>
-__device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint64_t* bars, int nslots, int chunk,
-                                           int begin, int end, int lane, Copies copies, Compute compute) {
+__device__ __forceinline__ void bulk_steps(int splits, int zsplit, int partial_bytes, int nslots, int slot_bytes,
+                                           int chunk, int steps, Copies copies, Compute compute) {
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32;
+  extern __shared__ uint4 qk_dynamic[];
+  uint8_t* base = reinterpret_cast<uint8_t*>(qk_dynamic) + (splits - 1) * partial_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base) + copy * nslots;
+  uint8_t* slots = base + (splits * nslots * 8 + 15) / 16 * 16 + (size_t)copy * nslots * slot_bytes;
+  int begin, end;
+  qk::copy_range(blockIdx.z * splits + copy, splits * zsplit, steps, begin, end);
   if (lane == 0) {
     for (int r = 0; r < nslots; ++r) mbar_init(&bars[r], 1);
     mbar_fence_init();
@@ -794,15 +811,5 @@ __device__ __forceinline__ void bulk_steps(uint8_t* slots, int slot_bytes, uint6
   }
 }
 
-// The shared memory of a bulk kernel's block of `splits` warps: the split-K partials first (where splitk_reduce
-// expects them, `partial_bytes` a copy), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then
-// each warp's `nslots` slots. Sets warp `copy`'s barriers and slots.
-__device__ __forceinline__ void bulk_shared(int splits, int partial_bytes, int nslots, int slot_bytes, int copy,
-                                            uint64_t*& bars, uint8_t*& slots) {
-  extern __shared__ uint4 qk_dynamic[];
-  uint8_t* base = reinterpret_cast<uint8_t*>(qk_dynamic) + (splits - 1) * partial_bytes;
-  bars = reinterpret_cast<uint64_t*>(base) + copy * nslots;
-  slots = base + (splits * nslots * 8 + 15) / 16 * 16 + (size_t)copy * nslots * slot_bytes;
-}
 #endif  // QK_WGMMA
 #endif

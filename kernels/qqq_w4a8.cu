@@ -330,23 +330,19 @@ extern "C" __global__ void __launch_bounds__(512)
 #if defined(QK_WGMMA)
 // The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, as qqq_w4a8_gemm, but
 // copy i = blockIdx.z splits + c of a chunk's splits zsplit takes the contiguous k16 steps [i S / copies, (i + 1) S
-// / copies) (S = K / 16), fetched by bulk copies into `slots` slots of `chunk` steps each (QQQBulk, bulk_shared;
-// partials 4 KiB a copy).
+// / copies) (S = K / 16), fetched by bulk copies into `slots` slots of `chunk` steps each (QQQBulk; bulk_steps's shared
+// memory, partials 4 KiB a copy).
 extern "C" __global__ void __launch_bounds__(512)
     qqq_w4a8_bulk(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
                   int32_t* arrived, int chunk, int slots) {
   const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y, steps = k / 16;
-  const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, c = blockIdx.x, mt = blockIdx.y;
   const bool grouped = s_group != nullptr;
   const qk::QQQBulk layout{chunk, qk::imin(16, m), grouped};
-  uint64_t* bars;
-  uint8_t* mine;
-  bulk_shared(splits, 4096, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[8][4] = {};
   bulk_steps(
-      mine, layout.slot_bytes(), bars, slots, chunk, first * steps / copies, (first + 1) * steps / copies, lane,
+      splits, zsplit, 4096, slots, layout.slot_bytes(), chunk, k / 16,
       [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
       [&](int s0, int u, const uint8_t* slot) {
         uint32_t fa[2], w[4], r[4] = {}, fb[8];

@@ -291,15 +291,11 @@ extern "C" __global__ void __launch_bounds__(512)
                      const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
                      int group, int splits, int zsplit, int32_t* sums, int32_t* arrived, int chunk, int slots) {
   const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y, steps = k / 32;
-  const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   const qk::QServeBulk layout{chunk, qk::imin(16, m), s2 != nullptr};
-  uint64_t* bars;
-  uint8_t* mine;
-  bulk_shared(splits, 2048, slots, layout.slot_bytes(), copy, bars, mine);
   int32_t acc[4][4] = {};
   bulk_steps(
-      mine, layout.slot_bytes(), bars, slots, chunk, first * steps / copies, (first + 1) * steps / copies, lane,
+      splits, zsplit, 2048, slots, layout.slot_bytes(), chunk, k / 32,
       [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
       [&](int s0, int u, const uint8_t* slot) {
         uint32_t fa[4], w[4], sc, z, fb[4][2];

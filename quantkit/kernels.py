@@ -371,7 +371,7 @@ def qqq_bulk_slot_bytes(chunk: int, rows: int, grouped: bool) -> int:
 def bulk_plan(splits: int, partial_bytes: int, slot_bytes: Callable[[int], int], chunk: int) -> tuple[int, int, int]:
     """(chunk, slots, shared memory) of a bulk kernel's block of `splits` warps: chunks of `chunk` K steps (their
     bytes `slot_bytes(chunk)`), BULK_SLOTS of them a warp, fewer steps a chunk while the block's shared memory would
-    pass BULK_MAX_SHARED (kernels/qk_common.cuh bulk_shared: partials, mbarriers, slots)."""
+    pass BULK_MAX_SHARED (kernels/qk_common.cuh bulk_steps: partials, mbarriers, slots)."""
     barriers = -(-splits * BULK_SLOTS * 8 // 16) * 16  # 8 bytes a slot, rounded up to 16
 
     def shared(chunk: int) -> int:

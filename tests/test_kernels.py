@@ -681,21 +681,30 @@ def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatc
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+# (layout, group, M, N, K, splits): one warp a tile walking K = 4096 (16 or 64 chunks through 2 slots), ranges that
+# start inside groups, a full token tile, two token tiles; splits None: the launch's own.
+BULK_GPU_CASES = [
+    *((fmt, group, *case) for fmt, cases in (
+        ("qserve", [(1, 256, 4096, 1), (3, 96, 1664, 5), (16, 64, 1024, 4), (20, 64, 512, 2)]),
+        ("qqq", [(1, 256, 4096, 1), (3, 128, 1664, 5), (20, 64, 512, 2)]),
+    ) for group in (None, 128) for case in cases),
+    *(("liquidquant", 64, *case) for case in [(1, 256, 4096, None), (5, 128, 1344, 3), (8, 64, 4096, 1)]),
+]
+
+
 @pytest.mark.bulk
 @needs_hopper
-@pytest.mark.parametrize("group", [None, 128])
-@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (3, 96, 1664, 5), (16, 64, 1024, 4),
-                                                     (20, 64, 512, 2)])
-def test_qserve_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
-    """qserve_w4a8_bulk on the device (its mbarriers and bulk copies, which the simulator runs as plain copies):
-    the emulation's bits, with the launch's own plan, slots reused many times over (K = 4096 at one warp a tile
-    is 16 chunks in 2 slots), ranges that start inside groups and two token tiles."""
-    tensors = synthetic("qserve", n, k, seed=m + k, group=group)
+@pytest.mark.parametrize(("fmt", "group", "m", "n", "k", "splits"), BULK_GPU_CASES)
+def test_bulk_gpu_kernel_matches_the_emulation(fmt, group, m, n, k, splits):
+    """The bulk kernels on the device (their mbarriers and bulk copies, which the simulator runs as plain copies):
+    the emulation's bits, with the launch's own chunks and slots."""
+    tensors = synthetic(fmt, n, k, seed=m + k, group=group)
     x = activations(m, k, seed=n)
-    reference = emulate("qserve", tensors, x)
-    launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                   splits=splits or 1, bulk=True)
-    assert launch.name == "qserve_w4a8_bulk"
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, bulk=True)
+    assert launch.name == {"qserve": "qserve_w4a8_bulk", "qqq": "qqq_w4a8_bulk",
+                           "liquidquant": "liquidquant_w4a8_bulk8"}[fmt]
     np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
 
 
@@ -717,35 +726,6 @@ def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
     import cupy
 
     assert not cupy.asnumpy(call.args[-2]).any() and not cupy.asnumpy(call.args[-1]).any()
-
-
-@pytest.mark.bulk
-@needs_hopper
-@pytest.mark.parametrize("group", [None, 128])
-@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (3, 128, 1664, 5), (20, 64, 512, 2)])
-def test_qqq_bulk_gpu_kernel_matches_the_emulation(group, m, n, k, splits):
-    """qqq_w4a8_bulk on the device: the emulation's bits with the launch's own plan, ranges across groups and two
-    token tiles."""
-    tensors = synthetic("qqq", n, k, seed=m + k, group=group)
-    x = activations(m, k, seed=n)
-    reference = emulate("qqq", tensors, x)
-    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=splits or 1, bulk=True)
-    assert launch.name == "qqq_w4a8_bulk"
-    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
-
-
-@pytest.mark.bulk
-@needs_hopper
-@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 256, 4096, None), (5, 128, 1344, 3), (8, 64, 4096, 1)])
-def test_liquidquant_bulk_gpu_kernel_matches_the_emulation(m, n, k, splits):
-    """liquidquant_w4a8_bulk8 on the device: the emulation's bits with the launch's own plan, and with one warp a
-    tile walking 64 steps in chunks through two slots."""
-    tensors = synthetic("liquidquant", n, k, seed=m + k)
-    x = activations(m, k, seed=n)
-    reference = emulate("liquidquant", tensors, x)
-    launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits, bulk=True)
-    assert launch.name == "liquidquant_w4a8_bulk8"
-    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
