@@ -753,13 +753,27 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(bytes)
                : "memory");
 }
-// Until the phase of the given parity has completed (acquire: the bytes its copies wrote are visible after).
+// Until the phase of the given parity has completed (acquire: the bytes its copies wrote are visible after). A wait
+// that lasts MBAR_TIMEOUT_NS (a phase whose byte count never arrives: a wrong expect-tx count or a copy that failed)
+// traps, so that the launch fails with an error instead of hanging the device; the first try is the whole fast path,
+// the clock is read only once it fails.
+constexpr uint64_t MBAR_TIMEOUT_NS = 2000000000ull;
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
+      "{\n.reg .pred done;\n.reg .u64 start, now;\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(shared_addr(bar)),
-      "r"(parity)
+      "@done bra DONE;\n"
+      "mov.u64 start, %%globaltimer;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE;\n"
+      "mov.u64 now, %%globaltimer;\n"
+      "sub.u64 now, now, start;\n"
+      "setp.lt.u64 done, now, %2;\n"
+      "@done bra WAIT;\n"
+      "trap;\n"
+      "DONE:\n}\n" ::"r"(shared_addr(bar)),
+      "r"(parity), "l"(MBAR_TIMEOUT_NS)
       : "memory");
 }
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
