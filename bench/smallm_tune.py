@@ -56,6 +56,10 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "BULK": (U8, {**SPLIT, "BULK_DECODE": True}),
     "BULK-3": (U8, {**SPLIT, "BULK_DECODE": True, "BULK_SLOTS": 3}),
     "BULK-Z": (U8, {**SPLIT, "BULK_DECODE": True, "SPLITK_BLOCKS_MAX": 4}),
+    # Any-Precision's tensor-core kernels with bounds-checked loads everywhere (as measured until now), and the fast
+    # ones with the next step's words loaded during word 3 of 4 at every width (the default: word 2 up to 3 bits)
+    "AP-CHECKED": (U8, {**SPLIT, "ANYPREC_TC_FAST": False}),
+    "AP-W3": ({**U8, "QK_AP_PREFETCH_WORD": 3}, SPLIT),
 }
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the

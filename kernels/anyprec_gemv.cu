@@ -47,19 +47,23 @@ template <int BITS>
 QK_FN constexpr int transpose_lanes() { return BITS <= 4 ? 4 : 8; }
 
 template <int BITS>
-QK_FN void transpose_words(const uint32_t words[BITS], uint32_t t[transpose_lanes<BITS>()]) {
+QK_FN uint32_t transpose_word(const uint32_t words[BITS], int r) {
   constexpr int lanes = transpose_lanes<BITS>();
+  const uint32_t mask = (lanes == 4 ? 0x88888888u : 0x80808080u) >> r;
+  uint32_t t = 0;
 #pragma unroll
-  for (int r = 0; r < lanes; ++r) {
-    const uint32_t mask = (lanes == 4 ? 0x88888888u : 0x80808080u) >> r;
-    t[r] = 0;
-#pragma unroll
-    for (int j = 0; j < BITS; ++j) {
-      const int shift = j - r + (lanes - BITS);
-      const uint32_t part = words[j] & mask;
-      t[r] |= shift < 0 ? part << (-shift) : part >> shift;
-    }
+  for (int j = 0; j < BITS; ++j) {
+    const int shift = j - r + (lanes - BITS);
+    const uint32_t part = words[j] & mask;
+    t |= shift < 0 ? part << (-shift) : part >> shift;
   }
+  return t;
+}
+
+template <int BITS>
+QK_FN void transpose_words(const uint32_t words[BITS], uint32_t t[transpose_lanes<BITS>()]) {
+#pragma unroll
+  for (int r = 0; r < transpose_lanes<BITS>(); ++r) t[r] = transpose_word<BITS>(words, r);
 }
 
 // The same as 32 codes in word order u.
@@ -239,12 +243,13 @@ QK_FN void tc_load_reg_tables(const AnyPrecArgs& a, int n0, int lane, TcRegTable
 
 // The four fp16 pairs of a transposed word t from the registers of channel h: pair b (byte b of t) is
 // lut[lo nibble] | lut[hi nibble] << 16, as the shared tables' entries. Two permutes look up four codes' low and high
-// bytes, two more interleave them: 9 instructions for 8 weights, no shared memory.
+// bytes, two more interleave them: 9 instructions for 8 weights, no shared memory. The codes are the selectors as
+// they stand (prmt, not byte_perm's masked selector): up to 3 bits, bit 3 of each nibble is clear.
 QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pairs[4]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint32_t codes = half ? t >> 16 : t;  // the permute reads its selector's low 4 nibbles
-    const uint32_t lo = byte_perm(rt.lo[h][0], rt.lo[h][1], codes), hi = byte_perm(rt.hi[h][0], rt.hi[h][1], codes);
+    const uint32_t lo = prmt(rt.lo[h][0], rt.lo[h][1], codes), hi = prmt(rt.hi[h][0], rt.hi[h][1], codes);
     pairs[2 * half] = byte_perm(lo, hi, 0x5140u);
     pairs[2 * half + 1] = byte_perm(lo, hi, 0x7362u);
   }
@@ -277,24 +282,52 @@ QK_FN int tc_row_words(const AnyPrecArgs& a) { return a.k / 32; }
 template <int BITS>
 QK_FN int tc_steps(const AnyPrecArgs& a) { return (tc_row_words(a) + tc_step_words<BITS>() - 1) / tc_step_words<BITS>(); }
 
-// Lane (g, q)'s words L step + W q .. + W - 1 (W = tc_lane_words, L = 4 W) of channels n0 + g (w[0]) and
-// n0 + 8 + g (w[1]), every plane (zero past the row or past N).
+// The steps that lie in whole chunks of AP_CHUNK columns (all of them when K % AP_CHUNK == 0), where rows hold whole
+// 16-byte loads (K % 128 == 0): their words and runs load with no bounds checks, as immediate offsets from one
+// address. Past N and past M they load the last channel's words and the last token's runs: those rows and columns
+// of the MMAs are garbage that tc_finish never stores (a column of the product depends on its own column of B
+// alone, a row on its row of A). Only the columns past the row need zeros, and a whole chunk has none.
+// Their indices are 32-bit (fewer registers held across the loop: 64-bit row offsets, hoisted, spilled), so the
+// first BITS planes must hold fewer than 2^32 words and the activations fewer than 2^32 values.
 template <int BITS>
+QK_FN int tc_fast_steps(const AnyPrecArgs& a) {
+  const bool small = (unsigned long long)BITS * a.n * tc_row_words(a) <= 0xFFFFFFFFull &&
+                     (unsigned long long)a.m * a.k <= 0xFFFFFFFFull;
+  return a.k % 128 == 0 && small ? a.k / AP_CHUNK * (AP_CHUNK / 32 / tc_step_words<BITS>()) : 0;
+}
+
+// Lane (g, q)'s words L step + W q .. + W - 1 (W = tc_lane_words, L = 4 W) of channels n0 + g (w[0]) and
+// n0 + 8 + g (w[1]), every plane (zero past the row or past N; FAST, for a step below tc_fast_steps: past N the
+// last channel's).
+template <int BITS, bool FAST>
 QK_FN void tc_load_step(const AnyPrecArgs& a, int n0, int step, int lane, uint32_t w[2][BITS][tc_lane_words<BITS>()]) {
   constexpr int W = tc_lane_words<BITS>();
   const int words = tc_row_words(a), first = tc_step_words<BITS>() * step + W * frag_quad(lane);
+  if constexpr (FAST) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int channel = n0 + 8 * h + frag_group(lane);
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t row = (uint32_t)imin(n0 + 8 * h + frag_group(lane), a.n - 1) * words + first;
 #pragma unroll
-    for (int p = 0; p < BITS; ++p) {
-      const uint32_t* src = a.planes + ((size_t)p * a.n + (channel < a.n ? channel : 0)) * words + first;
-      if (channel < a.n && words % W == 0 && first < words) {  // aligned rows
-        if constexpr (W == 4) load_u128(src, w[h][p]);
-        else load_u64(src, w[h][p][0], w[h][p][1]);
-      } else {
+      for (int p = 0; p < BITS; ++p) {
+        const uint32_t* src = a.planes + (row + (uint32_t)p * a.n * words);
+        if constexpr (W == 4) load_u128_here(src, w[h][p]);
+        else load_u64_here(src, w[h][p][0], w[h][p][1]);
+      }
+    }
+  } else {
 #pragma unroll
-        for (int i = 0; i < W; ++i) w[h][p][i] = channel < a.n && first + i < words ? src[i] : 0u;
+    for (int h = 0; h < 2; ++h) {
+      const int channel = n0 + 8 * h + frag_group(lane);
+#pragma unroll
+      for (int p = 0; p < BITS; ++p) {
+        const uint32_t* src = a.planes + ((size_t)p * a.n + (channel < a.n ? channel : 0)) * words + first;
+        if (channel < a.n && words % W == 0 && first < words) {  // aligned rows
+          if constexpr (W == 4) load_u128(src, w[h][p]);
+          else load_u64(src, w[h][p][0], w[h][p][1]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < W; ++i) w[h][p][i] = channel < a.n && first + i < words ? src[i] : 0u;
+        }
       }
     }
   }
@@ -307,57 +340,70 @@ QK_FN uint32_t tc_entry_offset(uint32_t t, int b, uint32_t slot) {
   return (shifted & 0x7F80u) | slot;
 }
 
-// The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables (registers up to 3
-// bits, else shared memory). Pair b of T_r holds columns r + 4 (low half) and r of run 3 - b.
+// The A fragments of MMAs 2 r and 2 r + 1 (a[0], a[1]) of word i of the lane's step, from its channels' tables
+// (registers up to 3 bits, else shared memory): one transposed word T_r a channel (and T_{r + 4} above 4 bits), so
+// that a warp can run these two MMAs before it decodes the next r. Pair b of T_r holds columns r + 4 (low half) and
+// r of run 3 - b.
 template <int BITS>
-QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
-                          const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
-  constexpr int lanes = transpose_lanes<BITS>();
+QK_FN void tc_a_pair(const uint8_t* tables, const TcRegTables& rt, int lane,
+                     const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, int r, uint32_t a[2][4]) {
   const uint32_t slot = (frag_group(lane) * 4 + frag_quad(lane)) * 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // channel g (a0, a2) and 8 + g (a1, a3)
     const uint8_t* table = tables + h * tc_group_bytes<BITS>();
-    uint32_t word[BITS], t[lanes];
+    uint32_t word[BITS];
 #pragma unroll
     for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
-    transpose_words<BITS>(word, t);
+    const uint32_t t = transpose_word<BITS>(word, r);
+    uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
+    if constexpr (tc_reg_tables<BITS>()) {
+      tc_reg_lookup(rt, h, t, pairs);
+    } else {
+      const uint32_t t4 = BITS <= 4 ? 0u : transpose_word<BITS>(word, r + 4);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
-      if constexpr (tc_reg_tables<BITS>()) {
-        tc_reg_lookup(rt, h, t[r], pairs);
-      } else {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          if (BITS <= 4) {
-            pairs[b] = load_u32(table + tc_entry_offset(t[r], b, slot));
-          } else {
-            const uint32_t col_r = load_u32(table + tc_entry_offset(t[r], b, slot));
-            const uint32_t col_r4 = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
-            pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
-          }
+      for (int b = 0; b < 4; ++b) {
+        if (BITS <= 4) {
+          pairs[b] = load_u32(table + tc_entry_offset(t, b, slot));
+        } else {
+          const uint32_t col_r = load_u32(table + tc_entry_offset(t, b, slot));
+          const uint32_t col_r4 = load_u32(table + tc_entry_offset(t4, b, slot));
+          pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
         }
       }
-#pragma unroll
-      for (int b = 0; b < 4; ++b) a[2 * r + b / 2][2 * (b % 2) + h] = pairs[b];
     }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) a[b / 2][2 * (b % 2) + h] = pairs[b];
   }
 }
 
-// The activations of word i of the lane's step for token `token`: run j (0..3) holds columns j W / 4 + 8 t .. + 7
-// of the word's chunk (W its width, t the word's index in it), one 16-byte load each; zero past M or past the row.
+// All eight: a[s] for MMA s.
 template <int BITS>
+QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
+                          const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) tc_a_pair<BITS>(tables, rt, lane, w, i, r, reinterpret_cast<uint32_t(*)[4]>(a[2 * r]));
+}
+
+// The activations of word i of the lane's step for token `token`: run j (0..3) holds columns j W / 4 + 8 t .. + 7
+// of the word's chunk (W its width, t the word's index in it), one 16-byte load each; zero past M or past the row
+// (FAST, for a step below tc_fast_steps: past M the last token's). A lane's words of a step lie in one chunk (a
+// step's words divide the chunk's 32), so in a fast step word i's runs are 16 i bytes on from its first word's.
+template <int BITS, bool FAST>
 QK_FN void tc_load_runs(const AnyPrecArgs& a, int step, int lane, int i, int token, uint32_t run[4][4]) {
-  const int word = tc_step_words<BITS>() * step + tc_lane_words<BITS>() * frag_quad(lane) + i;
-  if (token >= a.m || word >= tc_row_words(a)) {
+  const int first = tc_step_words<BITS>() * step + tc_lane_words<BITS>() * frag_quad(lane), word = first + i;
+  if constexpr (FAST) {
+    const qk_half* row = a.x + ((uint32_t)imin(token, a.m - 1) * a.k + (first / 32) * AP_CHUNK + 8 * (first % 32));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) load_u128_here(row + 8 * i + j * (AP_CHUNK / 4), run[j]);
+  } else if (token >= a.m || word >= tc_row_words(a)) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) run[j][0] = run[j][1] = run[j][2] = run[j][3] = 0u;
-    return;
-  }
-  const int c = word / 32, t = word % 32, width = chunk_width(a, c);
-  const qk_half* row = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + 8 * t;
+  } else {
+    const int c = word / 32, t = word % 32, width = chunk_width(a, c);
+    const qk_half* row = a.x + (size_t)token * a.k + (size_t)c * AP_CHUNK + 8 * t;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) load_u128(row + j * (width / 4), run[j]);
+    for (int j = 0; j < 4; ++j) load_u128(row + j * (width / 4), run[j]);
+  }
 }
 
 // The B fragments (b[s] for MMA s) from a word's runs: the pair of columns e = r + 4 (low half) and r of run j,
@@ -397,8 +443,22 @@ QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, in
 // run 8), and are not kept.
 template <int BITS, int NB>
 QK_FN constexpr bool tc_prefetch() { return NB == 1 && BITS <= 4; }
+// In the fast kernels the next step's words are loaded during word tc_prefetch_word of this step, not before its
+// word 0: their registers then overlap less with this step's, which the fast kernels need to stay within 128
+// without spills (word 1 spilled at 3 and 4 bits, word 2 at 4 bits). QK_AP_PREFETCH_WORD sets it for every width.
+template <int BITS>
+QK_FN constexpr int tc_prefetch_word() {
+#ifdef QK_AP_PREFETCH_WORD
+  return QK_AP_PREFETCH_WORD;
+#else
+  return BITS >= 4 ? 3 : 2;
+#endif
+}
 
-template <int BITS, int NB>
+// FAST (the anyprec_gemm_tc*_fast kernels, for K % AP_CHUNK == 0: tc_fast_steps == tc_steps): every step with the
+// unchecked loaders. A kernel of its own, not a branch in one kernel: the two loops in one kernel took 128 registers
+// and spilled.
+template <int BITS, int NB, bool FAST>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;
   constexpr int W = tc_lane_words<BITS>();
@@ -408,8 +468,8 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   uint32_t w[2][BITS][W], run[4][4];
   TcRegTables rt;
   if (warp < steps) {  // in flight while the tables fill
-    tc_load_step<BITS>(a, n0, warp, lane, w);
-    tc_load_runs<BITS>(a, warp, lane, 0, token0, run);
+    tc_load_step<BITS, FAST>(a, n0, warp, lane, w);
+    tc_load_runs<BITS, FAST>(a, warp, lane, 0, token0, run);
   }
   tc_load_reg_tables<BITS>(a, n0, lane, rt);
   if constexpr (!tc_reg_tables<BITS>()) {
@@ -420,26 +480,29 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   for (int step = warp; step < steps; step += APT_WARPS) {
     const bool more = step + APT_WARPS < steps;
     uint32_t next[2][BITS][W];
-    if constexpr (tc_prefetch<BITS, NB>()) {
-      if (more) tc_load_step<BITS>(a, n0, step + APT_WARPS, lane, next);
-    } else if (step != warp) {
-      tc_load_step<BITS>(a, n0, step, lane, w);
+    if constexpr (!tc_prefetch<BITS, NB>()) {
+      if (step != warp) tc_load_step<BITS, FAST>(a, n0, step, lane, w);
+    } else if constexpr (!FAST) {
+      if (more) tc_load_step<BITS, FAST>(a, n0, step + APT_WARPS, lane, next);
     }
 #pragma unroll
     for (int i = 0; i < W; ++i) {
+      if constexpr (tc_prefetch<BITS, NB>() && FAST) {
+        if (i == tc_prefetch_word<BITS>() && more) tc_load_step<BITS, FAST>(a, n0, step + APT_WARPS, lane, next);
+      }
       uint32_t fa[8][4], fb[8][2];
       tc_b_fragments(run, fb);
       // the first token block's activations of the lane's next word, in flight during this word's MMAs: this
       // step's next word or the first of the warp's next step (H200: 1.5-5% faster than loading each word's when
       // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
-      if (i + 1 < W) tc_load_runs<BITS>(a, step, lane, i + 1, token0, run);
-      else if (more) tc_load_runs<BITS>(a, step + APT_WARPS, lane, 0, token0, run);
+      if (i + 1 < W) tc_load_runs<BITS, FAST>(a, step, lane, i + 1, token0, run);
+      else if (more) tc_load_runs<BITS, FAST>(a, step + APT_WARPS, lane, 0, token0, run);
       tc_a_fragments<BITS>(smem, rt, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
       if (NB == 2 && blocks_n == 2) {  // tokens 8 .. 15 of the tile
         uint32_t run1[4][4];
-        tc_load_runs<BITS>(a, step, lane, i, token0 + 8, run1);
+        tc_load_runs<BITS, FAST>(a, step, lane, i, token0 + 8, run1);
         tc_b_fragments(run1, fb);
 #pragma unroll
         for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
@@ -464,23 +527,22 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   tc_finish(a, sums, n0, m0, tid);
 }
 
-// One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), so
-// that each has its own register budget (one kernel for all widths takes the widest's): at most 128 registers, for
-// 2 blocks an SM, where that needs no spills (all but 8 bits for any M). grid (ceil(N / 16), 1, ceil(M / 16)),
-// block 256, dynamic shared memory tc_shared_bytes<B>().
-#define QK_AP_TC(B)                                                                                                \
-  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) anyprec_gemm_tc_##B(                           \
+// One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and
+// each again as *_fast for K % AP_CHUNK == 0 (tc_fast_steps), so that each has its own register budget (one kernel
+// for all widths takes the widest's): at most 128 registers, for 2 blocks an SM, where that needs no spills (all but
+// 8 bits). grid (ceil(N / 16), 1, ceil(M / 16)), block 256, dynamic shared memory tc_shared_bytes<B>().
+#define QK_AP_TC_KERNEL(NAME, B, NB, FAST)                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) NAME(                                          \
       const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
     extern __shared__ uint4 qk_apt_smem[];                                                                          \
-    anyprec_gemm_tc_at<B, 2>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                                     \
-                             reinterpret_cast<uint8_t*>(qk_apt_smem));                                              \
-  }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) anyprec_gemm_tc8_##B(                          \
-      const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
-    extern __shared__ uint4 qk_apt_smem[];                                                                          \
-    anyprec_gemm_tc_at<B, 1>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                                     \
-                             reinterpret_cast<uint8_t*>(qk_apt_smem));                                              \
+    anyprec_gemm_tc_at<B, NB, FAST>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                              \
+                                    reinterpret_cast<uint8_t*>(qk_apt_smem));                                       \
   }
+#define QK_AP_TC(B)                                                                                                \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B, B, 2, false)                                                                 \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B, B, 1, false)                                                                \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast, B, 2, true)                                                           \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast, B, 1, true)
 QK_AP_TC(1) QK_AP_TC(2) QK_AP_TC(3) QK_AP_TC(4) QK_AP_TC(5) QK_AP_TC(6) QK_AP_TC(7) QK_AP_TC(8)
 
 template <int BITS>

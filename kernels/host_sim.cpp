@@ -838,9 +838,10 @@ extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, cons
   qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
 }
 
-// The host twin of anyprec_gemm_tc at width BITS and NB token blocks a tile: block by block, warp by warp, each
-// MMA from the lanes' fragments.
-template <int BITS, int NB>
+// The host twin of anyprec_gemm_tc at width BITS and NB token blocks a tile (FAST: of the *_fast kernel, whose
+// unchecked loads read past N and M from the last channel and token): block by block, warp by warp, each MMA from
+// the lanes' fragments.
+template <int BITS, int NB, bool FAST>
 void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   using namespace qk;
   std::vector<uint8_t> smem(tc_shared_bytes<BITS>());
@@ -857,14 +858,14 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
       for (int warp = 0; warp < APT_WARPS; ++warp) {
         float acc[2][32][4] = {};
         for (int step = warp; step < tc_steps<BITS>(a); step += APT_WARPS) {
-          for (int lane = 0; lane < 32; ++lane) tc_load_step<BITS>(a, n0, step, lane, words_of(lane));
+          for (int lane = 0; lane < 32; ++lane) tc_load_step<BITS, FAST>(a, n0, step, lane, words_of(lane));
           for (int i = 0; i < W; ++i) {
             uint32_t fa[32][8][4], fb[32][8][2], as[32][4], bs[32][2], run[4][4];
             for (int lane = 0; lane < 32; ++lane)
               tc_a_fragments<BITS>(smem.data(), rt[lane], lane, words_of(lane), i, fa[lane]);
             for (int nb = 0; nb < (a.m - m0 > 8 ? NB : 1); ++nb) {
               for (int lane = 0; lane < 32; ++lane) {
-                tc_load_runs<BITS>(a, step, lane, i, m0 + 8 * nb + frag_group(lane), run);
+                tc_load_runs<BITS, FAST>(a, step, lane, i, m0 + 8 * nb + frag_group(lane), run);
                 tc_b_fragments(run, fb[lane]);
               }
               for (int s = 0; s < 8; ++s) {
@@ -893,15 +894,29 @@ extern "C" int anyprec_tc_shared_bytes(int bits) {
   return bytes;
 }
 
-// One kernel per width and token blocks (anyprec_gemm_tc_1 .. _8, anyprec_gemm_tc8_1 .. _8), and their host twins.
-#define QK_AP_TC_HOST(B)                                                                                           \
-  extern "C" void anyprec_gemm_tc_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,          \
-                                              qk_half* out, int m, int n, int k) {                                  \
-    anyprec_gemm_tc_host_at<B, 2>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                \
-  }                                                                                                                 \
-  extern "C" void anyprec_gemm_tc8_##B##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut,         \
-                                               qk_half* out, int m, int n, int k) {                                 \
-    anyprec_gemm_tc_host_at<B, 1>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                                \
+// Whether anyprec_gemm_tc*_`bits`_fast serves a shape: every step fast (tc_fast_steps), for quantkit.kernels to be
+// held to.
+extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {
+  int fast = 0;
+  const qk::AnyPrecArgs a{nullptr, nullptr, nullptr, nullptr, m, n, k, bits};
+  qk::with_width(bits, [&](auto width) {
+    constexpr int B = decltype(width)::value;
+    fast = qk::tc_steps<B>(a) == qk::tc_fast_steps<B>(a);
+  });
+  return fast;
+}
+
+// One kernel per width, token blocks and loads (anyprec_gemm_tc_1 .. _8, anyprec_gemm_tc8_1 .. _8, each also
+// *_fast), and their host twins.
+#define QK_AP_TC_HOST_ONE(NAME, B, NB, FAST)                                                                       \
+  extern "C" void NAME##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,   \
+                              int n, int k) {                                                                       \
+    anyprec_gemm_tc_host_at<B, NB, FAST>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                         \
   }
+#define QK_AP_TC_HOST(B)                                                                                           \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B, B, 2, false)                                                               \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B, B, 1, false)                                                              \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast, B, 2, true)                                                         \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast, B, 1, true)
 QK_AP_TC_HOST(1) QK_AP_TC_HOST(2) QK_AP_TC_HOST(3) QK_AP_TC_HOST(4)
 QK_AP_TC_HOST(5) QK_AP_TC_HOST(6) QK_AP_TC_HOST(7) QK_AP_TC_HOST(8)

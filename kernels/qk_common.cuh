@@ -44,6 +44,12 @@ struct Width {
   static constexpr int value = B;
 };
 
+// A compile-time flag, for a generic lambda to be instantiated once per value: fn(Flag<true>{}), fn(Flag<false>{}).
+template <bool V>
+struct Flag {
+  static constexpr bool value = V;
+};
+
 // fn(Width<bits>{}) for bits 1..8 (above 8: 8).
 #pragma nv_exec_check_disable
 template <class Fn>
@@ -69,6 +75,28 @@ QK_FN uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
   const uint64_t both = (uint64_t)b << 32 | a;
   uint32_t out = 0;
   for (int i = 0; i < 4; ++i) out |= (uint32_t)(both >> (8 * ((selector >> (4 * i)) & 7)) & 0xFF) << (8 * i);
+  return out;
+#endif
+}
+
+// PTX prmt.b32 in its default mode: byte i of the result is byte (nibble i & 7) of b:a, its sign replicated into
+// all 8 bits where the nibble's bit 3 is set; only the selector's low 16 bits count. For a selector computed at run
+// time, where __byte_perm (byte_perm) first masks it with 0x7777 (one instruction more): the caller keeps bit 3 of
+// each nibble clear, and the host twin replicates the sign as the device does, so that the simulator shows a set bit.
+QK_FN uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+  return out;
+#else
+  const uint64_t both = (uint64_t)b << 32 | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (selector >> (4 * i)) & 0xF;
+    uint32_t byte = (uint32_t)(both >> (8 * (nibble & 7))) & 0xFF;
+    if (nibble & 8) byte = byte & 0x80 ? 0xFF : 0x00;
+    out |= byte << (8 * i);
+  }
   return out;
 #endif
 }
@@ -332,6 +360,26 @@ QK_FN void copy_async(void* dst, const void* src, bool valid) {
 }
 
 // Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
+// The same loads where the source puts them: volatile asm, which the compiler keeps in order with the other
+// volatile asm (the MMAs), so that a load meant to be in flight during one stretch of MMAs is not hoisted above the
+// stretch before, holding its registers that much longer (the Any-Precision kernels' unchecked loads, hoisted, made
+// them spill).
+QK_FN void load_u128_here(const void* p, uint32_t w[4]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+#else
+  std::memcpy(w, p, 16);
+#endif
+}
+QK_FN void load_u64_here(const void* p, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "l"(p));
+#else
+  std::memcpy(&lo, p, 4);
+  std::memcpy(&hi, static_cast<const uint8_t*>(p) + 4, 4);
+#endif
+}
+
 QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__)
   const uint2 v = *reinterpret_cast<const uint2*>(p);

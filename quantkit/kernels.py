@@ -549,10 +549,25 @@ def anyprec_tc_shared_bytes(bits: int) -> int:
     return max(2 * entries * 8 * 4 * 4, 8 * 2 * 32 * 4 * 4)
 
 
-def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None) -> Launch:
+# The tensor-core kernels with unchecked loads (anyprec_gemm_tc*_fast) where a shape allows them (anyprec_tc_fast):
+# the same MMAs on the same operands, so the same bits, with 27-31% fewer instructions a step (sm_90a SASS of the
+# 3- and 4-bit kernels' main loops). False takes the checked kernels everywhere, to time the two side by side.
+ANYPREC_TC_FAST = True
+
+
+def anyprec_tc_fast(m: int, n: int, k: int, bits: int) -> bool:
+    """Whether anyprec_gemm_tc*_`bits`_fast serves [M, K] x [N, K] (tc_fast_steps): K a multiple of the 1024-column
+    chunk, so that no step needs bounds checks, and 32-bit indices (the first `bits` planes under 2^32 words, the
+    activations under 2^32 values)."""
+    return k % 1024 == 0 and bits * n * (k // 32) <= 0xFFFFFFFF and m * k <= 0xFFFFFFFF
+
+
+def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None,
+                   fast: bool | None = None) -> Launch:
     """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`, from activations x
     [M, K] (rounded to fp16, the kernel's input): the CUDA-core GEMV (bit-exact against the emulation) or, with
-    `tc` (default: from ANYPREC_TC_MIN_M tokens on), the tensor-core kernel (within `anyprec_tc_bound`)."""
+    `tc` (default: from ANYPREC_TC_MIN_M tokens on), the tensor-core kernel (within `anyprec_tc_bound`); `fast`
+    (default: ANYPREC_TC_FAST where anyprec_tc_fast allows) its unchecked-load twin."""
     planes = _c(tensors["qweight"].numpy().view(np.uint32), np.uint32)
     if not 1 <= bits <= planes.shape[0] or f"lut{bits}" not in tensors:
         raise ValueError(f"this artifact serves widths up to {planes.shape[0]} with tables "
@@ -562,7 +577,13 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
     out = np.zeros((m, n), dtype=np.uint16)
     lut = _half_bits(tensors[f"lut{bits}"])
     if m >= ANYPREC_TC_MIN_M if tc is None else tc:
-        name = f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}"  # one n8 block, fewer registers
+        if fast is None:
+            fast = ANYPREC_TC_FAST and anyprec_tc_fast(m, n, k, bits)
+        elif fast and not anyprec_tc_fast(m, n, k, bits):
+            raise ValueError(f"the fast Any-Precision kernels need K a multiple of 1024 and 32-bit indices; "
+                             f"got M={m}, N={n}, K={k} at {bits} bits")
+        # one n8 block up to DECODE_MAX_M tokens, fewer registers
+        name = f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}{'_fast' if fast else ''}"
         return Launch("anyprec_gemv", name, [x16, planes, lut, out, m, n, k],
                       (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 256, out,
                       anyprec_tc_shared_bytes(bits))

@@ -316,6 +316,41 @@ def test_anyprec_tc_shared_memory_mirrors_the_kernel():
         assert kernels.anyprec_tc_shared_bytes(bits) == kernels.host_library().anyprec_tc_shared_bytes(bits), bits
 
 
+@needs_compiler
+def test_anyprec_fast_kernels_serve_the_shapes_the_kernel_allows():
+    """quantkit.kernels takes anyprec_gemm_tc*_fast exactly where every step of the kernel is fast (tc_fast_steps):
+    K a multiple of 1024, and indices within 32 bits; asked for elsewhere, it refuses rather than read past a row."""
+    lib = kernels.host_library()
+    shapes = [(1, 4096, 4096), (5, 13, 1024), (1, 24, 4128), (3, 40, 2048 + 512), (1, 64, 96), (9, 11008, 11008),
+              (1, 1 << 22, 8192), (1 << 19, 16, 8192), (1 << 19, 16, 4096)]
+    for m, n, k in shapes:
+        for bits in (1, 3, 4, 8):
+            assert kernels.anyprec_tc_fast(m, n, k, bits) == bool(lib.anyprec_tc_fast(bits, m, n, k)), (m, n, k, bits)
+    assert not kernels.anyprec_tc_fast(1, 1 << 22, 8192, 8) and kernels.anyprec_tc_fast(1, 1 << 22, 8192, 3)
+    assert not kernels.anyprec_tc_fast(1 << 19, 16, 8192, 3) and kernels.anyprec_tc_fast(1 << 19, 16, 4096, 3)
+    tensors = synthetic("anyprec", 16, 4128, seed=1)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        kernels.anyprec_launch(tensors, activations(1, 4128, seed=1), 3, tc=True, fast=True)
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,n,k", [(1, 13, 4096), (5, 130, 1024), (17, 24, 9216), (9, 16, 2048)])
+def test_anyprec_fast_kernels_give_the_checked_kernels_bits(m, n, k):
+    """The *_fast kernels run the checked kernels' MMAs on the same operands wherever an output is stored, so their
+    bits are equal at every width: past N % 16 and past M (whose rows and columns read the last channel and token),
+    with more steps than warps (9216: 18 steps) and two token tiles; `fast` is the default on these shapes."""
+    tensors = synthetic("anyprec", n, k, seed=k + n)
+    x = activations(m, k, seed=m)
+    for bits in range(3, 9):  # the artifact's widths
+        launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
+        assert launch.name.endswith("_fast")
+        fast = kernels.run(launch, "cpu")
+        checked = kernels.run(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=False), "cpu")
+        np.testing.assert_array_equal(fast, checked, err_msg=f"{bits} bits")
+        if bits == 3:
+            assert_within_tc_bound(tensors, x, bits, fast.view(np.float16))
+
+
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
     """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
     Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
@@ -555,7 +590,7 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
     tensors = synthetic("anyprec", n, k, seed=k)
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
-        launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
+        launch = kernels.anyprec_launch(tensors, x, bits, tc=True, fast=False)
         assert launch.name == f"anyprec_gemm_tc{8 if m <= 8 else ''}_{bits}"
         assert launch.grid == (-(-n // 16), 1, -(-m // 16))
         out = kernels.run(launch, "cpu").view(np.float16)
@@ -920,6 +955,22 @@ def test_anyprec_tensor_core_gpu_kernel_is_within_its_bound_and_deterministic(k,
         call()
         np.testing.assert_array_equal(call.result(), first, err_msg=f"{bits} bits: not deterministic")
         assert_within_tc_bound(tensors, x, bits, first.view(np.float16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("k,m", [(4096, 1), (4096, 8), (1024, 20), (9216, 3)])
+def test_anyprec_fast_gpu_kernels_give_the_checked_kernels_bits(k, m):
+    """On the device, the *_fast kernels (unchecked loads, the next step's words loaded during this step's word 2 or
+    3, past N and M the last channel's and token's) give the checked kernels' bits at every width: 300 channels
+    (a partial tile), one and two token blocks, and warps of several steps (9216: 18 steps)."""
+    tensors = synthetic("anyprec", 300, k, seed=k + m)
+    x = activations(m, k, seed=m)
+    for bits in range(3, 9):
+        fast = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=True))
+        checked = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=False))
+        fast()
+        checked()
+        np.testing.assert_array_equal(fast.result(), checked.result(), err_msg=f"{bits} bits")
 
 
 _bench = __import__("quantkit.kernel_bench", fromlist=["VARIANTS"])
