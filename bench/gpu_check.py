@@ -13,7 +13,7 @@
    bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
    --skip-profile leave them out; --tune-large and --profile-large add the Hopper kernels at M = 1024).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
-   a synthetic Llama with 128-multiple widths (hidden 256, intermediate 512; nothing from ../shared, which does
+   a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from ../shared, which does
    not travel to the device).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
@@ -164,7 +164,8 @@ def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[s
     from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
 
     py = sys.executable
-    model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=512,
+    # intermediate 1024: down_proj's K takes the Any-Precision kernels' fast twins (K a multiple of 1024)
+    model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=1024,
                                                                    num_hidden_layers=2))
     calib = write_calibration_text(work / "calib.txt")
     for recipe in args.recipes.split(","):
