@@ -9,24 +9,27 @@
    instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
-2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; then
-   bench/profile_smallm.py under Nsight Compute (ncu), where the decode kernels' time goes (GPU only; --skip-tune,
-   --skip-profile leave them out; --tune-large and --profile-large add the Hopper kernels at M = 1024).
+2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; with
+   --bench-tuned, `quantkit bench` once more under the fastest configuration of each tuning step (bench_tuned.json,
+   whose report names the defines and settings it ran); then bench/profile_smallm.py under Nsight Compute (ncu),
+   where the decode kernels' time goes (GPU only; --skip-tune, --skip-profile leave them out; --tune-large and
+   --profile-large add the Hopper kernels at M = 1024).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from ../shared, which does
    not travel to the device).
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json, tune_large.json and
-sweep.json, five files: the tool brings back at most eight); a table of the steps' exit codes is printed last.
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json, tune_large.json,
+bench_tuned.json and sweep.json, six files: the tool brings back at most eight); a table of the steps' exit codes
+is printed last.
 Each step has a time limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
 script itself.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
-        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--skip-profile]
+        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned] [--skip-profile]
         [--profile-formats F,...] [--profile-large] [--skip-validate] [--skip-sweep] [--recipes NAME,...]
 """
 
@@ -103,6 +106,9 @@ def main() -> None:
                         "arguments (\"\" for its defaults): the Hopper kernels' ring and width at M = 1024")
     parser.add_argument("--profile-large", action="store_true", help="also profile the Hopper (wgmma) kernels at "
                         "M = 1024 under Nsight Compute (bench/profile_smallm.py --large)")
+    parser.add_argument("--bench-tuned", action="store_true", help="after the tuning steps, run `quantkit bench` "
+                        "again under the fastest configuration each found (bench_tuned.json; its report records "
+                        "the defines and settings), unless that is the built-in default")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated recipes to quantize and validate (default: every one that packs)")
@@ -126,12 +132,24 @@ def main() -> None:
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 240, env)
+        best = [work / "best.json", work / "best_large.json"]  # each tuning step's fastest configuration
+        for path in best:
+            path.unlink(missing_ok=True)
         if not args.skip_tune:
-            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"),
+            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"), "--best", str(best[0]),
                           *shlex.split(args.tune_args)], args.out, results, args.tune_seconds, env)
         if args.tune_large is not None and not env:  # the Hopper kernels' configurations at M = 1024
             step("tune-large", [py, "bench/smallm_tune.py", "--large", "--json", str(args.out / "tune_large.json"),
-                                *shlex.split(args.tune_large)], args.out, results, args.tune_seconds, env)
+                                "--best", str(best[1]), *shlex.split(args.tune_large)], args.out, results,
+                 args.tune_seconds, env)
+        if args.bench_tuned:  # the bars again, under what the tuning steps found fastest
+            tuned = tuned_env([path for path in best if path.exists()])
+            if tuned is None:
+                print("\n=== bench-tuned: skipped, the built-in defaults were the fastest (or nothing was tuned)",
+                      flush=True)
+            else:
+                step("bench-tuned", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
+                                     str(args.out / "bench_tuned.json")], args.out, results, 240, {**env, **tuned})
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
@@ -156,6 +174,24 @@ def main() -> None:
     for name, code, seconds in results:
         print(f"| {name} | {code} | {seconds:.0f} |")
     sys.exit(max((code for _, code, _ in results), default=0) != 0)
+
+
+def tuned_env(best: list[Path]) -> dict[str, str] | None:
+    """The environment that runs the kernels under the fastest configurations of the tuning steps (their --best
+    files; the small-M and the M = 1024 knobs are disjoint): QUANTKIT_NVRTC_DEFINES and QUANTKIT_KERNEL_SETTINGS, or
+    None where every step's fastest was its built-in default."""
+    import json
+
+    found = [json.loads(path.read_text()) for path in best]
+    for path, run in zip(best, found, strict=True):
+        print(f"fastest in {path.name}: {run['config']}{' (the built-in default)' if run['default'] else ''}",
+              flush=True)
+    if all(run["default"] for run in found):
+        return None
+    defines = {name: value for run in found for name, value in run["defines"].items()}
+    settings = {name: value for run in found for name, value in run["settings"].items()}
+    return {"QUANTKIT_NVRTC_DEFINES": " ".join(f"{name}={value}" for name, value in defines.items()),
+            "QUANTKIT_KERNEL_SETTINGS": json.dumps(settings)}
 
 
 def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[str, int, float]],

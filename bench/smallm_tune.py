@@ -133,8 +133,7 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
     from quantkit import kernel_bench, kernels
     from quantkit.kernel_bench import rotation, timing, variant_launch, weight_bytes
 
-    for setting, value in configs(large)[name][1].items():
-        setattr(kernels, setting, value)
+    kernels.apply_settings(configs(large)[name][1])
     results, checked, threads, registers = {}, {}, {}, {}
     for v in variants(large):
         if formats and v.fmt not in formats:
@@ -170,9 +169,10 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=120, help="seconds per configuration before it is skipped")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/quantkit-smallm-tune"),
                         help="where the synthetic tensors are kept between the configurations")
-    parser.add_argument("--best", type=Path, help="write the fastest configuration's QUANTKIT_NVRTC_DEFINES here "
-                        "(the one with the least total time among those that match the emulation; empty when it is "
-                        "the built-in default, whose builds are cached already)")
+    parser.add_argument("--best", type=Path, help="write the fastest configuration here as JSON (the one with the "
+                        "least total time among those that match the emulation): its name, whether it is the "
+                        "built-in default (the table's first), its defines (QUANTKIT_NVRTC_DEFINES) and its settings "
+                        "(QUANTKIT_KERNEL_SETTINGS)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     table = configs(args.large)
@@ -241,9 +241,9 @@ def main() -> None:
     good = [r for r in runs if all(r["checked"].values())]
     if args.best and good:
         best = min(good, key=lambda r: sum(r["seconds"].values()))
-        defines = table[best["config"]][0]
-        args.best.write_text("" if best["config"] == next(iter(table))
-                             else " ".join(f"{key}={value}" for key, value in defines.items()))
+        defines, settings = table[best["config"]]
+        args.best.write_text(json.dumps({"config": best["config"], "default": best["config"] == next(iter(table)),
+                                         "defines": defines, "settings": settings}))
         print(f"\nfastest: {best['config']}")
     sys.exit(any(not ok for r in runs for ok in r["checked"].values()))
 

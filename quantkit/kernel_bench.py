@@ -525,7 +525,9 @@ def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) ->
                 "seconds": r.seconds, "launch_seconds": r.launch_seconds, "tops": r.tops, "gbps": r.gbps,
                 "bytes_moved": r.bytes_moved}
 
-    return {"device": device, "copy_bandwidth_gbps": bandwidth, "rows": [row(r) for r in rows],
+    from quantkit.kernels import tuning
+
+    return {"device": device, "copy_bandwidth_gbps": bandwidth, "tuning": tuning(), "rows": [row(r) for r in rows],
             "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
                      for c in checks]}
 
@@ -535,8 +537,10 @@ def markdown_bars(report: dict) -> str:
     met: the README's kernel table."""
     bars = report["bars"]
     met = sum(b["met"] for b in bars)
+    tuning = report.get("tuning", {})  # reports from before it was recorded have none
+    tuned = [*tuning.get("defines", []), *(f"{k}={v}" for k, v in tuning.get("environment", {}).items())]
     lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s: "
-             f"{met} of {len(bars)} bars met.", "",
+             f"{met} of {len(bars)} bars met" + (f" (tuned: {' '.join(tuned)})." if tuned else "."), "",
              "| N x K | M | kernel | function | time (us) | requirement | measured | met |",
              "|---|---|---|---|---|---|---|---|"]
     for b in bars:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -756,3 +757,34 @@ def _module(name: str, hopper: bool = False) -> Any:
         atomic_write(cubin, nvrtc.getCUBIN(prog))
         nvrtc.destroyProgram(prog)
     return cupy.RawModule(path=str(cubin))
+
+
+# The run-time switches a tuning run varies (bench/smallm_tune.py's configurations). $QUANTKIT_KERNEL_SETTINGS, a
+# JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
+# fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
+TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "BULK_DECODE", "BULK_SLOTS", "WGMMA_WIDE",
+           "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST")
+
+
+def apply_settings(settings: dict[str, bool | int]) -> None:
+    """Set the switches named in `settings` (names from TUNABLE, values of each switch's type)."""
+    if unknown := sorted(set(settings) - set(TUNABLE)):
+        raise ValueError(f"unknown kernel settings {', '.join(unknown)}; the tunable ones are {', '.join(TUNABLE)}")
+    for name, value in settings.items():
+        if type(value) is not type(globals()[name]):
+            raise ValueError(f"kernel setting {name} takes a {type(globals()[name]).__name__}, got {value!r}")
+        globals()[name] = value
+
+
+def tuning() -> dict:
+    """The compile-time knobs and run-time switches in effect, and those of the switches set from the environment,
+    for a benchmark's report."""
+    return {"defines": list(nvrtc_defines()), "settings": {name: globals()[name] for name in TUNABLE},
+            "environment": json.loads(os.environ.get("QUANTKIT_KERNEL_SETTINGS") or "{}")}
+
+
+if os.environ.get("QUANTKIT_KERNEL_SETTINGS"):
+    try:
+        apply_settings(json.loads(os.environ["QUANTKIT_KERNEL_SETTINGS"]))
+    except (ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+        raise ValueError(f"$QUANTKIT_KERNEL_SETTINGS: {e}") from None

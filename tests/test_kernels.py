@@ -351,6 +351,64 @@ def test_anyprec_fast_kernels_give_the_checked_kernels_bits(m, n, k):
             assert_within_tc_bound(tensors, x, bits, fast.view(np.float16))
 
 
+def test_kernel_settings_come_from_the_environment_checked():
+    """$QUANTKIT_KERNEL_SETTINGS sets the tunable switches at import (what gpu_check --bench-tuned runs the bench
+    under) and tuning() reports them; an unknown name or a value of the wrong type is refused, naming it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from quantkit import kernels; import json; print(json.dumps(kernels.tuning()))"
+
+    def run(settings: str, defines: str = "") -> subprocess.CompletedProcess:
+        env = {**os.environ, "QUANTKIT_KERNEL_SETTINGS": settings, "QUANTKIT_NVRTC_DEFINES": defines}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    done = run('{"BULK_DECODE": true, "SPLITK_BLOCKS_MAX": 4}', "QK_SMALLM_AHEAD=6")
+    assert done.returncode == 0, done.stderr
+    tuning = json.loads(done.stdout)
+    assert tuning["settings"]["BULK_DECODE"] is True and tuning["settings"]["SPLITK_BLOCKS_MAX"] == 4
+    assert tuning["settings"]["ANYPREC_TC_FAST"] is True and tuning["defines"] == ["QK_SMALLM_AHEAD=6"]
+    for bad, says in [('{"BULK_DECODES": true}', "unknown kernel settings BULK_DECODES"),
+                      ('{"SPLITK_BLOCKS_MAX": "4"}', "SPLITK_BLOCKS_MAX takes a int"), ("[1]", "QUANTKIT_KERNEL")]:
+        done = run(bad)
+        assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
+
+
+def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
+    """gpu_check --bench-tuned: no second bench where each tuning step's fastest was its default; otherwise the
+    union of the steps' defines and settings (the small-M and M = 1024 knobs are disjoint)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        from gpu_check import tuned_env
+    finally:
+        sys.path.pop(0)
+    small, large = tmp_path / "best.json", tmp_path / "best_large.json"
+    small.write_text(json.dumps({"config": "U8", "default": True, "defines": {"QK_SMALLM_AHEAD": 8},
+                                 "settings": {"SPLITK_WARPS": 2048}}))
+    large.write_text(json.dumps({"config": "W5L3", "default": True, "defines": {"QK_WGMMA_STAGES": 5}, "settings": {}}))
+    assert tuned_env([small, large]) is None and tuned_env([]) is None
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        from smallm_tune import CONFIGS, LARGE_CONFIGS
+    finally:
+        sys.path.pop(0)
+    saved = kernels.tuning()["settings"]
+    try:  # every configuration's settings are tunable switches of the right type
+        for _, settings in (*CONFIGS.values(), *LARGE_CONFIGS.values()):
+            kernels.apply_settings(settings)
+    finally:
+        kernels.apply_settings(saved)
+    large.write_text(json.dumps({"config": "WIDE8", "default": False, "defines": {"QK_WGMMA_STAGES": 8,
+                                 "QK_WGMMA_LEAD": 7}, "settings": {"WGMMA_WIDE": True}}))
+    env = tuned_env([small, large])
+    assert env["QUANTKIT_NVRTC_DEFINES"] == "QK_SMALLM_AHEAD=8 QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7"
+    assert json.loads(env["QUANTKIT_KERNEL_SETTINGS"]) == {"SPLITK_WARPS": 2048, "WGMMA_WIDE": True}
+
+
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
     """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
     Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
@@ -1087,6 +1145,10 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     assert {b["met"] for b in data["bars"]} <= {True, False}
     table = kb.markdown_bars(data)  # bench/kernels_table.py: the README's tables from that file
     assert table.startswith("test GPU, copy bandwidth 1000000000 GB/s") and table.count("\n| ") == len(checks) + 1
+    assert ("tuned" in table.splitlines()[0]) == bool(data["tuning"]["defines"] or data["tuning"]["environment"])
+    knobs = {"defines": ["QK_SMALLM_AHEAD=6"], "environment": {"BULK_DECODE": True}}
+    tuned = {**data, "tuning": {**data["tuning"], **knobs}}
+    assert kb.markdown_bars(tuned).splitlines()[0].endswith("bars met (tuned: QK_SMALLM_AHEAD=6 BULK_DECODE=True).")
     sweep = kb.markdown_sweep(data).splitlines()
     assert any(line.startswith("| QServe W4A8 g128 | 4 |") for line in sweep)
     assert all(line.count("|") == sweep[0].count("|") for line in sweep)
