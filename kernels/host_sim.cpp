@@ -448,7 +448,7 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
     for (int kt = copy; kt < k / 32; kt += copies)
       step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
         uint32_t w[4], s, z;
-        qk::load_a(args, mt, kt, lane, fa);
+        qk::load_a(qk::act_rows(args, mt, lane), kt, fa);
         qk::load_b_raw(args, nt, kt, lane, w);
         qk::load_group_params(args, nt, kt, lane, s, z);
         qk::unpack_b(args, w, s, z, fb);
@@ -553,7 +553,10 @@ void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qwe
   liquidquant_host<TB>(args, splits, QK_LQQ_TILE_WARPS, [&](int, int nt, int, int copy, auto&& step) {
     for (int kt = copy; kt < k / 64; kt += splits)
       step([&](int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
-           [&](int tb, int j, int lane, uint32_t fb[2]) { qk::load_tokens(args, tb, kt, j, lane, fb); });
+           [&](int tb, int j, int lane, uint32_t fb[2]) {
+             if (TB <= 2) qk::load_tokens(qk::token_row(args, tb, lane), kt, j, fb);
+             else qk::load_tokens_checked(args, tb, kt, j, lane, fb);
+           });
   });
 }
 
@@ -666,7 +669,7 @@ extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint
     for (int i = copy; i < k / 16; i += copies)
       step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
         uint32_t w[4];
-        qk::load_a(args, mt, i, lane, fa);
+        qk::load_a16(qk::act_rows(args, mt, lane), i, fa);
         qk::load_b_raw(args, c, i, lane, w);
         qk::unpack_b(qk::ratio_row(args, c, i), lane, w, fb);
       });

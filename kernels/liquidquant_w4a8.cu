@@ -57,8 +57,18 @@ QK_FN void unpack_weights(const uint32_t r[4], const uint32_t sa[2], uint32_t fr
   }
 }
 
-// The lane's B fragment (activations) of token block tb for MMA j of K step kt: token 8 tb + g, k 4q.. and 16 + 4q...
-QK_FN void load_tokens(const LiquidArgs& a, int tb, int kt, int j, int lane, uint32_t frag[2]) {
+// The lane's activation row of token block tb: token 8 tb + g (past M: the last; act_row), at its column 4q.
+QK_FN const uint8_t* token_row(const LiquidArgs& a, int tb, int lane) {
+  return act_row(a.x, a.m, a.k, 8 * tb + frag_group(lane), 4 * frag_quad(lane));
+}
+
+// The lane's B fragment (activations) from that row for MMA j of K step kt: k 4q.. and 16 + 4q...
+QK_FN void load_tokens(const uint8_t* row, int kt, int j, uint32_t frag[2]) {
+  for (int i = 0; i < 2; ++i) frag[i] = load_u32(row + 64 * kt + 32 * j + 16 * i);
+}
+
+// The same from the kernel arguments, zero past M (the four-block kernel, which has no registers to hold its rows).
+QK_FN void load_tokens_checked(const LiquidArgs& a, int tb, int kt, int j, int lane, uint32_t frag[2]) {
   const int token = 8 * tb + frag_group(lane), q = frag_quad(lane);
   for (int i = 0; i < 2; ++i) {
     frag[i] = token < a.m
@@ -234,6 +244,11 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   struct Stage { uint32_t r[4], sa[2], b[TB][2][2]; };
   const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
   int32_t acc[TB][4] = {};
+  // up to 2 token blocks each lane's rows made once (4 blocks: checked per load; 4 row pointers, or 32-bit offsets,
+  // held across the loop spilled)
+  const uint8_t* rows[TB];
+#pragma unroll
+  for (int tb = 0; tb < TB; ++tb) rows[tb] = TB <= 2 ? qk::token_row(args, tb0 + tb, t % 32) : nullptr;
   pipelined_steps<AHEAD, Stage>(
       copy, splits, args.k / 64,
       [&](int kt, Stage& st) {
@@ -242,7 +257,10 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
         for (int tb = 0; tb < TB; ++tb)
           if (tb < blocks)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) qk::load_tokens(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
+            for (int j = 0; j < 2; ++j) {
+              if (TB <= 2) qk::load_tokens(rows[tb], kt, j, st.b[tb][j]);
+              else qk::load_tokens_checked(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
+            }
       },
       [&](int, const Stage& st) {
         uint32_t fa[2][4];

@@ -305,6 +305,24 @@ QK_FN uint32_t load_u32(const void* p) {
 #endif
 }
 
+// A lane's activation rows in the small-M kernels (act_row: one; ActRows: tokens g and g + 8 of a 16-token tile,
+// from `row0`), as pointers to its column `col` of each, made once before the K loop; tokens past M are clamped to
+// the last. An MMA's
+// row of D depends on its own row of A alone, and the stores skip rows past M, so a clamped row costs only its loads
+// (the same addresses as a real row's: one transaction) and saves each load a test, a zero and the address
+// arithmetic that the kernels otherwise redid per load (a 64-bit multiply and add from the kernel parameters).
+QK_FN const uint8_t* act_row(const void* x, int m, int k, int row, int col) {
+  return static_cast<const uint8_t*>(x) + (size_t)imin(row, m - 1) * k + col;
+}
+struct ActRows {
+  const uint8_t* p[2];
+  QK_FN ActRows(const void* x, int m, int k, int row0, int col) {
+    for (int h = 0; h < 2; ++h) p[h] = act_row(x, m, k, row0 + 8 * h, col);
+  }
+  // The 4 bytes at `offset` of row h (g, g + 8).
+  QK_FN uint32_t at(int h, int offset) const { return load_u32(p[h] + offset); }
+};
+
 // Split-K across the warps of a block. The block holds `splits` copies of the T threads that compute one output
 // tile; copy s takes K steps s, s + splits, s + 2 splits, ..., so that the copies read neighbouring weight tiles at
 // the same time. Their int32 accumulators meet in shared memory: copy s > 0 stores its `count` accumulators at

@@ -129,13 +129,14 @@ QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32
   for (int tile = 0; tile < 4; ++tile) unpack_tile(ratios, lane, w[tile], tile, frag + 2 * tile);
 }
 
-// The lane's A fragment at k tile i: rows g and g + 8 of token tile mt, k 16 i + 4 q ...
-QK_FN void load_a(const QQQArgs& a, int mt, int i, int lane, uint32_t frag[2]) {
-  const int g = frag_group(lane), q = frag_quad(lane);
-  for (int h = 0; h < 2; ++h) {
-    const int row = 16 * mt + g + 8 * h;
-    frag[h] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + 16 * i + 4 * q) : 0u;
-  }
+// The lane's activation rows of token tile mt (rows past M: the last; ActRows), at its column 4q.
+QK_FN ActRows act_rows(const QQQArgs& a, int mt, int lane) {
+  return ActRows(a.x, a.m, a.k, 16 * mt + frag_group(lane), 4 * frag_quad(lane));
+}
+
+// The lane's A fragment at k tile i (of 16 columns): rows g and g + 8, k 16 i + 4 q ...
+QK_FN void load_a16(const ActRows& rows, int i, uint32_t frag[2]) {
+  for (int h = 0; h < 2; ++h) frag[h] = rows.at(h, 16 * i);
 }
 
 // The output of token `row`, channel `col` from its int32 sum: (acc * s_channel) * s_x.
@@ -305,8 +306,9 @@ extern "C" __global__ void __launch_bounds__(512)
   const bool grouped = s_group != nullptr;
   struct Stage { uint32_t w[4], r[4], a[2]; };  // r: per group, the lane's ratio pairs
   int32_t acc[8][4] = {};
+  const qk::ActRows rows = qk::act_rows(args, mt, lane);
   auto load = [&](int i, Stage& st) {
-    qk::load_a(args, mt, i, lane, st.a);
+    qk::load_a16(rows, i, st.a);
     qk::load_b_raw(args, c, i, lane, st.w);
     if (grouped) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
   };

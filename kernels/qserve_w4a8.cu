@@ -31,13 +31,14 @@ struct QServeArgs {
   int m, n, k, group;
 };
 
-// The lane's A fragment at k-tile kt of row tile mt: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
-QK_FN void load_a(const QServeArgs& a, int mt, int kt, int lane, uint32_t frag[4]) {
-  const int g = frag_group(lane), q = frag_quad(lane);
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * mt + g + 8 * (i & 1), col = 32 * kt + 16 * (i >> 1) + 4 * q;
-    frag[i] = row < a.m ? load_u32(reinterpret_cast<const uint8_t*>(a.x) + (size_t)row * a.k + col) : 0u;
-  }
+// The lane's activation rows of row tile mt (rows past M: the last; ActRows), at its column 4q.
+QK_FN ActRows act_rows(const QServeArgs& a, int mt, int lane) {
+  return ActRows(a.x, a.m, a.k, 16 * mt + frag_group(lane), 4 * frag_quad(lane));
+}
+
+// The lane's A fragment at k-tile kt: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
+QK_FN void load_a(const ActRows& rows, int kt, uint32_t frag[4]) {
+  for (int i = 0; i < 4; ++i) frag[i] = rows.at(i & 1, 32 * kt + 16 * (i >> 1));
 }
 
 // The lane's 16 bytes of weight tile (nt, kt): one 128-bit load.
@@ -263,8 +264,9 @@ extern "C" __global__ void __launch_bounds__(512)
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   struct Stage { uint32_t w[4], s, z, a[4]; };
   int32_t acc[4][4] = {};
+  const qk::ActRows rows = qk::act_rows(args, mt, lane);
   auto load = [&](int kt, Stage& st) {
-    qk::load_a(args, mt, kt, lane, st.a);
+    qk::load_a(rows, kt, st.a);
     qk::load_b_raw(args, nt, kt, lane, st.w);
     qk::load_group_params(args, nt, kt, lane, st.s, st.z);
   };
