@@ -28,6 +28,18 @@ namespace qk {
 // The smaller of two ints, written out: NVRTC's headers need not declare min().
 QK_FN int imin(int a, int b) { return a < b ? a : b; }
 
+// col / d for a group size d, as one multiply-high by ceil(2^32 / d) (the division itself takes some 20
+// instructions): exact while col * d < 2^32, which quantkit.kernels checks at launch (K times the group size). The
+// reciprocal does not depend on col, so a loop computes it once.
+QK_FN int div_group(int col, int d) {
+  const uint32_t magic = 0xFFFFFFFFu / (uint32_t)d + 1u;
+#if defined(__CUDA_ARCH__)
+  return (int)__umulhi((uint32_t)col, magic);
+#else
+  return (int)(((uint64_t)(uint32_t)col * magic) >> 32);
+#endif
+}
+
 // The bulk kernels' split-K: copy i of a tile's `copies` walks the contiguous K steps [begin, end) of its `steps`.
 QK_FN void copy_range(int i, int copies, int steps, int& begin, int& end) {
   begin = i * steps / copies;

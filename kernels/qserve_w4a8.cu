@@ -57,7 +57,7 @@ QK_FN void group_params_at(const int8_t* s2, const int8_t* z2, int lane, uint32_
 QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint32_t& s, uint32_t& z) {
   s = z = 0;
   if (a.s2 != nullptr) {
-    const size_t row = (size_t)(32 * kt / a.group) * a.n + 32 * nt;
+    const size_t row = (size_t)div_group(32 * kt, a.group) * a.n + 32 * nt;
     group_params_at(a.s2 + row, a.z2 + row, lane, s, z);
   }
 }
@@ -112,7 +112,7 @@ struct QServeBulk {
   QK_FN int param_offset() const { return act_offset() + rows * row_bytes(); }
   QK_FN int slot_bytes() const { return param_offset() + (grouped ? 64 * (chunk + 1) : 0); }  // chunk + 1 groups
 
-  QK_FN static int first_group(const QServeArgs& a, int s0) { return 32 * s0 / a.group; }
+  QK_FN static int first_group(const QServeArgs& a, int s0) { return div_group(32 * s0, a.group); }
 
   // emit(offset in the slot, source, bytes) for each copy of steps [s0, s0 + cnt) of tile (mt, nt).
   template <class Emit>
@@ -121,7 +121,7 @@ struct QServeBulk {
     for (int r = 0; r < rows && 16 * mt + r < a.m; ++r)
       emit(act_offset() + r * row_bytes(), a.x + (size_t)(16 * mt + r) * a.k + 32 * s0, 32 * cnt);
     if (!grouped) return;
-    for (int g = first_group(a, s0); g <= (32 * (s0 + cnt) - 1) / a.group; ++g) {
+    for (int g = first_group(a, s0); g <= div_group(32 * (s0 + cnt) - 1, a.group); ++g) {
       const size_t row = (size_t)g * a.n + 32 * nt;
       emit(param_offset() + 64 * (g - first_group(a, s0)), a.s2 + row, 32);
       emit(param_offset() + 64 * (g - first_group(a, s0)) + 32, a.z2 + row, 32);
@@ -142,7 +142,7 @@ struct QServeBulk {
     load_u128(slot + 512 * u + 16 * lane, w);
     s = z = 0;
     if (grouped) {
-      const uint8_t* p = slot + param_offset() + 64 * (32 * (s0 + u) / a.group - first_group(a, s0));
+      const uint8_t* p = slot + param_offset() + 64 * (div_group(32 * (s0 + u), a.group) - first_group(a, s0));
       group_params_at(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + 32), lane, s, z);
     }
   }
@@ -173,7 +173,7 @@ struct QServeTiled {
       const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
       const int8_t* src = which ? a.z2 : a.s2;
       copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
-                     src + (size_t)((kt * BK + 32 * kk) / a.group) * a.n + n0 + 16 * chunk, true);
+                     src + (size_t)div_group(kt * BK + 32 * kk, a.group) * a.n + n0 + 16 * chunk, true);
     }
   }
 

@@ -409,6 +409,13 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
                   (splits - 1) * partial_bytes)
 
 
+def check_group_division(k: int, group: int) -> None:
+    """The kernels find a column's group by a multiply-high by ceil(2^32 / group) (qk_common.cuh div_group), exact
+    while K * group < 2^32: refuse a shape past that rather than read the wrong group's parameters."""
+    if k * group >= 1 << 32:
+        raise ValueError(f"K={k} with groups of {group} is past the kernels' group arithmetic (K * group < 2^32)")
+
+
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                   wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
@@ -422,6 +429,8 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     grouped = "s2_scales" in tensors
     if not grouped and t_x is None:
         raise ValueError("the per-channel QServe kernel needs t_x, the per-token sums of the activations")
+    if grouped:
+        check_group_division(k, k // tensors["s2_scales"].shape[0])
     out = np.zeros((m, n), dtype=np.uint16)
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), None if grouped else _c(t_x, np.float32), qweight,
             _half_bits(tensors["s1_scales"]), None if grouped else _half_bits(tensors["s1_szeros"]),

@@ -317,6 +317,23 @@ def test_anyprec_tc_shared_memory_mirrors_the_kernel():
 
 
 @needs_compiler
+def test_group_division_by_multiply_high_is_exact_where_the_launch_allows_it():
+    """div_group (a column's group as a multiply-high by ceil(2^32 / group), where the division took some 20
+    instructions a K step) equals integer division wherever col * group < 2^32, power-of-two groups or not, at the
+    edges of every group; qserve_launch refuses K * group past that."""
+    div = kernels.host_library().qk_div_group
+    for d in (32, 64, 96, 128, 160, 384, 4096):
+        top = ((1 << 32) - 1) // d  # the largest col allowed
+        cols = {top, top - 1, 0, 1, d - 1, d, d + 1}
+        cols |= {q * d + r for q in range(0, top // d + 1, max(1, top // d // 4000)) for r in (0, 1, d - 1)}
+        wrong = [c for c in sorted(cols) if c <= top and div(c, d) != c // d]
+        assert not wrong, (d, wrong[:5])
+    kernels.check_group_division(1 << 20, 4096 - 32)
+    with pytest.raises(ValueError, match="K \\* group < 2\\^32"):
+        kernels.check_group_division(1 << 20, 4096)
+
+
+@needs_compiler
 def test_anyprec_fast_kernels_serve_the_shapes_the_kernel_allows():
     """quantkit.kernels takes anyprec_gemm_tc*_fast exactly where every step of the kernel is fast (tc_fast_steps):
     K a multiple of 1024, and indices within 32 bits; asked for elsewhere, it refuses rather than read past a row."""
