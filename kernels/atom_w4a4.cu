@@ -121,18 +121,18 @@ struct AtomTiled {
     const int G = groups(a), g = kt < G ? kt : G;
     if (kt < G) {
       const size_t row_bytes = (size_t)(a.k - ATOM_OUTLIERS) / 2;
-      copy_rows<BM, BK>(stage, a.x4, row_bytes, a.m, m0, (size_t)kt * BK, tid, THREADS);
-      copy_rows<BN, BK>(stage + W_OFF, a.w4, row_bytes, a.n, n0, (size_t)kt * BK, tid, THREADS);
+      copy_rows<BM, BK, THREADS>(stage, a.x4, row_bytes, a.m, m0, (size_t)kt * BK, tid);
+      copy_rows<BN, BK, THREADS>(stage + W_OFF, a.w4, row_bytes, a.n, n0, (size_t)kt * BK, tid);
     } else {
-      copy_rows<BM, BK>(stage, a.x8, ATOM_OUTLIERS, a.m, m0, (size_t)(kt - G) * BK, tid, THREADS);
-      copy_rows<BN, BK>(stage + W_OFF, a.w8, ATOM_OUTLIERS, a.n, n0, (size_t)(kt - G) * BK, tid, THREADS);
+      copy_rows<BM, BK, THREADS>(stage, a.x8, ATOM_OUTLIERS, a.m, m0, (size_t)(kt - G) * BK, tid);
+      copy_rows<BN, BK, THREADS>(stage + W_OFF, a.w8, ATOM_OUTLIERS, a.n, n0, (size_t)(kt - G) * BK, tid);
     }
     for (int r = tid; r < BM; r += THREADS) {
       const float* src = a.s_x + (size_t)(m0 + r < a.m ? m0 + r : 0) * (G + 1) + g;
       copy_async<4>(stage + SX_OFF + 4 * r, src, m0 + r < a.m);
     }
     const qk_half* scales = kt < G ? a.scale_int4 + (size_t)kt * 4 * a.n + 4 * n0 : a.scale_int8 + 4 * n0;
-    copy_runs(stage + SW_OFF, reinterpret_cast<const uint8_t*>(scales), 0, 1, 8 * BN, tid, THREADS);
+    copy_runs<1, 8 * BN, THREADS>(stage + SW_OFF, reinterpret_cast<const uint8_t*>(scales), 0, tid);
   }
 
   // Warp (wm, wn) = (warp / 2, warp % 2): tokens 32 wm + 16 i, channels 32 wn + 16 p (two n8 blocks a ldmatrix).

@@ -150,15 +150,16 @@ struct LiquidTiled {
   QK_FN static int steps(const LiquidArgs& a) { return a.k / BK; }
 
   QK_FN static void copy_stage(const LiquidArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
-    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
-    copy_weights(a, stage, n0, kt, tid, THREADS);
+    copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
+    copy_weights<THREADS>(a, stage, n0, kt, tid);
   }
-  // The stage's weights of channels n0 .. n0 + BN - 1 and their step and offset bytes (from W_OFF on), `threads`
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their step and offset bytes (from W_OFF on), THREADS
   // copying.
-  QK_FN static void copy_weights(const LiquidArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
+  template <int COPIERS>
+  QK_FN static void copy_weights(const LiquidArgs& a, uint8_t* stage, int n0, int kt, int tid) {
     const size_t block = (size_t)(n0 / 64) * (a.k / 64) + kt;
-    copy_runs(stage + W_OFF, a.qweight + block * 2048, (size_t)(a.k / 64) * 2048, BN / 64, 2048, tid, threads);
-    copy_runs(stage + P_OFF, a.s2a + block * 128, (size_t)(a.k / 64) * 128, BN / 64, 128, tid, threads);
+    copy_runs<BN / 64, 2048, COPIERS>(stage + W_OFF, a.qweight + block * 2048, (size_t)(a.k / 64) * 2048, tid);
+    copy_runs<BN / 64, 128, COPIERS>(stage + P_OFF, a.s2a + block * 128, (size_t)(a.k / 64) * 128, tid);
   }
 
   // Warp (wt, wc) = (warp / 4, warp % 4): weight block wc / 2, its rows 16 w .. for w = 2 (wc % 2) + slice.

@@ -389,8 +389,7 @@ QK_FN void copy_async(void* dst, const void* src, bool valid) {
 #endif
 }
 
-// Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
-// The same loads where the source puts them: volatile asm, which the compiler keeps in order with the other
+// 16- and 8-byte loads (load_u128's, load_u64's) where the source puts them: volatile asm, which the compiler keeps in order with the other
 // volatile asm (the MMAs), so that a load meant to be in flight during one stretch of MMAs is not hoisted above the
 // stretch before, holding its registers that much longer (the Any-Precision kernels' unchecked loads, hoisted, made
 // them spill).
@@ -410,6 +409,7 @@ QK_FN void load_u64_here(const void* p, uint32_t& lo, uint32_t& hi) {
 #endif
 }
 
+// Two 32-bit words from one 8-byte load (p 8-byte aligned), the first from the lower address.
 QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__)
   const uint2 v = *reinterpret_cast<const uint2*>(p);
@@ -422,29 +422,42 @@ QK_FN void load_u64(const void* p, uint32_t& lo, uint32_t& hi) {
 }
 
 // A swizzled [ROWS, BK] byte tile from rows r0 .. r0 + ROWS - 1 of a row-major matrix (`stride` bytes a row, zero
-// past row `rows`), bytes `col` .. col + BK - 1 of each. Threads tid, tid + threads, ... each copy 16 bytes.
-template <int ROWS, int BK>
-QK_FN void copy_rows(uint8_t* tile, const void* base, size_t stride, int rows, int r0, size_t col, int tid,
-                     int threads) {
-  for (int c = tid; c < ROWS * (BK / 16); c += threads) {
-    const int row = c / (BK / 16), chunk = c % (BK / 16), r = r0 + row < rows ? r0 + row : 0;
-    const uint8_t* src = static_cast<const uint8_t*>(base) + r * stride + col + 16 * chunk;
-    copy_async<16>(tile + swizzled<BK>(row, chunk), src, r0 + row < rows);
+// past row `rows`), bytes `col` .. col + BK - 1 of each. Threads tid, tid + THREADS, ... each copy 16 bytes (tid <
+// THREADS, the block). THREADS is a compile-time constant, so that a thread's copies are a fixed unrolled list whose
+// rows, chunks and source offsets do not depend on the K step: the kernels compute them once, not per copy and step
+// (with a run-time count, each copy of each step redid a division, a swizzle and a 64-bit multiply-add).
+template <int ROWS, int BK, int THREADS>
+QK_FN void copy_rows(uint8_t* tile, const void* base, size_t stride, int rows, int r0, size_t col, int tid) {
+  constexpr int ROW_CHUNKS = BK / 16, CHUNKS = ROWS * ROW_CHUNKS;
+  static_assert(THREADS % ROW_CHUNKS == 0, "a thread's chunks sit at one column of the tile");
+  const int chunk = tid % ROW_CHUNKS;
+#pragma unroll
+  for (int j = 0; j < (CHUNKS + THREADS - 1) / THREADS; ++j) {
+    const int row = tid / ROW_CHUNKS + j * (THREADS / ROW_CHUNKS);  // chunk tid + j THREADS of the tile
+    if (CHUNKS % THREADS != 0 && row >= ROWS) break;
+    const bool valid = r0 + row < rows;
+    const uint8_t* src = static_cast<const uint8_t*>(base) + (size_t)(valid ? r0 + row : 0) * stride + col + 16 * chunk;
+    copy_async<16>(tile + swizzled<BK>(row, chunk), src, valid);
   }
 }
 
 // The activation tile of K step kt: rows m0 .. m0 + ROWS - 1 of x [M, K] int8 (zero past M), BK bytes each.
-template <int ROWS, int BK>
-QK_FN void copy_activations(uint8_t* tile, const int8_t* x, int m, int k, int m0, int kt, int tid, int threads) {
-  copy_rows<ROWS, BK>(tile, x, (size_t)k, m, m0, (size_t)kt * BK, tid, threads);
+template <int ROWS, int BK, int THREADS>
+QK_FN void copy_activations(uint8_t* tile, const int8_t* x, int m, int k, int m0, int kt, int tid) {
+  copy_rows<ROWS, BK, THREADS>(tile, x, (size_t)k, m, m0, (size_t)kt * BK, tid);
 }
 
-// `runs` runs of `run_bytes` bytes each, run r from src + r * stride, to consecutive shared memory.
-QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int runs, int run_bytes, int tid,
-                     int threads) {
-  for (int c = tid; c < runs * (run_bytes / 16); c += threads) {
-    const int r = c / (run_bytes / 16), off = 16 * (c % (run_bytes / 16));
-    copy_async<16>(dst + (size_t)r * run_bytes + off, src + r * stride + off, true);
+// RUNS runs of RUN_BYTES bytes each, run r from src + r * stride, to consecutive shared memory; THREADS threads
+// copying 16 bytes each (a compile-time count, as copy_rows').
+template <int RUNS, int RUN_BYTES, int THREADS>
+QK_FN void copy_runs(uint8_t* dst, const uint8_t* src, size_t stride, int tid) {
+  constexpr int RUN_CHUNKS = RUN_BYTES / 16, CHUNKS = RUNS * RUN_CHUNKS;
+#pragma unroll
+  for (int j = 0; j < (CHUNKS + THREADS - 1) / THREADS; ++j) {
+    const int c = tid + j * THREADS;
+    if (CHUNKS % THREADS != 0 && c >= CHUNKS) break;
+    const int r = c / RUN_CHUNKS, off = 16 * (c % RUN_CHUNKS);
+    copy_async<16>(dst + (size_t)r * RUN_BYTES + off, src + r * stride + off, true);
   }
 }
 
@@ -498,8 +511,8 @@ struct WgmmaTiles {
 
   QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
   QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
-    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
-    for (int r = 0; r < W; ++r) Tiled::copy_weights(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid, THREADS);
+    copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
+    for (int r = 0; r < W; ++r) Tiled::template copy_weights<THREADS>(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid);
   }
   // Warp w's A fragments: warp w % 8 of the 128 channels of region w / 8.
   QK_FN static void load_a(const Args& a, const uint8_t* stage, int warp, int lane, uint32_t fa[BK / 32][4]) {

@@ -212,17 +212,18 @@ struct QQQTiled {
   QK_FN static int steps(const QQQArgs& a) { return a.k / BK; }
 
   QK_FN static void copy_stage(const QQQArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
-    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
-    copy_weights(a, stage, n0, kt, tid, THREADS);
+    copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
+    copy_weights<THREADS>(a, stage, n0, kt, tid);
   }
-  // The stage's weights of channels n0 .. n0 + BN - 1 and their group ratios (from W_OFF on), `threads` copying.
-  QK_FN static void copy_weights(const QQQArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their group ratios (from W_OFF on), THREADS copying.
+  template <int COPIERS>
+  QK_FN static void copy_weights(const QQQArgs& a, uint8_t* stage, int n0, int kt, int tid) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(a.b);
-    copy_runs(stage + W_OFF, b + ((size_t)kt * (BK / 16) * 2 * a.n + 2 * n0) * 4, (size_t)2 * a.n * 4, BK / 16,
-              BN * 8, tid, threads);
+    copy_runs<BK / 16, BN * 8, COPIERS>(stage + W_OFF, b + ((size_t)kt * (BK / 16) * 2 * a.n + 2 * n0) * 4,
+                                         (size_t)2 * a.n * 4, tid);
     if (a.s_group != nullptr)
-      copy_runs(stage + R_OFF, reinterpret_cast<const uint8_t*>(a.s_group + (size_t)(kt * BK / 128) * a.n + n0), 0, 1,
-                2 * BN, tid, threads);
+      copy_runs<1, 2 * BN, COPIERS>(
+          stage + R_OFF, reinterpret_cast<const uint8_t*>(a.s_group + (size_t)(kt * BK / 128) * a.n + n0), 0, tid);
   }
 
   // Warp (wm, wn) = (warp / 2, warp % 2): rows 32 wm + 16 i, chunk wn; ldmatrix kk gives k tiles 2 kk and 2 kk + 1.

@@ -161,21 +161,22 @@ struct QServeTiled {
   QK_FN static int steps(const QServeArgs& a) { return a.k / BK; }
 
   QK_FN static void copy_stage(const QServeArgs& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
-    copy_activations<BM, BK>(stage, a.x, a.m, a.k, m0, kt, tid, THREADS);
-    copy_weights(a, stage, n0, kt, tid, THREADS);
+    copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
+    copy_weights<THREADS>(a, stage, n0, kt, tid);
   }
-  // The stage's weights of channels n0 .. n0 + BN - 1 and their group parameters (from W_OFF on), `threads` copying.
-  QK_FN static void copy_weights(const QServeArgs& a, uint8_t* stage, int n0, int kt, int tid, int threads) {
-    copy_runs(stage + W_OFF, a.qweight + ((size_t)(n0 / 32) * (a.k / 32) + (size_t)kt * (BK / 32)) * 512,
-              (size_t)(a.k / 32) * 512, BN / 32, (BK / 32) * 512, tid, threads);
-    if (a.s2 == nullptr) return;
-    for (int c = tid; c < 2 * P_BYTES / 16; c += threads) {  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
-      const int which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
-      const int8_t* src = which ? a.z2 : a.s2;
-      copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
-                     src + (size_t)div_group(kt * BK + 32 * kk, a.group) * a.n + n0 + 16 * chunk, true);
-    }
+  // The stage's weights of channels n0 .. n0 + BN - 1 and their group parameters (from W_OFF on), THREADS copying.
+  template <int COPIERS>
+  QK_FN static void copy_weights(const QServeArgs& a, uint8_t* stage, int n0, int kt, int tid) {
+    copy_runs<BN / 32, (BK / 32) * 512, COPIERS>(
+        stage + W_OFF, a.qweight + ((size_t)(n0 / 32) * (a.k / 32) + (size_t)kt * (BK / 32)) * 512,
+        (size_t)(a.k / 32) * 512, tid);
+    if (a.s2 == nullptr || tid >= 2 * P_BYTES / 16) return;
+    const int c = tid, which = c / (P_BYTES / 16), kk = (c % (P_BYTES / 16)) / (BN / 16), chunk = c % (BN / 16);
+    const int8_t* src = which ? a.z2 : a.s2;  // row kk of s2 (then of z2): k tile BK / 32 kt + kk
+    copy_async<16>(stage + P_OFF + which * P_BYTES + kk * BN + 16 * chunk,
+                   src + (size_t)div_group(kt * BK + 32 * kk, a.group) * a.n + n0 + 16 * chunk, true);
   }
+  static_assert(2 * P_BYTES / 16 <= THREADS, "one group-parameter chunk a thread at most");
 
   // Warp (wm, wn) = (warp / 4, warp % 4): rows 64 wm + 16 i, weight tile wn.
   QK_FN static int a_row(int warp, int i, int kk, int lane) {
