@@ -153,7 +153,8 @@ def main() -> None:
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
-            kernels = "regex:_gemm8?$|_bulk8?$|_gemv$|_tc8?_3$"  # the decode kernels (Any-Precision's at 3 bits)
+            # the decode kernels (Any-Precision's at 3 bits)
+            kernels = "regex:_gemm(8|_pc)?$|_bulk8?$|_gemv$|_tc8?_3(_fast)?$"
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats], args.out, results, 100, env)
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes

@@ -56,6 +56,10 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "BULK": (U8, {**SPLIT, "BULK_DECODE": True}),
     "BULK-3": (U8, {**SPLIT, "BULK_DECODE": True, "BULK_SLOTS": 3}),
     "BULK-Z": (U8, {**SPLIT, "BULK_DECODE": True, "SPLITK_BLOCKS_MAX": 4}),
+    # QServe's per-channel decode kernel (qserve_w4a8_gemm_pc, 98 registers at 8) with 10 or 12 steps a round
+    # (124 and 128 registers, no spills); the other kernels keep 8
+    "QS-PC10": ({**U8, "QK_QSERVE_PC_AHEAD": 10}, SPLIT),
+    "QS-PC12": ({**U8, "QK_QSERVE_PC_AHEAD": 12}, SPLIT),
     # Any-Precision's tensor-core kernels with bounds-checked loads everywhere (as measured until now), and the fast
     # ones with the next step's words loaded during word 3 of 4 at every width (the default: word 2 up to 3 bits)
     "AP-CHECKED": (U8, {**SPLIT, "ANYPREC_TC_FAST": False}),

@@ -437,12 +437,25 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
   }
 }
 
-// The host twin of qserve_w4a8_gemm: copy c of a tile's warps takes K steps c, c + splits, ...
-extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
-                                      const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+// The host twins of qserve_w4a8_gemm (per group) and qserve_w4a8_gemm_pc (per channel), each with the other
+// variant's tensors null as the kernel makes them: copy c of a tile's warps takes K steps c, c + splits, ...
+static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit);
+extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
+                                      const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
                                       qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
                                       int32_t*) {
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  if (s2 == nullptr || z2 == nullptr) fail("qserve_w4a8_gemm: per group, needs s2 and z2");
+  qserve_gemm_host(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group}, splits, zsplit);
+}
+extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                         const qk_half* s1, const qk_half* szero, const int8_t*, const int8_t*,
+                                         qk_half* out, int m, int n, int k, int, int splits, int zsplit, int32_t*,
+                                         int32_t*) {
+  if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
+  qserve_gemm_host(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0}, splits, zsplit);
+}
+static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit) {
+  const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
   qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
     for (int kt = copy; kt < k / 32; kt += copies)

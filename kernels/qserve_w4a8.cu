@@ -252,15 +252,23 @@ struct QServeWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) * 2 KiB: the warps of
-// a block split K over one 16 x 32 output tile, and so do the zsplit blocks of the tile (its copies are blockIdx.z
-// splits + copy of splits zsplit, meeting in `sums` and `arrived`: splitk_blocks; null when zsplit is 1).
-// s1_szeros null: per group.
-extern "C" __global__ void __launch_bounds__(512)
-    qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
-                     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                     int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+// The small-M kernels: grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) *
+// 2 KiB: the warps of a block split K over one 16 x 32 output tile, and so do the zsplit blocks of the tile (its
+// copies are blockIdx.z splits + copy of splits zsplit, meeting in `sums` and `arrived`: splitk_blocks; null when
+// zsplit is 1). One kernel per layout variant, with the other variant's tensors null at compile time, so that
+// neither carries the other's code or registers: per channel the kernel needs 98 registers at 8 steps a round
+// where one kernel for both took 124, which leaves room for more steps in flight (QK_QSERVE_PC_AHEAD) or more
+// warps an SM.
+#ifndef QK_QSERVE_PC_AHEAD
+#define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
+#endif
+template <bool GROUPED, int AHEAD>
+__device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x, const float* t_x,
+                                               const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                               const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                                               int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  const qk::QServeArgs args{x, s_x, GROUPED ? nullptr : t_x, qweight, s1, GROUPED ? nullptr : szero,
+                            GROUPED ? s2 : nullptr, GROUPED ? z2 : nullptr, out, m, n, k, GROUPED ? group : 0};
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = blockIdx.x, mt = blockIdx.y;
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   struct Stage { uint32_t w[4], s, z, a[4]; };
@@ -277,10 +285,27 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
   };
-  pipelined_steps<QK_SMALLM_AHEAD, Stage>(first, copies, k / 32, load, compute);
+  pipelined_steps<AHEAD, Stage>(first, copies, k / 32, load, compute);
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+}
+
+// Per group (s2, z2 given; s1_szeros and t_x unused).
+extern "C" __global__ void __launch_bounds__(512)
+    qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
+                     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                     int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  qserve_gemm_at<true, QK_SMALLM_AHEAD>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit,
+                                        sums, arrived);
+}
+// Per channel (s1_szeros and t_x given; s2, z2 unused).
+extern "C" __global__ void __launch_bounds__(512)
+    qserve_w4a8_gemm_pc(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out,
+                        int m, int n, int k, int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  qserve_gemm_at<false, QK_QSERVE_PC_AHEAD>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits,
+                                            zsplit, sums, arrived);
 }
 
 #if defined(QK_WGMMA)

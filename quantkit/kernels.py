@@ -390,9 +390,9 @@ def use_bulk(bulk: bool | None) -> bool:
 
 def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, width: int, count: int, steps: int,
                      splits: int | None, zsplit: int | None, bulk: bool | None,
-                     slot_bytes: Callable[[int], int]) -> Launch:
+                     slot_bytes: Callable[[int], int], gemm: str = "gemm") -> Launch:
     """The small-M launch of a layout whose warp computes a 16-token x `width`-channel tile with `count` int32 sums
-    a lane over `steps` K steps (QServe: 32 channels, 16 sums; QQQ: 64, 32): `module`_gemm, or `module`_bulk per
+    a lane over `steps` K steps (QServe: 32 channels, 16 sums; QQQ: 64, 32): `module`_`gemm`, or `module`_bulk per
     use_bulk (chunks of 8 steps, 4 KiB of weights, up to 4 tokens, else 4, for their activation rows); `splits`
     copies a block and `zsplit` blocks a tile, default split_plan's (`zsplit` 1 when `splits` is given)."""
     tiles = (n // width) * -(-m // 16)
@@ -405,7 +405,7 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
         chunk, slots, shared = bulk_plan(splits, partial_bytes, slot_bytes, 8 if m <= 4 else 4)
         return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid, 32 * splits, out,
                       shared)
-    return Launch(module, f"{module}_gemm", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
+    return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
                   (splits - 1) * partial_bytes)
 
 
@@ -439,8 +439,9 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
+    # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers
     return warp_tile_launch("qserve_w4a8", args, out, m, n, 32, 16, k // 32, splits, zsplit, bulk,
-                            lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped))
+                            lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), "gemm" if grouped else "gemm_pc")
 
 
 # Up to this many tokens (one n8 block of the MMAs) the launches take the decode kernels (liquidquant_w4a8_gemm8,

@@ -213,7 +213,8 @@ def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
-    assert launch.name.endswith("_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm")
+    small_m = "_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm_pc" if fmt == "qserve" and not group else "_gemm"
+    assert launch.name.endswith(small_m)
     warps = kernels.LQQ_TILE_WARPS if fmt == "liquidquant" else 1  # LiquidQuant: each warp its 16 channels
     assert launch.block == 32 * warps * splits
     assert launch.shared_mem == (splits - 1) * warps * partial_bytes
@@ -638,7 +639,7 @@ def test_validate_runs_the_decode_kernels_too(fmt, monkeypatch):
     ran, run = [], kernels.run
     monkeypatch.setattr(kernels, "run", lambda launch, device="cpu": ran.append(launch.name) or run(launch, device))
     assert kernels.matches_emulation(fmt, tensors, activations(16, k, seed=1), "cpu")
-    decode = {"liquidquant": "liquidquant_w4a8_gemm8", "anyprec": "anyprec_gemm_tc8_3", "qserve": "qserve_w4a8_gemm"}
+    decode = {"liquidquant": "liquidquant_w4a8_gemm8", "anyprec": "anyprec_gemm_tc8_3", "qserve": "qserve_w4a8_gemm_pc"}
     assert decode[fmt] in ran and ran[-1] == decode[fmt]
     assert any("1 token" in label for label in kernels.path_labels(fmt, n, k, "cpu", 16))
     assert not any("1 token" in label for label in kernels.path_labels(fmt, n, k, "cpu", 8))
@@ -836,6 +837,25 @@ def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
     import cupy
 
     assert not cupy.asnumpy(call.args[-2]).any() and not cupy.asnumpy(call.args[-1]).any()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
+@pytest.mark.parametrize("ahead", [10, 12])
+def test_qserve_per_channel_decode_kernel_takes_more_steps_without_spilling(ahead, tmp_path):
+    """qserve_w4a8_gemm_pc carries no group code (98 registers at 8 steps a round), so QK_QSERVE_PC_AHEAD can put 10
+    or 12 steps' loads in flight (bench/smallm_tune.py's QS-PC10 and QS-PC12) within 128 registers and no stack."""
+    import re
+    import subprocess
+
+    src = kernels.source_dir() / "qserve_w4a8.cu"
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                           f"-DQK_QSERVE_PC_AHEAD={ahead}", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    entry = done.stderr[done.stderr.index("'qserve_w4a8_gemm_pc'"):]
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+    registers = re.search(r"Used (\d+) registers", entry)
+    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, entry[:500]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
