@@ -56,12 +56,6 @@ struct Width {
   static constexpr int value = B;
 };
 
-// A compile-time flag, for a generic lambda to be instantiated once per value: fn(Flag<true>{}), fn(Flag<false>{}).
-template <bool V>
-struct Flag {
-  static constexpr bool value = V;
-};
-
 // fn(Width<bits>{}) for bits 1..8 (above 8: 8).
 #pragma nv_exec_check_disable
 template <class Fn>
@@ -319,10 +313,10 @@ QK_FN uint32_t load_u32(const void* p) {
 
 // A lane's activation rows in the small-M kernels (act_row: one; ActRows: tokens g and g + 8 of a 16-token tile,
 // from `row0`), as pointers to its column `col` of each, made once before the K loop; tokens past M are clamped to
-// the last. An MMA's
-// row of D depends on its own row of A alone, and the stores skip rows past M, so a clamped row costs only its loads
-// (the same addresses as a real row's: one transaction) and saves each load a test, a zero and the address
-// arithmetic that the kernels otherwise redid per load (a 64-bit multiply and add from the kernel parameters).
+// the last. An MMA's row of D depends on its own row of A alone, and the stores skip rows past M, so a clamped row
+// costs only its loads (the same addresses as a real row's: one transaction) and saves each load a test, a zero
+// and the address arithmetic that the kernels otherwise redid per load (a 64-bit multiply and add from the kernel
+// parameters).
 QK_FN const uint8_t* act_row(const void* x, int m, int k, int row, int col) {
   return static_cast<const uint8_t*>(x) + (size_t)imin(row, m - 1) * k + col;
 }
@@ -389,10 +383,10 @@ QK_FN void copy_async(void* dst, const void* src, bool valid) {
 #endif
 }
 
-// 16- and 8-byte loads (load_u128's, load_u64's) where the source puts them: volatile asm, which the compiler keeps in order with the other
-// volatile asm (the MMAs), so that a load meant to be in flight during one stretch of MMAs is not hoisted above the
-// stretch before, holding its registers that much longer (the Any-Precision kernels' unchecked loads, hoisted, made
-// them spill).
+// 16- and 8-byte loads (load_u128's, load_u64's) where the source puts them: volatile asm, which the compiler keeps
+// in order with the other volatile asm (the MMAs), so that a load meant to be in flight during one stretch of MMAs
+// is not hoisted above the stretch before, holding its registers that much longer (the Any-Precision kernels'
+// unchecked loads, hoisted, made them spill).
 QK_FN void load_u128_here(const void* p, uint32_t w[4]) {
 #if defined(__CUDA_ARCH__)
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
@@ -512,7 +506,8 @@ struct WgmmaTiles {
   QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
   QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
-    for (int r = 0; r < W; ++r) Tiled::template copy_weights<THREADS>(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid);
+    for (int r = 0; r < W; ++r)
+      Tiled::template copy_weights<THREADS>(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid);
   }
   // Warp w's A fragments: warp w % 8 of the 128 channels of region w / 8.
   QK_FN static void load_a(const Args& a, const uint8_t* stage, int warp, int lane, uint32_t fa[BK / 32][4]) {
