@@ -672,11 +672,22 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
   }
 }
 
-// The host twin of qqq_w4a8_gemm: copy c takes k16 steps c, c + splits, ...
+// The host twins of qqq_w4a8_gemm (per group) and qqq_w4a8_gemm_pc (per channel, s_group null as the kernel makes
+// it): copy c takes k16 steps c, c + splits, ...
+static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit);
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
                                    int32_t*, int32_t*) {
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  if (s_group == nullptr) fail("qqq_w4a8_gemm: per group, needs s_group");
+  qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, splits, zsplit);
+}
+extern "C" void qqq_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                      const qk_half*, qk_half* out, int m, int n, int k, int splits, int zsplit,
+                                      int32_t*, int32_t*) {
+  qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, nullptr, out, m, n, k}, splits, zsplit);
+}
+static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
+  const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
   qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
     for (int i = copy; i < k / 16; i += copies)

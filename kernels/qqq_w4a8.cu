@@ -294,40 +294,53 @@ struct QQQWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) * 4 KiB. s_group null:
-// per channel. The zsplit blocks of a tile split K too (its copies are blockIdx.z splits + copy of splits zsplit),
-// meeting in `sums` and `arrived` (splitk_blocks; null when zsplit is 1).
-extern "C" __global__ void __launch_bounds__(512)
-    qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
-                  int32_t* arrived) {
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+// The small-M kernels: grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) *
+// 4 KiB. The zsplit blocks of a tile split K too (its copies are blockIdx.z splits + copy of splits zsplit), meeting
+// in `sums` and `arrived` (splitk_blocks; null when zsplit is 1). One kernel per layout variant, s_group null at
+// compile time per channel, so that neither carries the other's code (per channel: 265 instructions a round where
+// one kernel for both took 709).
+template <bool GROUPED>
+__device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, const uint32_t* b,
+                                            const float* s_channel, const qk_half* s_group, qk_half* out, int m, int n,
+                                            int k, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  const qk::QQQArgs args{x, s_x, b, s_channel, GROUPED ? s_group : nullptr, out, m, n, k};
   const int lane = threadIdx.x % 32, c = blockIdx.x, mt = blockIdx.y;
   const int copy = threadIdx.x / 32, copies = splits * zsplit, first = blockIdx.z * splits + copy;
-  const bool grouped = s_group != nullptr;
   struct Stage { uint32_t w[4], r[4], a[2]; };  // r: per group, the lane's ratio pairs
   int32_t acc[8][4] = {};
   const qk::ActRows rows = qk::act_rows(args, mt, lane);
   auto load = [&](int i, Stage& st) {
     qk::load_a16(rows, i, st.a);
     qk::load_b_raw(args, c, i, lane, st.w);
-    if (grouped) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
+    if (GROUPED) qk::load_ratios(qk::ratio_row(args, c, i), lane, st.r);
   };
   auto compute = [&](int, const Stage& st) {
     uint32_t fb[8];
 #pragma unroll
-    for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, st.r[tile], st.w[tile], fb + 2 * tile);
+    for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(GROUPED, st.r[tile], st.w[tile], fb + 2 * tile);
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
-  if (grouped)
-    pipelined_steps<(QK_SMALLM_AHEAD + 1) / 2, Stage>(first, copies, k / 16, load, compute);
-  else
-    pipelined_steps<QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
+  pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+}
+
+// Per group (s_group given).
+extern "C" __global__ void __launch_bounds__(512)
+    qqq_w4a8_gemm(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                  const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
+                  int32_t* arrived) {
+  qqq_gemm_at<true>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);
+}
+// Per channel (s_group unused).
+extern "C" __global__ void __launch_bounds__(512)
+    qqq_w4a8_gemm_pc(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                     const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
+                     int32_t* arrived) {
+  qqq_gemm_at<false>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);
 }
 
 #if defined(QK_WGMMA)

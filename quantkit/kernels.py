@@ -506,8 +506,9 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
     if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
+    # per group qqq_w4a8_gemm, per channel qqq_w4a8_gemm_pc: neither carries the other's code
     return warp_tile_launch("qqq_w4a8", args, out, m, n, 64, 32, k // 16, splits, zsplit, bulk,
-                            lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped))
+                            lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), "gemm" if grouped else "gemm_pc")
 
 
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,

@@ -213,7 +213,8 @@ def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
-    small_m = "_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm_pc" if fmt == "qserve" and not group else "_gemm"
+    small_m = ("_gemm8" if fmt == "liquidquant" and m <= 8 else "_gemm_pc" if fmt in ("qserve", "qqq") and not group
+               else "_gemm")
     assert launch.name.endswith(small_m)
     warps = kernels.LQQ_TILE_WARPS if fmt == "liquidquant" else 1  # LiquidQuant: each warp its 16 channels
     assert launch.block == 32 * warps * splits
@@ -452,10 +453,10 @@ def test_launches_take_the_large_m_path_by_m_and_shape(monkeypatch):
     tensors = synthetic("qqq", 128, 256, seed=0)
     x, s_x = np.zeros((kernels.TILED_MIN_M, 256), dtype=np.int8), np.ones(kernels.TILED_MIN_M, dtype=np.float32)
     assert kernels.qqq_launch(tensors, x, s_x).name == "qqq_w4a8_tiled"
-    assert kernels.qqq_launch(tensors, x[:-1], s_x[:-1]).name == "qqq_w4a8_gemm"
-    assert kernels.qqq_launch(tensors, x, s_x, tiled=False).name == "qqq_w4a8_gemm"
+    assert kernels.qqq_launch(tensors, x[:-1], s_x[:-1]).name == "qqq_w4a8_gemm_pc"  # per channel
+    assert kernels.qqq_launch(tensors, x, s_x, tiled=False).name == "qqq_w4a8_gemm_pc"
     narrow = synthetic("qqq", 64, 256, seed=0)  # N = 64: no whole block tile of 128 channels
-    assert kernels.qqq_launch(narrow, x, s_x).name == "qqq_w4a8_gemm"
+    assert kernels.qqq_launch(narrow, x, s_x).name == "qqq_w4a8_gemm_pc"
     with pytest.raises(ValueError, match="N % 128 == 0"):
         kernels.qqq_launch(narrow, x, s_x, tiled=True)
 
