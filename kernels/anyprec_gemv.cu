@@ -47,23 +47,19 @@ template <int BITS>
 QK_FN constexpr int transpose_lanes() { return BITS <= 4 ? 4 : 8; }
 
 template <int BITS>
-QK_FN uint32_t transpose_word(const uint32_t words[BITS], int r) {
-  constexpr int lanes = transpose_lanes<BITS>();
-  const uint32_t mask = (lanes == 4 ? 0x88888888u : 0x80808080u) >> r;
-  uint32_t t = 0;
-#pragma unroll
-  for (int j = 0; j < BITS; ++j) {
-    const int shift = j - r + (lanes - BITS);
-    const uint32_t part = words[j] & mask;
-    t |= shift < 0 ? part << (-shift) : part >> shift;
-  }
-  return t;
-}
-
-template <int BITS>
 QK_FN void transpose_words(const uint32_t words[BITS], uint32_t t[transpose_lanes<BITS>()]) {
+  constexpr int lanes = transpose_lanes<BITS>();
 #pragma unroll
-  for (int r = 0; r < transpose_lanes<BITS>(); ++r) t[r] = transpose_word<BITS>(words, r);
+  for (int r = 0; r < lanes; ++r) {
+    const uint32_t mask = (lanes == 4 ? 0x88888888u : 0x80808080u) >> r;
+    t[r] = 0;
+#pragma unroll
+    for (int j = 0; j < BITS; ++j) {
+      const int shift = j - r + (lanes - BITS);
+      const uint32_t part = words[j] & mask;
+      t[r] |= shift < 0 ? part << (-shift) : part >> shift;
+    }
+  }
 }
 
 // The same as 32 codes in word order u.
@@ -282,22 +278,21 @@ QK_FN int tc_row_words(const AnyPrecArgs& a) { return a.k / 32; }
 template <int BITS>
 QK_FN int tc_steps(const AnyPrecArgs& a) { return (tc_row_words(a) + tc_step_words<BITS>() - 1) / tc_step_words<BITS>(); }
 
-// The steps that lie in whole chunks of AP_CHUNK columns (all of them when K % AP_CHUNK == 0), where rows hold whole
-// 16-byte loads (K % 128 == 0): their words and runs load with no bounds checks, as immediate offsets from one
-// address. Past N and past M they load the last channel's words and the last token's runs: those rows and columns
-// of the MMAs are garbage that tc_finish never stores (a column of the product depends on its own column of B
-// alone, a row on its row of A). Only the columns past the row need zeros, and a whole chunk has none.
-// Their indices are 32-bit (fewer registers held across the loop: 64-bit row offsets, hoisted, spilled), so the
-// first BITS planes must hold fewer than 2^32 words and the activations fewer than 2^32 values.
+// Whether the *_fast kernels serve a shape: K a whole number of AP_CHUNK-column chunks, so that every step's words
+// and runs load with no bounds checks, as immediate offsets from one address. Past N and past M they load the last
+// channel's words and the last token's runs: those rows and columns of the MMAs are garbage that tc_finish never
+// stores (a column of the product depends on its own column of B alone, a row on its row of A). Only the columns
+// past the row would need zeros, and whole chunks have none. Their indices are 32-bit (fewer registers held across
+// the loop: 64-bit row offsets, hoisted, spilled), so the first BITS planes must hold fewer than 2^32 words and the
+// activations fewer than 2^32 values.
 template <int BITS>
-QK_FN int tc_fast_steps(const AnyPrecArgs& a) {
-  const bool small = (unsigned long long)BITS * a.n * tc_row_words(a) <= 0xFFFFFFFFull &&
-                     (unsigned long long)a.m * a.k <= 0xFFFFFFFFull;
-  return a.k % 128 == 0 && small ? a.k / AP_CHUNK * (AP_CHUNK / 32 / tc_step_words<BITS>()) : 0;
+QK_FN bool tc_fast(const AnyPrecArgs& a) {
+  return a.k % AP_CHUNK == 0 && (unsigned long long)BITS * a.n * tc_row_words(a) <= 0xFFFFFFFFull &&
+         (unsigned long long)a.m * a.k <= 0xFFFFFFFFull;
 }
 
 // Lane (g, q)'s words L step + W q .. + W - 1 (W = tc_lane_words, L = 4 W) of channels n0 + g (w[0]) and
-// n0 + 8 + g (w[1]), every plane (zero past the row or past N; FAST, for a step below tc_fast_steps: past N the
+// n0 + 8 + g (w[1]), every plane (zero past the row or past N; FAST, in a kernel where tc_fast holds: past N the
 // last channel's).
 template <int BITS, bool FAST>
 QK_FN void tc_load_step(const AnyPrecArgs& a, int n0, int step, int lane, uint32_t w[2][BITS][tc_lane_words<BITS>()]) {
@@ -340,53 +335,46 @@ QK_FN uint32_t tc_entry_offset(uint32_t t, int b, uint32_t slot) {
   return (shifted & 0x7F80u) | slot;
 }
 
-// The A fragments of MMAs 2 r and 2 r + 1 (a[0], a[1]) of word i of the lane's step, from its channels' tables
-// (registers up to 3 bits, else shared memory): one transposed word T_r a channel (and T_{r + 4} above 4 bits), so
-// that a warp can run these two MMAs before it decodes the next r. Pair b of T_r holds columns r + 4 (low half) and
-// r of run 3 - b.
+// The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables (registers up to 3
+// bits, else shared memory). Pair b of T_r holds columns r + 4 (low half) and r of run 3 - b.
 template <int BITS>
-QK_FN void tc_a_pair(const uint8_t* tables, const TcRegTables& rt, int lane,
-                     const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, int r, uint32_t a[2][4]) {
+QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
+                          const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
+  constexpr int lanes = transpose_lanes<BITS>();
   const uint32_t slot = (frag_group(lane) * 4 + frag_quad(lane)) * 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // channel g (a0, a2) and 8 + g (a1, a3)
     const uint8_t* table = tables + h * tc_group_bytes<BITS>();
-    uint32_t word[BITS];
+    uint32_t word[BITS], t[lanes];
 #pragma unroll
     for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
-    const uint32_t t = transpose_word<BITS>(word, r);
-    uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
-    if constexpr (tc_reg_tables<BITS>()) {
-      tc_reg_lookup(rt, h, t, pairs);
-    } else {
-      const uint32_t t4 = BITS <= 4 ? 0u : transpose_word<BITS>(word, r + 4);
+    transpose_words<BITS>(word, t);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (BITS <= 4) {
-          pairs[b] = load_u32(table + tc_entry_offset(t, b, slot));
-        } else {
-          const uint32_t col_r = load_u32(table + tc_entry_offset(t, b, slot));
-          const uint32_t col_r4 = load_u32(table + tc_entry_offset(t4, b, slot));
-          pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
+    for (int r = 0; r < 4; ++r) {
+      uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
+      if constexpr (tc_reg_tables<BITS>()) {
+        tc_reg_lookup(rt, h, t[r], pairs);
+      } else {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          if (BITS <= 4) {
+            pairs[b] = load_u32(table + tc_entry_offset(t[r], b, slot));
+          } else {
+            const uint32_t col_r = load_u32(table + tc_entry_offset(t[r], b, slot));
+            const uint32_t col_r4 = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
+            pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
+          }
         }
       }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) a[2 * r + b / 2][2 * (b % 2) + h] = pairs[b];
     }
-#pragma unroll
-    for (int b = 0; b < 4; ++b) a[b / 2][2 * (b % 2) + h] = pairs[b];
   }
-}
-
-// All eight: a[s] for MMA s.
-template <int BITS>
-QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
-                          const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) tc_a_pair<BITS>(tables, rt, lane, w, i, r, reinterpret_cast<uint32_t(*)[4]>(a[2 * r]));
 }
 
 // The activations of word i of the lane's step for token `token`: run j (0..3) holds columns j W / 4 + 8 t .. + 7
 // of the word's chunk (W its width, t the word's index in it), one 16-byte load each; zero past M or past the row
-// (FAST, for a step below tc_fast_steps: past M the last token's). A lane's words of a step lie in one chunk (a
+// (FAST, in a kernel where tc_fast holds: past M the last token's). A lane's words of a step lie in one chunk (a
 // step's words divide the chunk's 32), so in a fast step word i's runs are 16 i bytes on from its first word's.
 template <int BITS, bool FAST>
 QK_FN void tc_load_runs(const AnyPrecArgs& a, int step, int lane, int i, int token, uint32_t run[4][4]) {
@@ -455,8 +443,7 @@ QK_FN constexpr int tc_prefetch_word() {
 #endif
 }
 
-// FAST (the anyprec_gemm_tc*_fast kernels, for K % AP_CHUNK == 0: tc_fast_steps == tc_steps): every step with the
-// unchecked loaders. A kernel of its own, not a branch in one kernel: the two loops in one kernel took 128 registers
+// FAST (the anyprec_gemm_tc*_fast kernels, where tc_fast holds): every step with the unchecked loaders. A kernel of its own, not a branch in one kernel: the two loops in one kernel took 128 registers
 // and spilled.
 template <int BITS, int NB, bool FAST>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
@@ -528,7 +515,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 }
 
 // One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and
-// each again as *_fast for K % AP_CHUNK == 0 (tc_fast_steps), so that each has its own register budget (one kernel
+// each again as *_fast for K % AP_CHUNK == 0 (tc_fast), so that each has its own register budget (one kernel
 // for all widths takes the widest's): at most 128 registers, for 2 blocks an SM, where that needs no spills (all but
 // 8 bits). grid (ceil(N / 16), 1, ceil(M / 16)), block 256, dynamic shared memory tc_shared_bytes<B>().
 #define QK_AP_TC_KERNEL(NAME, B, NB, FAST)                                                                         \

@@ -924,15 +924,11 @@ extern "C" int anyprec_tc_shared_bytes(int bits) {
 // qk::div_group, for a test of its multiply-high against a true division.
 extern "C" int qk_div_group(int col, int d) { return qk::div_group(col, d); }
 
-// Whether anyprec_gemm_tc*_`bits`_fast serves a shape: every step fast (tc_fast_steps), for quantkit.kernels to be
-// held to.
+// Whether anyprec_gemm_tc*_`bits`_fast serves a shape (tc_fast), for quantkit.kernels to be held to.
 extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {
   int fast = 0;
   const qk::AnyPrecArgs a{nullptr, nullptr, nullptr, nullptr, m, n, k, bits};
-  qk::with_width(bits, [&](auto width) {
-    constexpr int B = decltype(width)::value;
-    fast = qk::tc_steps<B>(a) == qk::tc_fast_steps<B>(a);
-  });
+  qk::with_width(bits, [&](auto width) { fast = qk::tc_fast<decltype(width)::value>(a); });
   return fast;
 }
 

@@ -568,7 +568,7 @@ ANYPREC_TC_FAST = True
 
 
 def anyprec_tc_fast(m: int, n: int, k: int, bits: int) -> bool:
-    """Whether anyprec_gemm_tc*_`bits`_fast serves [M, K] x [N, K] (tc_fast_steps): K a multiple of the 1024-column
+    """Whether anyprec_gemm_tc*_`bits`_fast serves [M, K] x [N, K] (tc_fast): K a multiple of the 1024-column
     chunk, so that no step needs bounds checks, and 32-bit indices (the first `bits` planes under 2^32 words, the
     activations under 2^32 values)."""
     return k % 1024 == 0 and bits * n * (k // 32) <= 0xFFFFFFFF and m * k <= 0xFFFFFFFF
