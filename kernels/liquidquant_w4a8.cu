@@ -80,8 +80,8 @@ QK_FN void load_tokens_checked(const LiquidArgs& a, int tb, int kt, int j, int l
 // A small-M block covers `warps` (4, or 1) of the four warps of a 64-channel block, each with its 16 channels: its
 // thread `local` is thread t of block nt's 128 (rows 16 (t / 32) + g ..). One warp a block gives N / 16 blocks, so
 // that a narrow N (N = 4096: 64 blocks of 64 channels) still fills every SM.
-// The small-M kernels' warps a block: QK_LQQ_TILE_WARPS, a compile-time knob for tuning on a GPU (4 until this
-// stop; one warp a block is not yet measured). It changes no bit of any output.
+// The small-M kernels' warps a block: QK_LQQ_TILE_WARPS, a compile-time knob for tuning on a GPU (4 in every H200
+// run so far; one warp a block is not yet measured). It changes no bit of any output.
 #ifndef QK_LQQ_TILE_WARPS
 #define QK_LQQ_TILE_WARPS 1
 #endif
@@ -276,8 +276,9 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
 }
 
-// warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory (splits - 1) * warps * 2 KiB: 4
-// token blocks, half QK_SMALLM_AHEAD steps a round (the four blocks' activations take registers too).
+// warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory
+// (splits - 1) * warps * 2 KiB: 4 token blocks, half QK_SMALLM_AHEAD steps a round (the four blocks' activations
+// take registers too).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {

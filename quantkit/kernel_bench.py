@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch
+from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch, tuning
 
 SHAPE_SETS: dict[str, tuple[tuple[int, int], ...]] = {
     # (N, K) of Llama-3-8B's linears: fused qkv, o, fused gate_up, down
@@ -525,8 +525,6 @@ def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) ->
                 "seconds": r.seconds, "launch_seconds": r.launch_seconds, "tops": r.tops, "gbps": r.gbps,
                 "bytes_moved": r.bytes_moved}
 
-    from quantkit.kernels import tuning
-
     return {"device": device, "copy_bandwidth_gbps": bandwidth, "tuning": tuning(), "rows": [row(r) for r in rows],
             "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
                      for c in checks]}
@@ -537,8 +535,8 @@ def markdown_bars(report: dict) -> str:
     met: the README's kernel table."""
     bars = report["bars"]
     met = sum(b["met"] for b in bars)
-    tuning = report.get("tuning", {})  # reports from before it was recorded have none
-    tuned = [*tuning.get("defines", []), *(f"{k}={v}" for k, v in tuning.get("environment", {}).items())]
+    knobs = report.get("tuning", {})  # reports from before it was recorded have none
+    tuned = [*knobs.get("defines", []), *(f"{k}={v}" for k, v in knobs.get("environment", {}).items())]
     lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s: "
              f"{met} of {len(bars)} bars met" + (f" (tuned: {' '.join(tuned)})." if tuned else "."), "",
              "| N x K | M | kernel | function | time (us) | requirement | measured | met |",
