@@ -337,7 +337,7 @@ def test_group_division_by_multiply_high_is_exact_where_the_launch_allows_it():
 
 @needs_compiler
 def test_anyprec_fast_kernels_serve_the_shapes_the_kernel_allows():
-    """quantkit.kernels takes anyprec_gemm_tc*_fast exactly where every step of the kernel is fast (tc_fast_steps):
+    """quantkit.kernels takes anyprec_gemm_tc*_fast exactly where the kernel's tc_fast holds:
     K a multiple of 1024, and indices within 32 bits; asked for elsewhere, it refuses rather than read past a row."""
     lib = kernels.host_library()
     shapes = [(1, 4096, 4096), (5, 13, 1024), (1, 24, 4128), (3, 40, 2048 + 512), (1, 64, 96), (9, 11008, 11008),
@@ -749,14 +749,10 @@ def test_device_code_for_hopper_keeps_its_arrays_in_registers(name, tmp_path):
     """Built for sm_90 (the H100/H200 the bench runs on), no kernel spills or indexes an array in local memory: a
     stack frame would put its fragments in slow device memory."""
     import re
-    import subprocess
 
-    src = kernels.source_dir()
-    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", str(src / f"{name}.cu"),
-                           "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    assert frames and all(f == ("0", "0", "0") for f in frames), done.stderr
+    log = ptxas_log(["-arch=sm_90", str(kernels.source_dir() / f"{name}.cu")], tmp_path)
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert frames and all(f == ("0", "0", "0") for f in frames), log
 
 
 @needs_gpu
@@ -840,23 +836,36 @@ def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
     assert not cupy.asnumpy(call.args[-2]).any() and not cupy.asnumpy(call.args[-1]).any()
 
 
+def ptxas_log(args: list[str], tmp_path) -> str:
+    """nvcc -cubin -Xptxas -v with `args` (architecture, defines, source): ptxas's report of every kernel."""
+    import subprocess
+
+    done = subprocess.run(["nvcc", "-std=c++17", "-cubin", "-Xptxas", "-v", *args, "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def kernel_resources(log: str, kernel: str) -> tuple[tuple[str, str, str], int]:
+    """From a ptxas_log, kernel `kernel`'s (stack frame, spill stores, spill loads) bytes and its registers."""
+    import re
+
+    entry = log[log.index(f"'{kernel}'"):]
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+    registers = re.search(r"Used (\d+) registers", entry)
+    assert frame and registers, entry[:500]
+    return frame.groups(), int(registers.group(1))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
 @pytest.mark.parametrize("ahead", [10, 12])
 def test_qserve_per_channel_decode_kernel_takes_more_steps_without_spilling(ahead, tmp_path):
     """qserve_w4a8_gemm_pc carries no group code (98 registers at 8 steps a round), so QK_QSERVE_PC_AHEAD can put 10
     or 12 steps' loads in flight (bench/smallm_tune.py's QS-PC10 and QS-PC12) within 128 registers and no stack."""
-    import re
-    import subprocess
-
-    src = kernels.source_dir() / "qserve_w4a8.cu"
-    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
-                           f"-DQK_QSERVE_PC_AHEAD={ahead}", str(src), "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    entry = done.stderr[done.stderr.index("'qserve_w4a8_gemm_pc'"):]
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-    registers = re.search(r"Used (\d+) registers", entry)
-    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, entry[:500]
+    log = ptxas_log(["-arch=sm_90", f"-DQK_QSERVE_PC_AHEAD={ahead}", str(kernels.source_dir() / "qserve_w4a8.cu")],
+                    tmp_path)
+    frame, registers = kernel_resources(log, "qserve_w4a8_gemm_pc")
+    assert frame == ("0", "0", "0") and registers <= 128, log
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
@@ -866,17 +875,12 @@ def test_qserve_per_channel_decode_kernel_takes_more_steps_without_spilling(ahea
 def test_bulk_device_code_uses_the_copy_engine(module, kernel, tmp_path):
     """The bulk kernels build for sm_90a with their bulk copies completing on mbarriers whose waits time out, no stack
     frame, and at most 80 registers (nothing waits in registers: the register kernels need 111-128)."""
-    import re
     import subprocess
 
     src = kernels.source_dir() / f"{module}.cu"
-    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", "-std=c++17", "-cubin",
-                           "-Xptxas", "-v", str(src), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    entry = done.stderr[done.stderr.index(f"'{kernel}'"):]
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-    registers = re.search(r"Used (\d+) registers", entry)
-    assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 80, entry[:500]
+    log = ptxas_log(["-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", str(src)], tmp_path)
+    frame, registers = kernel_resources(log, kernel)
+    assert frame == ("0", "0", "0") and registers <= 80, log
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src), "-o", "-"],
                          capture_output=True, text=True).stdout
     body = ptx[ptx.index(f".entry {kernel}("):]
@@ -955,22 +959,15 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
     they are in flight); under each ring setting too."""
-    import re
     import subprocess
 
     src = kernels.source_dir()
     knobs = [f"-D{d}" for d in defines.split()]
-    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", *knobs, "-std=c++17",
-                           "-cubin", "-Xptxas", "-v", str(src / f"{name}.cu"), "-o", str(tmp_path / f"{name}.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    log = done.stderr
+    log = ptxas_log(["-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", *knobs, str(src / f"{name}.cu")], tmp_path)
     assert "serialized" not in log, log
-    for kernel in (f"'{name}_wgmma'", f"'{name}_wgmma2'"):  # 2 blocks of 256 threads an SM, or 1 of 512
-        entry = log[log.index(kernel):]
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-        registers = re.search(r"Used (\d+) registers", entry)
-        assert frame and frame.groups() == ("0", "0", "0") and registers and int(registers.group(1)) <= 128, log
+    for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):  # 2 blocks of 256 threads an SM, or 1 of 512
+        frame, registers = kernel_resources(log, kernel)
+        assert frame == ("0", "0", "0") and registers <= 128, log
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
                           "-o", "-"], capture_output=True, text=True).stdout
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
