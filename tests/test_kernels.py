@@ -836,6 +836,33 @@ def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
     assert not cupy.asnumpy(call.args[-2]).any() and not cupy.asnumpy(call.args[-1]).any()
 
 
+def test_sass_loop_counter_takes_the_longest_backward_branch():
+    """bench/sass_loops.py (the README's main-loop counts): per kernel its instructions, and the opcodes between the
+    target and the source of its longest backward branch, predicated instructions included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        from sass_loops import main_loop, parse
+    finally:
+        sys.path.pop(0)
+    sass = """
+        Function : k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;   /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/               @P0 IMAD R3, R2, R2, RZ ;
+        /*0030*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0040*/              @!P1 BRA 0x20 ;
+        /*0050*/                   BRA 0x10 ;
+        /*0060*/                   EXIT ;
+    """
+    kernels = parse(sass)
+    assert list(kernels) == ["k"] and len(kernels["k"]) == 7
+    assert main_loop(kernels["k"]) == {"LDG": 1, "IMAD": 1, "IADD3": 1, "BRA": 2}
+    assert main_loop(kernels["k"][:3]) is None
+
+
 def ptxas_log(args: list[str], tmp_path) -> str:
     """nvcc -cubin -Xptxas -v with `args` (architecture, defines, source): ptxas's report of every kernel."""
     import subprocess
