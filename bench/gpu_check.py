@@ -27,6 +27,9 @@ Each step has a time limit (a hung kernel ends its step with exit code 124, not 
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
 script itself.
+Every process builds the kernel modules it uses with NVRTC unless their cubins are cached ($QUANTKIT_CACHE/kernels):
+about 40 s for each set of knobs, the tuning configurations' included. bench/build_kernels.py builds them ahead on a
+machine without a GPU; carried to the device with QUANTKIT_CACHE pointing at them, they leave that time to the run.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned] [--skip-profile]

@@ -84,6 +84,12 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     return LARGE_CONFIGS if large else CONFIGS
 
 
+def defines_of(name: str, large: bool = False) -> str:
+    """Configuration `name`'s compile-time knobs as QUANTKIT_NVRTC_DEFINES takes them (NAME=VALUE, space-separated;
+    also the key of their cached build, so bench/build_kernels.py makes them the same way)."""
+    return " ".join(f"{key}={value}" for key, value in configs(large)[name][0].items())
+
+
 def variants(large: bool = False):
     """The tuned kernels: each variant of quantkit bench on its small-M path, and Any-Precision's tensor-core kernel
     (its GEMV left out); with `large`, the W4A8 variants on their Hopper (wgmma) path."""
@@ -202,7 +208,7 @@ def main() -> None:
         list(pool.map(make_tensors, jobs))
     runs = []
     for name in names:
-        defines = " ".join(f"{key}={value}" for key, value in table[name][0].items())
+        defines = defines_of(name, args.large)
         env = {**os.environ, "PYTHONPATH": str(REPO), "QUANTKIT_NVRTC_DEFINES": defines}
         try:
             done = subprocess.run([sys.executable, __file__, "--worker", name, "--ms", args.ms, "--cache",

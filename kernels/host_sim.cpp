@@ -922,7 +922,7 @@ extern "C" int anyprec_tc_shared_bytes(int bits) {
 }
 
 // qk::div_group, for a test of its multiply-high against a true division.
-extern "C" int qk_div_group(int col, int d) { return qk::div_group(col, d); }
+extern "C" int qk_div_group(int col, int d) { return qk::div_group(col, qk::GroupSize(d)); }
 
 // Whether anyprec_gemm_tc*_`bits`_fast serves a shape (tc_fast), for quantkit.kernels to be held to.
 extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {

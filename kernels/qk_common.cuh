@@ -28,15 +28,22 @@ namespace qk {
 // The smaller of two ints, written out: NVRTC's headers need not declare min().
 QK_FN int imin(int a, int b) { return a < b ? a : b; }
 
-// col / d for a group size d, as one multiply-high by ceil(2^32 / d) (the division itself takes some 20
-// instructions): exact while col * d < 2^32, which quantkit.kernels checks at launch (K times the group size). The
-// reciprocal does not depend on col, so a loop computes it once.
-QK_FN int div_group(int col, int d) {
-  const uint32_t magic = 0xFFFFFFFFu / (uint32_t)d + 1u;
+// A group size and the reciprocal div_group multiplies by, ceil(2^32 / size), computed once where a kernel makes its
+// arguments: a division takes some 20 instructions, and a loop that needs it inside a branch (the stage copies'
+// group parameters, made by some threads only) would pay them every step. 0 for no groups.
+struct GroupSize {
+  int size;
+  uint32_t magic;
+  QK_FN GroupSize(int d = 0) : size(d), magic(d > 0 ? 0xFFFFFFFFu / (uint32_t)d + 1u : 0u) {}
+};
+
+// col / d as one multiply-high by ceil(2^32 / d): exact while col * d < 2^32, which quantkit.kernels checks at
+// launch (K times the group size).
+QK_FN int div_group(int col, GroupSize d) {
 #if defined(__CUDA_ARCH__)
-  return (int)__umulhi((uint32_t)col, magic);
+  return (int)__umulhi((uint32_t)col, d.magic);
 #else
-  return (int)(((uint64_t)(uint32_t)col * magic) >> 32);
+  return (int)(((uint64_t)(uint32_t)col * d.magic) >> 32);
 #endif
 }
 

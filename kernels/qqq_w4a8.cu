@@ -40,19 +40,42 @@ QK_FN int group_scale_slot(int n) {
   return (n - c) + 8 * (c & 7) + (c >> 3);
 }
 
-// One code of a per-group word -> INT8: fp16 (1024 + nibble) - 1032 = q exactly, then q * r + 1152 rounded once
-// (fp16 FMA, round to nearest even), whose low byte XOR 0x80 is round(q * r) as two's complement.
-QK_FN uint32_t group_lane(uint32_t nibble, qk_half r) {
+// Two codes of a per-group word, as the fp16x2 lanes 0x6400 | code (1024 + code) -> per lane the fp16 bits of
+// q * r + 1152 rounded once (fp16 FMA, round to nearest even), q = (1024 + code) - 1032 = code - 8 exactly. The
+// low byte XOR 0x80 is then round(q * r) as two's complement (the sum lies where the fp16 ulp is 1). On the GPU one
+// fp16x2 subtraction and FMA; the host twin rounds each lane's exact value the same way.
+QK_FN uint32_t group_fma2(uint32_t lanes, qk_half r) {
 #if defined(__CUDA_ARCH__)
-  const __half q = __hsub(__ushort_as_half((unsigned short)(0x6400u | nibble)), __ushort_as_half(0x6408u));
-  const __half v = __hfma(q, __ushort_as_half(r), __ushort_as_half(0x6480u));  // 1032 = 0x6408, 1152 = 0x6480
-  return (__half_as_ushort(v) & 0xFFu) ^ 0x80u;
+  const __half2 offset = __halves2half2(__ushort_as_half(0x6408u), __ushort_as_half(0x6408u));  // 1032
+  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));    // 1152
+  const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
+  __half2 h = *reinterpret_cast<__half2*>(&lanes);
+  h = __hfma2(__hsub2(h, offset), r2, bias);
+  return *reinterpret_cast<uint32_t*>(&h);
 #else
-  const double exact = ((double)nibble - 8.0) * (double)half_to_float(r) + 1152.0;  // exact in double
-  const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);  // fp16 has 10 fraction bits
-  const double rounded = std::nearbyint(exact / ulp) * ulp;
-  return (float_to_half((float)rounded) & 0xFFu) ^ 0x80u;
+  uint32_t out = 0;
+  for (int i = 0; i < 2; ++i) {
+    const double code = (double)((lanes >> (16 * i)) & 0xFu);
+    const double exact = (code - 8.0) * (double)half_to_float(r) + 1152.0;  // exact in double
+    const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);            // fp16 has 10 fraction bits
+    out |= (uint32_t)float_to_half((float)(std::nearbyint(exact / ulp) * ulp)) << (16 * i);
+  }
+  return out;
 #endif
+}
+
+// A per-group word -> its two halves' INT8 weights, elements 4 half + e in byte e of frag[half], with the ratio
+// of the half's column (low or high half of ratio_pair, tile_ratios'). Element j sits in nibble (j % 2) 4 + j / 2
+// (the interleave [0, 2, 4, 6, 1, 3, 5, 7]), so nibbles n and n + 4 (elements 2 n and 2 n + 1) make one fp16x2
+// register with a single mask: 0x000F000F of the word shifted right by 4 n, then 0x6400 in each lane. Lane by lane the arithmetic is group_fma2's, so the bits are each code's alone; the
+// low bytes of two registers (lanes e = 0, 1 and 2, 3) are gathered by one byte permute.
+QK_FN void group_word(uint32_t word, uint32_t ratio_pair, uint32_t frag[2]) {
+  uint32_t v[4];
+  for (int n = 0; n < 4; ++n) v[n] = ((word >> (4 * n)) & 0x000F000Fu) | 0x64006400u;
+  for (int half = 0; half < 2; ++half) {
+    const qk_half r = (qk_half)(ratio_pair >> (16 * half));
+    frag[half] = prmt(group_fma2(v[2 * half], r), group_fma2(v[2 * half + 1], r), 0x6420u) ^ 0x80808080u;
+  }
 }
 
 // The lane's four words of chunk c (channels 64 c ..) at k tile i: one 128-bit load.
@@ -79,35 +102,6 @@ QK_FN void load_ratios(const qk_half* ratios, int lane, uint32_t r[4]) {
   load_u128(ratios + 8 * frag_group(lane), r);
 }
 
-// Elements 4 half + e (e = 0..3, byte e of the result) of a per-group word, in nibbles 2 half, 4 + 2 half,
-// 2 half + 1, 4 + 2 half + 1 (the interleave [0, 2, 4, 6, 1, 3, 5, 7]: element j in nibble (j % 2) 4 + j / 2), as
-// INT8 by group_lane with ratio r. On the GPU two codes share each fp16x2 operation (the two nibbles of byte
-// `half`: elements 0 and 2; of byte 2 + half: 1 and 3), lane by lane the same roundings as group_lane's.
-QK_FN uint32_t group_half(uint32_t word, int half, qk_half r) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t b02 = (word >> (8 * half)) & 0xFFu, b13 = (word >> (8 * (2 + half))) & 0xFFu;
-  const __half2 offset = __halves2half2(__ushort_as_half(0x6408u), __ushort_as_half(0x6408u));   // 1032
-  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));     // 1152
-  const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
-  uint32_t v[2] = {0x64006400u | (b02 & 0xFu) | ((b02 & 0xF0u) << 12), 0x64006400u | (b13 & 0xFu) | ((b13 & 0xF0u) << 12)};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    __half2 h = *reinterpret_cast<__half2*>(&v[i]);
-    h = __hfma2(__hsub2(h, offset), r2, bias);
-    v[i] = *reinterpret_cast<uint32_t*>(&h);
-  }
-  return __byte_perm(v[0], v[1], 0x6240u) ^ 0x80808080u;  // the low bytes of elements 0, 1, 2, 3
-#else
-  uint32_t reg = 0;
-  for (int e = 0; e < 4; ++e) {
-    const int element = 4 * half + e;
-    const uint32_t nibble = (word >> (4 * ((element % 2) * 4 + element / 2))) & 0xFu;
-    reg |= group_lane(nibble, r) << (8 * e);
-  }
-  return reg;
-#endif
-}
-
 // Word `tile` of a lane's four -> the B fragments of n8 blocks 2 tile (frag[0]) and 2 tile + 1 (frag[1]), per group
 // with the tile's ratio pair (tile_ratios').
 QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, uint32_t frag[2]) {
@@ -116,7 +110,7 @@ QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, ui
     frag[1] = (word << 4) & 0xF0F0F0F0u;  // elements 4-7: column col + 8
     return;
   }
-  for (int half = 0; half < 2; ++half) frag[half] = group_half(word, half, (qk_half)(ratio_pair >> (16 * half)));
+  group_word(word, ratio_pair, frag);
 }
 
 // The same from the chunk's `ratios` (ratio_row's; nullptr per channel).

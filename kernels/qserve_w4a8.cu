@@ -28,7 +28,8 @@ struct QServeArgs {
   const int8_t* s2;        // [K/G, N] s2_scales in the tile order (per group) or nullptr
   const int8_t* z2;        // [K/G, N] s2_zeros = -(z * s2), same order
   qk_half* out;            // [M, N]
-  int m, n, k, group;
+  int m, n, k;
+  GroupSize group;         // of s2 and z2 (per group)
 };
 
 // The lane's activation rows of row tile mt (rows past M: the last; ActRows), at its column 4q.
@@ -65,11 +66,14 @@ QK_FN void load_group_params(const QServeArgs& a, int nt, int kt, int lane, uint
 // One weight word -> the four INT8 weights of half h (0: its low nibbles, channels 32t + 8b + g; 1: its high
 // nibbles, 32t + 16 + 8b + g): per group, q * s2 + (-(z * s2)) per byte lane, wrapping (subtraction after
 // multiplication), with the s2 and z2 bytes 2 h + b of the lane's group parameters.
+// The bytes are picked by byte permutes: s2's zero-extended, z2's replicated into all four byte lanes, one
+// instruction each where shifts, masks and a multiply took five, for a half h known only at run time (the wgmma
+// kernels' warps) as for a constant one.
 QK_FN uint32_t unpack_half(const QServeArgs& a, uint32_t word, uint32_t s, uint32_t z, int h, int b) {
-  const uint32_t codes = h ? hi_nibbles(word) : lo_nibbles(word);
+  const uint32_t codes = (word >> (4 * h)) & 0x0F0F0F0Fu;  // h ? hi_nibbles : lo_nibbles
   if (a.s2 == nullptr) return codes;
-  const int lane = 8 * (2 * h + b);
-  return vadd4(codes * ((s >> lane) & 0xFFu), ((z >> lane) & 0xFFu) * 0x01010101u);
+  const uint32_t i = 2 * h + b;  // the byte lane of s and z
+  return vadd4(codes * prmt(s, 0, 0x4440u | i), prmt(z, 0, 0x1111u * i));
 }
 
 // The lane's 16 weight bytes and group parameters -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2 h + b.
@@ -340,8 +344,9 @@ extern "C" __global__ void __launch_bounds__(512)
 #endif
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
-// QServeTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0; groups of 32, 64 or 128).
-extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_tiled(
+// QServeTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0; groups of 32, 64 or 128). Two blocks an SM: 128 registers at
+// most, which the kernel fits with no spill (left to itself, ptxas took 140, one block an SM).
+extern "C" __global__ void __launch_bounds__(256, 2) qserve_w4a8_tiled(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
   tiled_gemm<qk::QServeTiled>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});

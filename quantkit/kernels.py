@@ -734,40 +734,66 @@ def hopper_available() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-@cache
-def _module(name: str, hopper: bool = False) -> Any:
-    """The CuPy RawModule of kernels/NAME.cu, compiled by NVRTC on first use (cached by CuPy). With `hopper`, the
-    build with the *_wgmma kernels (QK_WGMMA) for sm_90a, which CuPy's own compile cannot target: NVRTC builds it
-    here and the cubin is cached by source digest beside the warp simulator's library. QUANTKIT_NVRTC_DEFINES
-    (space-separated NAME=VALUE) passes compile-time tuning knobs such as QK_SMALLM_AHEAD (bench/smallm_tune.py)."""
-    if not cuda_available():
-        raise KernelUnavailable("the CUDA kernels need CuPy (pip install 'quantkit[cuda]') and a CUDA device")
-    import cupy
+NVRTC_OPTIONS = ("-std=c++17", "--device-as-default-execution-space")
+HOPPER_ARCH = "sm_90a"  # the build with the *_wgmma and bulk kernels, which CuPy's own compile cannot target
+MODULES = ("qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8", "atom_w4a4", "anyprec_gemv")
+HOPPER_MODULES = ("qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8")  # those with *_wgmma kernels
 
-    src = source_dir()
-    code = (src / f"{name}.cu").read_text()
-    defines = tuple(f"-D{d}" for d in nvrtc_defines())  # tuning knobs
-    if not hopper:
-        return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src}", *defines))
-    if not hopper_available():
-        raise KernelUnavailable("the *_wgmma kernels need a Hopper GPU (compute capability 9.0, sm_90a)")
+
+def compile_module(name: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+    """NVRTC's cubin of kernels/NAME.cu for `arch` ("sm_90"; "sm_90a" adds the *_wgmma and bulk kernels, QK_WGMMA),
+    with the tuning knobs `defines` (NAME=VALUE). The options are those CuPy gives its own RawModule builds: its
+    include directories (cuda_fp16.h from the CUDA toolkit or its wheels) and device code by default, without which
+    NVRTC 13.0 refuses the kernels' generic lambdas. NVRTC needs no GPU, so bench/build_kernels.py can build ahead."""
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
-    cubin = _built(f"{name}-sm90a", ".cubin", (".cu", ".cuh"), repr((nvrtc.getVersion(), defines)).encode())
-    if not cubin.exists():
-        # CuPy's own include directories (cuda_fp16.h from the CUDA toolkit or its wheels), as RawModule passes them
-        options = core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", "-DQK_WGMMA",
-                                                       "--gpu-architecture=sm_90a", *defines))
-        prog = nvrtc.createProgram(code, f"{name}.cu", [], [])
-        try:
-            nvrtc.compileProgram(prog, list(options))
-        except nvrtc.NVRTCError as e:
-            raise KernelUnavailable(f"NVRTC could not build {name}.cu for sm_90a: {e}\n"
-                                    f"{nvrtc.getProgramLog(prog)[-2000:]}") from e
-        atomic_write(cubin, nvrtc.getCUBIN(prog))
+    src = source_dir()
+    options = core.assemble_cupy_compiler_options((
+        *NVRTC_OPTIONS, f"-I{src}", f"--gpu-architecture={arch}", *(("-DQK_WGMMA",) if arch == HOPPER_ARCH else ()),
+        *(f"-D{d}" for d in defines)))
+    prog = nvrtc.createProgram((src / f"{name}.cu").read_text(), f"{name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(options))
+        return nvrtc.getCUBIN(prog)
+    except nvrtc.NVRTCError as e:
+        raise KernelUnavailable(f"NVRTC could not build {name}.cu for {arch}: {e}\n"
+                                f"{nvrtc.getProgramLog(prog)[-3000:]}") from e
+    finally:
         nvrtc.destroyProgram(prog)
-    return cupy.RawModule(path=str(cubin))
+
+
+def cubin_path(name: str, arch: str, defines: tuple[str, ...] = ()) -> Path:
+    """Where module_cubin keeps a build in $QUANTKIT_CACHE/kernels: named by a digest of the sources, NVRTC's
+    version and options, and the defines."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    salt = repr((nvrtc.getVersion(), NVRTC_OPTIONS, defines)).encode()
+    return _built(f"{name}-{arch}", ".cubin", (".cu", ".cuh"), salt)
+
+
+def module_cubin(name: str, arch: str, defines: tuple[str, ...] = ()) -> Path:
+    """compile_module's cubin, built once per machine (cubin_path), or ahead of time elsewhere
+    (bench/build_kernels.py)."""
+    cubin = cubin_path(name, arch, defines)
+    if not cubin.exists():
+        atomic_write(cubin, compile_module(name, arch, defines))
+    return cubin
+
+
+@cache
+def _module(name: str, hopper: bool = False) -> Any:
+    """The CuPy RawModule of kernels/NAME.cu for this GPU, built by NVRTC on first use (module_cubin); with
+    `hopper`, the sm_90a build with the *_wgmma kernels. QUANTKIT_NVRTC_DEFINES (space-separated NAME=VALUE) passes
+    compile-time tuning knobs such as QK_SMALLM_AHEAD (bench/smallm_tune.py)."""
+    if not cuda_available():
+        raise KernelUnavailable("the CUDA kernels need CuPy (pip install 'quantkit[cuda]') and a CUDA device")
+    if hopper and not hopper_available():
+        raise KernelUnavailable("the *_wgmma kernels need a Hopper GPU (compute capability 9.0, sm_90a)")
+    import cupy
+
+    arch = HOPPER_ARCH if hopper else f"sm_{cupy.cuda.Device().compute_capability}"
+    return cupy.RawModule(path=str(module_cubin(name, arch, nvrtc_defines())))
 
 
 # The run-time switches a tuning run varies (bench/smallm_tune.py's configurations). $QUANTKIT_KERNEL_SETTINGS, a

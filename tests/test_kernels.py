@@ -744,7 +744,7 @@ def test_device_code_compiles_for_sm80(name, mma, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
-@pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8", "atom_w4a4", "anyprec_gemv"])
+@pytest.mark.parametrize("name", kernels.MODULES)
 def test_device_code_for_hopper_keeps_its_arrays_in_registers(name, tmp_path):
     """Built for sm_90 (the H100/H200 the bench runs on), no kernel spills or indexes an array in local memory: a
     stack frame would put its fragments in slow device memory."""
@@ -930,26 +930,15 @@ def _nvrtc_available() -> bool:
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
-@pytest.mark.parametrize("name", ["qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8", "atom_w4a4", "anyprec_gemv"])
+@pytest.mark.parametrize("name", kernels.MODULES)
 def test_nvrtc_builds_every_module(name):
-    """Each kernel module builds with NVRTC as quantkit.kernels builds it on a GPU (CuPy's include directories; the
-    W4A8 modules also for sm_90a with the wgmma and bulk kernels), which needs no GPU: NVRTC's headers are not
-    nvcc's, so a module nvcc builds can still fail there, and the Hopper module holds every wgmma and bulk kernel."""
-    from cupy._core import core
-    from cupy_backends.cuda.libs import nvrtc
-
-    src = kernels.source_dir()
-    builds = [("--gpu-architecture=sm_90",)]
-    if name not in ("atom_w4a4", "anyprec_gemv"):
-        builds.append(("-DQK_WGMMA", "--gpu-architecture=sm_90a"))
-    for extra in builds:
-        prog = nvrtc.createProgram((src / f"{name}.cu").read_text(), f"{name}.cu", [], [])
-        try:
-            nvrtc.compileProgram(prog, list(core.assemble_cupy_compiler_options(("-std=c++17", f"-I{src}", *extra))))
-        except nvrtc.NVRTCError as e:
-            pytest.fail(f"{name} {extra}: {e}\n{nvrtc.getProgramLog(prog)[-3000:]}")
-        finally:
-            nvrtc.destroyProgram(prog)
+    """Each kernel module builds with NVRTC exactly as quantkit.kernels builds it on a GPU (compile_module), which
+    needs no GPU: NVRTC's headers and defaults are not nvcc's, so a module nvcc builds can still fail there (NVRTC
+    13.0 refuses generic lambdas unless device code is the default), and the sm_90a build holds every wgmma and
+    bulk kernel."""
+    archs = ["sm_90", *([kernels.HOPPER_ARCH] if name in kernels.HOPPER_MODULES else [])]
+    for arch in archs:
+        assert kernels.compile_module(name, arch)[:4] == b"\x7fELF", arch
 
 
 # The Hopper ring's knobs (QK_WGMMA_STAGES, QK_WGMMA_LEAD) other than the default that a tuning run may pick: the
