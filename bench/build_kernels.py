@@ -40,8 +40,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90", help="the device's architecture (default sm_90, an H100 or H200; "
                         "Hopper also gets the sm_90a builds)")
-    parser.add_argument("--configs", default="", help="also build under these bench/smallm_tune.py configurations")
-    parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only)")
+    parser.add_argument("--configs", default="", help="also build under these bench/smallm_tune.py configurations "
+                        "(comma-separated names, or all)")
+    parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only; "
+                        "names, or all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="builds at once (default: every core)")
     args = parser.parse_args()
     try:
@@ -53,7 +55,7 @@ def main() -> None:
     from smallm_tune import configs, defines_of
 
     def names(text: str, large: bool) -> list[str]:
-        chosen = list(filter(None, text.split(",")))
+        chosen = list(configs(large)) if text == "all" else list(filter(None, text.split(",")))
         if unknown := [n for n in chosen if n not in configs(large)]:
             parser.error(f"unknown configurations {', '.join(unknown)}; there are {', '.join(configs(large))}")
         return chosen

@@ -27,9 +27,10 @@ Each step has a time limit (a hung kernel ends its step with exit code 124, not 
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
 script itself.
-Every process builds the kernel modules it uses with NVRTC unless their cubins are cached ($QUANTKIT_CACHE/kernels):
-about 40 s for each set of knobs, the tuning configurations' included. bench/build_kernels.py builds them ahead on a
-machine without a GPU; carried to the device with QUANTKIT_CACHE pointing at them, they leave that time to the run.
+A process builds the kernel modules it uses with NVRTC unless their cubins are cached ($QUANTKIT_CACHE/kernels):
+about 40 s of one core for each set of knobs, the tuning configurations' included. So the run starts with
+bench/build_kernels.py, which builds every module the run will load, on all cores at once; built ahead on a machine
+without a GPU and carried to the device with QUANTKIT_CACHE pointing at them, they are found there and cost nothing.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned] [--skip-profile]
@@ -125,6 +126,12 @@ def main() -> None:
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
     env = {}
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
+        # every kernel module the run will load, built by NVRTC on all cores at once (or found built ahead and
+        # carried), not one module at a time inside each timed step
+        step("build", [py, "bench/build_kernels.py",
+                       "--configs", "" if args.skip_tune else configs_named(args.tune_args),
+                       "--large-configs", "" if args.tune_large is None else configs_named(args.tune_large)],
+             args.out, results, 180)
         if not args.skip_tests:
             if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk"], args.out, results, 120) != 0:
                 env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
@@ -178,6 +185,17 @@ def main() -> None:
     for name, code, seconds in results:
         print(f"| {name} | {code} | {seconds:.0f} |")
     sys.exit(max((code for _, code, _ in results), default=0) != 0)
+
+
+def configs_named(tune_args: str) -> str:
+    """The configurations that bench/smallm_tune.py runs with these arguments: its --configs, else all."""
+    words = shlex.split(tune_args)
+    for i, word in enumerate(words):
+        if word == "--configs" and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith("--configs="):
+            return word.partition("=")[2]
+    return "all"
 
 
 def tuned_env(best: list[Path]) -> dict[str, str] | None:

@@ -27,17 +27,15 @@ struct LiquidArgs {
   int m, n, k;
 };
 
-// u * s + a on four byte lanes with one 32-bit multiply-add, then the carry-free "- 128" (the XOR).
-QK_FN uint32_t lqq_lanes(uint32_t codes, uint32_t s, uint32_t a) { return (codes * s + a * 0x01010101u) ^ 0x80808080u; }
+// u * s + a on four byte lanes with one 32-bit multiply-add (`a4`: byte a in all four lanes, a * 0x01010101), then
+// the carry-free "- 128" (the XOR).
+QK_FN uint32_t lqq_lanes(uint32_t codes, uint32_t s, uint32_t a4) { return (codes * s + a4) ^ 0x80808080u; }
 
 // Thread t's 16 bytes of the block (nt, kt) (one 128-bit load) and the step s and byte a of its rows
-// 16 w + g (+ 8 for h = 1): sa[h] = s | a << 8.
+// 16 w + g (+ 8 for h = 1): sa[h] = s | a << 8, the row's two bytes as one 16-bit load (little-endian).
 QK_FN void load_weights_at(const uint8_t* block, const uint8_t* params, int t, uint32_t r[4], uint32_t sa[2]) {
   load_u128(block + 16 * t, r);
-  for (int h = 0; h < 2; ++h) {
-    const int row = 16 * (t / 32) + frag_group(t % 32) + 8 * h;
-    sa[h] = (uint32_t)params[2 * row] | ((uint32_t)params[2 * row + 1] << 8);
-  }
+  for (int h = 0; h < 2; ++h) sa[h] = load_u16(params + 2 * (16 * (t / 32) + frag_group(t % 32) + 8 * h));
 }
 
 // Those of block (nt, kt) as stored.
@@ -49,7 +47,7 @@ QK_FN void load_weights_raw(const LiquidArgs& a, int nt, int kt, int t, uint32_t
 // Those bytes -> the thread's A fragments: frag[j] for MMA j (k 32 j .. 32 j + 31) of its warp's 16 rows.
 QK_FN void unpack_weights(const uint32_t r[4], const uint32_t sa[2], uint32_t frag[2][4]) {
   for (int h = 0; h < 2; ++h) {
-    const uint32_t s = sa[h] & 0xFFu, off = sa[h] >> 8;
+    const uint32_t s = sa[h] & 0xFFu, off = prmt(sa[h], 0, 0x1111u);  // a in every byte lane: one byte permute
     for (int j = 0; j < 2; ++j) {
       frag[j][h] = lqq_lanes(lo_nibbles(r[2 * j + h]), s, off);      // a0 / a1: k 4q + e
       frag[j][2 + h] = lqq_lanes(hi_nibbles(r[2 * j + h]), s, off);  // a2 / a3: k 16 + 4q + e

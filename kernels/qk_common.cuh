@@ -124,6 +124,18 @@ QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
 #endif
 }
 
+// (a & mask) | bits as one LOP3, mask and bits constants: a SASS LOP3 takes one immediate, and left to itself the
+// compiler gives the AND and the OR an instruction each; from PTX's lop3 it keeps `bits` in a register made once.
+QK_FN uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(a), "r"(mask), "r"(bits));
+  return out;
+#else
+  return (a & mask) | bits;
+#endif
+}
+
 QK_FN uint32_t lo_nibbles(uint32_t v) { return v & 0x0F0F0F0Fu; }
 QK_FN uint32_t hi_nibbles(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
 

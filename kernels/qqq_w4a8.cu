@@ -40,41 +40,66 @@ QK_FN int group_scale_slot(int n) {
   return (n - c) + 8 * (c & 7) + (c >> 3);
 }
 
-// Two codes of a per-group word, as the fp16x2 lanes 0x6400 | code (1024 + code) -> per lane the fp16 bits of
-// q * r + 1152 rounded once (fp16 FMA, round to nearest even), q = (1024 + code) - 1032 = code - 8 exactly. The
-// low byte XOR 0x80 is then round(q * r) as two's complement (the sum lies where the fp16 ulp is 1). On the GPU one
-// fp16x2 subtraction and FMA; the host twin rounds each lane's exact value the same way.
-QK_FN uint32_t group_fma2(uint32_t lanes, qk_half r) {
+// Two codes of a per-group word in fp16x2 lanes with exponent 0x6400 (the value 1024 + mantissa), the code at bit
+// 0 (SHIFT 0: 1024 + code) or at bit 4 (SHIFT 4: 1024 + 16 code) of the mantissa -> per lane q = code - 8, exactly:
+// (1024 + code) - 1032, or (1024 + 16 code) / 16 - 72 as one FMA whose product and sum are exact. Taking the odd
+// nibbles where they sit saves their shifts. The host twin computes each lane's q from its code.
+template <int SHIFT>
+QK_FN uint32_t group_codes(uint32_t lanes) {
 #if defined(__CUDA_ARCH__)
-  const __half2 offset = __halves2half2(__ushort_as_half(0x6408u), __ushort_as_half(0x6408u));  // 1032
-  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));    // 1152
-  const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
   __half2 h = *reinterpret_cast<__half2*>(&lanes);
-  h = __hfma2(__hsub2(h, offset), r2, bias);
+  if (SHIFT == 0) {
+    h = __hsub2(h, __halves2half2(__ushort_as_half(0x6408u), __ushort_as_half(0x6408u)));  // - 1032
+  } else {
+    h = __hfma2(h, __halves2half2(__ushort_as_half(0x2C00u), __ushort_as_half(0x2C00u)),    // * 1/16
+                __halves2half2(__ushort_as_half(0xD480u), __ushort_as_half(0xD480u)));      // - 72
+  }
   return *reinterpret_cast<uint32_t*>(&h);
 #else
   uint32_t out = 0;
   for (int i = 0; i < 2; ++i) {
-    const double code = (double)((lanes >> (16 * i)) & 0xFu);
-    const double exact = (code - 8.0) * (double)half_to_float(r) + 1152.0;  // exact in double
-    const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);            // fp16 has 10 fraction bits
+    const int code = (int)((lanes >> (16 * i + SHIFT)) & 0xFu);
+    out |= (uint32_t)float_to_half((float)(code - 8)) << (16 * i);  // a small integer: exact in fp16
+  }
+  return out;
+#endif
+}
+
+// Two fp16 q (group_codes') -> per lane the fp16 bits of q * r + 1152 rounded once (fp16 FMA, round to nearest
+// even). Its low byte XOR 0x80 is round(q * r) as two's complement (the sum lies where the fp16 ulp is 1). The host
+// twin rounds each lane's exact value the same way.
+QK_FN uint32_t group_fma2(uint32_t q2, qk_half r) {
+#if defined(__CUDA_ARCH__)
+  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));  // 1152
+  const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
+  __half2 h = *reinterpret_cast<__half2*>(&q2);
+  h = __hfma2(h, r2, bias);
+  return *reinterpret_cast<uint32_t*>(&h);
+#else
+  uint32_t out = 0;
+  for (int i = 0; i < 2; ++i) {
+    const double q = (double)half_to_float((qk_half)(q2 >> (16 * i)));
+    const double exact = q * (double)half_to_float(r) + 1152.0;  // exact in double
+    const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);  // fp16 has 10 fraction bits
     out |= (uint32_t)float_to_half((float)(std::nearbyint(exact / ulp) * ulp)) << (16 * i);
   }
   return out;
 #endif
 }
 
-// A per-group word -> its two halves' INT8 weights, elements 4 half + e in byte e of frag[half], with the ratio
-// of the half's column (low or high half of ratio_pair, tile_ratios'). Element j sits in nibble (j % 2) 4 + j / 2
+// A per-group word -> its two halves' INT8 weights, elements 4 half + e in byte e of frag[half], with the ratio of
+// the half's column (low or high half of ratio_pair, load_ratio_pair's). Element j sits in nibble (j % 2) 4 + j / 2
 // (the interleave [0, 2, 4, 6, 1, 3, 5, 7]), so nibbles n and n + 4 (elements 2 n and 2 n + 1) make one fp16x2
-// register with a single mask: 0x000F000F of the word shifted right by 4 n, then 0x6400 in each lane. Lane by lane the arithmetic is group_fma2's, so the bits are each code's alone; the
-// low bytes of two registers (lanes e = 0, 1 and 2, 3) are gathered by one byte permute.
+// register with one mask and 0x6400 in each lane: nibbles 0 and 2 at mantissa bit 0, 1 and 3 at bit 4, from the word
+// and the word shifted right by 8 (group_codes). Lane by lane the arithmetic is each code's alone; the low bytes of
+// two registers (lanes e = 0, 1 and 2, 3) are gathered by one byte permute.
 QK_FN void group_word(uint32_t word, uint32_t ratio_pair, uint32_t frag[2]) {
-  uint32_t v[4];
-  for (int n = 0; n < 4; ++n) v[n] = ((word >> (4 * n)) & 0x000F000Fu) | 0x64006400u;
   for (int half = 0; half < 2; ++half) {
+    const uint32_t bytes = word >> (8 * half);  // nibbles 2 half, 2 half + 1 and their partners 4 above, at 0 and 4
     const qk_half r = (qk_half)(ratio_pair >> (16 * half));
-    frag[half] = prmt(group_fma2(v[2 * half], r), group_fma2(v[2 * half + 1], r), 0x6420u) ^ 0x80808080u;
+    const uint32_t even = group_codes<0>(and_or(bytes, 0x000F000Fu, 0x64006400u));  // elements 4 half, 4 half + 1
+    const uint32_t odd = group_codes<4>(and_or(bytes, 0x00F000F0u, 0x64006400u));   // 4 half + 2, 4 half + 3
+    frag[half] = prmt(group_fma2(even, r), group_fma2(odd, r), 0x6420u) ^ 0x80808080u;
   }
 }
 
@@ -88,22 +113,21 @@ QK_FN const qk_half* ratio_row(const QQQArgs& a, int c, int i) {
   return a.s_group == nullptr ? nullptr : a.s_group + (size_t)(16 * i / 128) * a.n + 64 * c;
 }
 
-// The ratios of the lane's two columns of tile `tile` (within chunk c's `ratios`, ratio_row's): col | col + 8 << 16,
-// col = 16 tile + g. The small-M kernel loads them with the weights, ahead of their use.
-QK_FN uint32_t tile_ratios(const qk_half* ratios, int lane, int tile) {
-  const int col = 16 * tile + frag_group(lane);
-  return (uint32_t)ratios[group_scale_slot(col)] | (uint32_t)ratios[group_scale_slot(col + 8)] << 16;
+// The ratio pair of the lane's columns of tile `tile` (col = 16 tile + g and col + 8 of the chunk whose 64 ratios
+// `ratios` points to; unpack_tile_with's ratio_pair): group_scale_slot puts them at 8 g + 2 tile and 8 g + 2 tile + 1,
+// so they are one 32-bit load, col in the low half.
+QK_FN uint32_t load_ratio_pair(const qk_half* ratios, int lane, int tile) {
+  return load_u32(ratios + 8 * frag_group(lane) + 2 * tile);
 }
 
-// All four ratio pairs of the lane (tile_ratios' for tiles 0..3) in one 16-byte load: group_scale_slot puts
-// columns 16 t + g and 16 t + 8 + g at 8 g + 2 t and 8 g + 2 t + 1, so the lane's eight ratios are the 8 halves
-// from 8 g on, pair t in word t.
+// All four ratio pairs of the lane (load_ratio_pair's for tiles 0..3, pair t in word t): the 8 halves from 8 g on, one
+// 16-byte load.
 QK_FN void load_ratios(const qk_half* ratios, int lane, uint32_t r[4]) {
   load_u128(ratios + 8 * frag_group(lane), r);
 }
 
 // Word `tile` of a lane's four -> the B fragments of n8 blocks 2 tile (frag[0]) and 2 tile + 1 (frag[1]), per group
-// with the tile's ratio pair (tile_ratios').
+// with the tile's ratio pair (load_ratio_pair's).
 QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, uint32_t frag[2]) {
   if (!grouped) {
     frag[0] = word & 0xF0F0F0F0u;         // elements 0-3: column col
@@ -113,14 +137,12 @@ QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, ui
   group_word(word, ratio_pair, frag);
 }
 
-// The same from the chunk's `ratios` (ratio_row's; nullptr per channel).
-QK_FN void unpack_tile(const qk_half* ratios, int lane, uint32_t word, int tile, uint32_t frag[2]) {
-  unpack_tile_with(ratios != nullptr, ratios == nullptr ? 0u : tile_ratios(ratios, lane, tile), word, frag);
-}
-
-// Those words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half.
+// A lane's four words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half, with the ratios of the chunk
+// (ratio_row's, or a stage's copy of them; nullptr per channel).
 QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
-  for (int tile = 0; tile < 4; ++tile) unpack_tile(ratios, lane, w[tile], tile, frag + 2 * tile);
+  uint32_t r[4] = {};
+  if (ratios != nullptr) load_ratios(ratios, lane, r);
+  for (int tile = 0; tile < 4; ++tile) unpack_tile_with(ratios != nullptr, r[tile], w[tile], frag + 2 * tile);
 }
 
 // The lane's activation rows of token tile mt (rows past M: the last; ActRows), at its column 4q.
@@ -230,7 +252,9 @@ struct QQQTiled {
     const int wn = warp % WARPS_N;
     uint32_t w[4];
     load_u128(stage + W_OFF + (r * WARPS_N + wn) * 512 + 16 * lane, w);
-    unpack_b(a.s_group == nullptr ? nullptr : reinterpret_cast<const qk_half*>(stage + R_OFF) + 64 * wn, lane, w, fb);
+    uint32_t pairs[4] = {};  // per group the lane's four ratio pairs, as unpack_b loads them, from the stage itself
+    if (a.s_group != nullptr) load_ratios(reinterpret_cast<const qk_half*>(stage + R_OFF) + 64 * wn, lane, pairs);
+    for (int tile = 0; tile < 4; ++tile) unpack_tile_with(a.s_group != nullptr, pairs[tile], w[tile], fb + 2 * tile);
   }
 
   QK_FN static void store(const QQQArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
@@ -273,11 +297,15 @@ struct QQQWgmma {
 
   QK_FN static void load_a(const QQQArgs& a, const uint8_t* stage, int warp, int lane, uint32_t fa[2][4]) {
     const int chunk = warp / 4, tile = warp % 4;
-    const qk_half* ratios =
-        a.s_group == nullptr ? nullptr : reinterpret_cast<const qk_half*>(stage + Tiled::R_OFF) + 64 * chunk;
+    // per group the lane's ratio pair, one load for the step's four k16 tiles (a group spans them all); taken from
+    // the stage itself, not through a pointer that may be null, which made every load a generic one with a test
+    // of its address space
+    const bool grouped = a.s_group != nullptr;
+    const uint32_t pair =
+        grouped ? load_ratio_pair(reinterpret_cast<const qk_half*>(stage + Tiled::R_OFF) + 64 * chunk, lane, tile) : 0u;
     for (int r = 0; r < 4; ++r) {  // k16 tile r: registers {a0, a1} (r even) or {a2, a3} (r odd) of k32 step r / 2
       const uint32_t word = load_u32(stage + Tiled::W_OFF + (r * Tiled::WARPS_N + chunk) * 512 + 16 * lane + 4 * tile);
-      unpack_tile(ratios, lane, word, tile, fa[r / 2] + 2 * (r % 2));
+      unpack_tile_with(grouped, pair, word, fa[r / 2] + 2 * (r % 2));
     }
   }
   QK_FN static qk_half out_value(const QQQArgs& a, int32_t acc, int token, int channel) {
@@ -341,8 +369,9 @@ extern "C" __global__ void __launch_bounds__(512)
 // The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, as qqq_w4a8_gemm, but
 // copy i = blockIdx.z splits + c of a chunk's splits zsplit takes the contiguous k16 steps [i S / copies, (i + 1) S
 // / copies) (S = K / 16), fetched by bulk copies into `slots` slots of `chunk` steps each (QQQBulk; bulk_steps's shared
-// memory, partials 4 KiB a copy).
-extern "C" __global__ void __launch_bounds__(512)
+// memory, partials 4 KiB a copy). At most 80 registers (512 threads fit in 40 K): ptxas took 81, one more for the
+// constants the group expansion keeps in registers, and needs no spill at 80.
+extern "C" __global__ void __maxnreg__(80)
     qqq_w4a8_bulk(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                   const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums,
                   int32_t* arrived, int chunk, int slots) {
