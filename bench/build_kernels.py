@@ -10,7 +10,8 @@ configuration. They are keyed by the sources, the defines and NVRTC's major.mino
 differs builds its own, as without them. It exits 1 when a module does not build, with NVRTC's log, so it is also
 the check that the kernels build with the device's compiler, before the device is spent on finding out.
 
-    PYTHONPATH=. python bench/build_kernels.py [--arch sm_90] [--configs NAME,...] [--large-configs NAME,...] [--jobs N]
+    PYTHONPATH=. python bench/build_kernels.py [--arch sm_90] [--configs NAME,...] [--large-configs NAME,...]
+                                               [--modules NAME,...] [--jobs N]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
                         "(comma-separated names, or all)")
     parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only; "
                         "names, or all)")
+    parser.add_argument("--modules", default=",".join(kernels.MODULES), help="the kernels/ modules to build "
+                        "(default all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="builds at once (default: every core)")
     args = parser.parse_args()
     try:
@@ -60,13 +63,20 @@ def main() -> None:
             parser.error(f"unknown configurations {', '.join(unknown)}; there are {', '.join(configs(large))}")
         return chosen
 
-    hopper = args.arch == "sm_90"
-    knobs = {(): "built-in", **{tuple(defines_of(n).split()): n for n in names(args.configs, False)}}
-    large = {tuple(defines_of(n, True).split()): n for n in names(args.large_configs, True)}
-    jobs = [(name, args.arch, defines) for defines in knobs for name in kernels.MODULES]
-    if hopper:
-        jobs += [(name, kernels.HOPPER_ARCH, defines) for defines in {**knobs, **large}
-                 for name in kernels.HOPPER_MODULES]
+    # each set of defines once, labelled with the configurations that take it
+    knobs: dict[tuple[str, ...], list[str]] = {(): ["built-in"]}
+    for name in names(args.configs, False):
+        knobs.setdefault(tuple(defines_of(name).split()), []).append(name)
+    hopper_knobs = {defines: list(labels) for defines, labels in knobs.items()}
+    for name in names(args.large_configs, True):
+        hopper_knobs.setdefault(tuple(defines_of(name, True).split()), []).append(name)
+    modules = args.modules.split(",")
+    if unknown := sorted(set(modules) - set(kernels.MODULES)):
+        parser.error(f"unknown modules {', '.join(unknown)}; there are {', '.join(kernels.MODULES)}")
+    jobs = [(name, args.arch, defines) for defines in knobs for name in modules]
+    if args.arch == "sm_90":  # Hopper: the wgmma and bulk kernels too
+        jobs += [(name, kernels.HOPPER_ARCH, defines) for defines in hopper_knobs for name in modules
+                 if name in kernels.HOPPER_MODULES]
     print(f"NVRTC {version[0]}.{version[1]}: {len(jobs)} builds into {kernels.default_cache_dir() / 'kernels'}",
           flush=True)
     failed = 0
@@ -75,7 +85,7 @@ def main() -> None:
         for future in as_completed(futures):
             name, arch, defines = futures[future]
             error, seconds, size, built = future.result()
-            label = f"{name} {arch} [{knobs.get(defines) or large.get(defines)}]"
+            label = f"{name} {arch} [{', '.join((hopper_knobs if arch == kernels.HOPPER_ARCH else knobs)[defines])}]"
             if error:
                 failed += 1
                 print(f"FAILED {label}: {error}", flush=True)

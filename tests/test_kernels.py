@@ -941,6 +941,36 @@ def test_nvrtc_builds_every_module(name):
         assert kernels.compile_module(name, arch)[:4] == b"\x7fELF", arch
 
 
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
+def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
+    """bench/build_kernels.py puts each build where quantkit.kernels looks for it (module_cubin's cubin_path): once
+    for the defines that several configurations share, the sm_90a build for the wgmma configurations alone; a second
+    run finds them all built, and a module that does not exist is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, str(repo / "bench" / "build_kernels.py"), "--modules", "qqq_w4a8", "--configs",
+           "U8,QS-PC12", "--large-configs", "W8L7"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    built = {path.name for path in (tmp_path / "kernels").iterdir()}
+    wanted = {kernels.cubin_path("qqq_w4a8", arch, defines).name for arch, defines in [
+        ("sm_90", ()), ("sm_90", ("QK_QSERVE_PC_AHEAD=12",)), (kernels.HOPPER_ARCH, ()),
+        (kernels.HOPPER_ARCH, ("QK_QSERVE_PC_AHEAD=12",)),
+        (kernels.HOPPER_ARCH, ("QK_WGMMA_STAGES=8", "QK_WGMMA_LEAD=7"))]}
+    assert built == wanted, (built, wanted)
+    assert "sm_90 [built-in, U8]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.count("cached") == 5 and "built in" not in second.stdout
+    bad = subprocess.run([*cmd[:2], "--modules", "nope"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown modules nope" in bad.stderr
+
+
 # The Hopper ring's knobs (QK_WGMMA_STAGES, QK_WGMMA_LEAD) other than the default that a tuning run may pick: the
 # deepest ring that two blocks an SM fit, copies one step behind the slot being read; and copies one step ahead in
 # the shallowest ring whose slots hold the 256-channel kernel's staged outputs.
