@@ -63,6 +63,8 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # (124 and 128 registers, no spills); the other kernels keep 8
     "QS-PC10": ({**U8, "QK_QSERVE_PC_AHEAD": 10}, SPLIT),
     "QS-PC12": ({**U8, "QK_QSERVE_PC_AHEAD": 12}, SPLIT),
+    # LiquidQuant's decode kernel (liquidquant_w4a8_gemm8, 110 registers at 8) with 10 steps a round (128, no spill)
+    "LQQ-A10": ({**U8, "QK_LQQ_AHEAD": 10}, SPLIT),
     # Any-Precision's tensor-core kernels with bounds-checked loads everywhere (as measured until now), and the fast
     # ones with the next step's words loaded during word 3 of 4 at every width (the default: word 2 up to 3 bits)
     "AP-CHECKED": (U8, {**SPLIT, "ANYPREC_TC_FAST": False}),

@@ -284,12 +284,15 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 // Up to 8 tokens (decode): grid (N / (16 warps), 1), block 32 warps splits, dynamic shared memory (splits - 1) *
-// warps * 512 bytes: one token block, QK_SMALLM_AHEAD steps a round, the loads in flight of the other layouts'
-// small-M kernels.
+// warps * 512 bytes: one token block, QK_LQQ_AHEAD steps a round (by default QK_SMALLM_AHEAD, the loads in flight of
+// the other layouts' small-M kernels). It needs 110 registers at 8 steps, so 10 fit in 128 with no spill (12 spill).
+#ifndef QK_LQQ_AHEAD
+#define QK_LQQ_AHEAD QK_SMALLM_AHEAD
+#endif
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  liquidquant_gemm_at<1, QK_SMALLM_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+  liquidquant_gemm_at<1, QK_LQQ_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 // Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (not yet measured): grid (N / (16 warps), 1),

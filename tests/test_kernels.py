@@ -885,13 +885,16 @@ def kernel_resources(log: str, kernel: str) -> tuple[tuple[str, str, str], int]:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
-@pytest.mark.parametrize("ahead", [10, 12])
-def test_qserve_per_channel_decode_kernel_takes_more_steps_without_spilling(ahead, tmp_path):
-    """qserve_w4a8_gemm_pc carries no group code (98 registers at 8 steps a round), so QK_QSERVE_PC_AHEAD can put 10
-    or 12 steps' loads in flight (bench/smallm_tune.py's QS-PC10 and QS-PC12) within 128 registers and no stack."""
-    log = ptxas_log(["-arch=sm_90", f"-DQK_QSERVE_PC_AHEAD={ahead}", str(kernels.source_dir() / "qserve_w4a8.cu")],
-                    tmp_path)
-    frame, registers = kernel_resources(log, "qserve_w4a8_gemm_pc")
+@pytest.mark.parametrize(("kernel", "knob"), [("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=10"),
+                                              ("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=12"),
+                                              ("liquidquant_w4a8_gemm8", "QK_LQQ_AHEAD=10")])
+def test_decode_kernels_take_more_steps_without_spilling(kernel, knob, tmp_path):
+    """The decode kernels with registers to spare (qserve_w4a8_gemm_pc, which carries no group code: 98 registers at
+    8 steps a round; liquidquant_w4a8_gemm8: 110) put more steps' loads in flight under their own knob
+    (bench/smallm_tune.py's QS-PC10, QS-PC12 and LQQ-A10) within 128 registers and no stack."""
+    module = "_".join(kernel.split("_")[:2])  # qserve_w4a8, liquidquant_w4a8
+    log = ptxas_log(["-arch=sm_90", f"-D{knob}", str(kernels.source_dir() / f"{module}.cu")], tmp_path)
+    frame, registers = kernel_resources(log, kernel)
     assert frame == ("0", "0", "0") and registers <= 128, log
 
 
