@@ -844,7 +844,7 @@ def test_sass_loop_counter_takes_the_longest_backward_branch():
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     try:
-        from sass_loops import main_loop, parse
+        from sass_loops import alu, main_loop, parse
     finally:
         sys.path.pop(0)
     sass = """
@@ -860,6 +860,7 @@ def test_sass_loop_counter_takes_the_longest_backward_branch():
     kernels = parse(sass)
     assert list(kernels) == ["k"] and len(kernels["k"]) == 7
     assert main_loop(kernels["k"]) == {"LDG": 1, "IMAD": 1, "IADD3": 1, "BRA": 2}
+    assert alu(main_loop(kernels["k"])) == 1  # IADD3; IMAD goes to the FMA pipe
     assert main_loop(kernels["k"][:3]) is None
 
 
