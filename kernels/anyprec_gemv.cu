@@ -443,8 +443,8 @@ QK_FN constexpr int tc_prefetch_word() {
 #endif
 }
 
-// FAST (the anyprec_gemm_tc*_fast kernels, where tc_fast holds): every step with the unchecked loaders. A kernel of its own, not a branch in one kernel: the two loops in one kernel took 128 registers
-// and spilled.
+// FAST (the anyprec_gemm_tc*_fast kernels, where tc_fast holds): every step with the unchecked loaders. A kernel
+// of its own, not a branch in one kernel: the two loops in one kernel took 128 registers and spilled.
 template <int BITS, int NB, bool FAST>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;

@@ -695,7 +695,7 @@ static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
         uint32_t w[4];
         qk::load_a16(qk::act_rows(args, mt, lane), i, fa);
         qk::load_b_raw(args, c, i, lane, w);
-        qk::unpack_b(qk::ratio_row(args, c, i), lane, w, fb);
+        qk::unpack_b(args.s_group != nullptr, qk::ratio_row(args, c, i), lane, w, fb);
       });
   });
 }
@@ -721,7 +721,7 @@ extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint
             uint32_t w[4], r[4] = {};
             layout.load_a(args, slot.data(), mt, u, lane, fa);
             layout.load_b(slot.data(), s0, u, lane, w, r);
-            for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+            qk::unpack_words(grouped, r, w, fb);
           });
         });
   });

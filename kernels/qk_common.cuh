@@ -32,9 +32,8 @@ QK_FN int imin(int a, int b) { return a < b ? a : b; }
 // arguments: a division takes some 20 instructions, and a loop that needs it inside a branch (the stage copies'
 // group parameters, made by some threads only) would pay them every step. 0 for no groups.
 struct GroupSize {
-  int size;
   uint32_t magic;
-  QK_FN GroupSize(int d = 0) : size(d), magic(d > 0 ? 0xFFFFFFFFu / (uint32_t)d + 1u : 0u) {}
+  QK_FN GroupSize(int d = 0) : magic(d > 0 ? 0xFFFFFFFFu / (uint32_t)d + 1u : 0u) {}
 };
 
 // col / d as one multiply-high by ceil(2^32 / d): exact while col * d < 2^32, which quantkit.kernels checks at
@@ -347,6 +346,12 @@ struct ActRows {
   // The 4 bytes at `offset` of row h (g, g + 8).
   QK_FN uint32_t at(int h, int offset) const { return load_u32(p[h] + offset); }
 };
+// Those of a lane's m16 A fragment (QServe's and QQQ's small-M kernels): tokens 16 mt + g and + 8 of x [M, K]
+// (Args' x, m, k), at its column 4q.
+template <class Args>
+QK_FN ActRows act_rows(const Args& a, int mt, int lane) {
+  return ActRows(a.x, a.m, a.k, 16 * mt + frag_group(lane), 4 * frag_quad(lane));
+}
 
 // Split-K across the warps of a block. The block holds `splits` copies of the T threads that compute one output
 // tile; copy s takes K steps s, s + splits, s + 2 splits, ..., so that the copies read neighbouring weight tiles at

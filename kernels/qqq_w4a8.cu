@@ -137,20 +137,22 @@ QK_FN void unpack_tile_with(bool grouped, uint32_t ratio_pair, uint32_t word, ui
   group_word(word, ratio_pair, frag);
 }
 
-// A lane's four words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half, with the ratios of the chunk
-// (ratio_row's, or a stage's copy of them; nullptr per channel).
-QK_FN void unpack_b(const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
-  uint32_t r[4] = {};
-  if (ratios != nullptr) load_ratios(ratios, lane, r);
-  for (int tile = 0; tile < 4; ++tile) unpack_tile_with(ratios != nullptr, r[tile], w[tile], frag + 2 * tile);
+// A lane's four words -> B fragments: frag[2 tile + half] for n8 block 2 tile + half, per group with its four ratio
+// pairs (load_ratios').
+QK_FN void unpack_words(bool grouped, const uint32_t pairs[4], const uint32_t w[4], uint32_t frag[8]) {
+  for (int tile = 0; tile < 4; ++tile) unpack_tile_with(grouped, pairs[tile], w[tile], frag + 2 * tile);
 }
 
-// The lane's activation rows of token tile mt (rows past M: the last; ActRows), at its column 4q.
-QK_FN ActRows act_rows(const QQQArgs& a, int mt, int lane) {
-  return ActRows(a.x, a.m, a.k, 16 * mt + frag_group(lane), 4 * frag_quad(lane));
+// The same with the pairs loaded from the chunk's ratios (ratio_row's, or a stage's copy), per group only: a stage's
+// pointer stays a shared one (a pointer that may be null made every ratio a generic load behind an address-space
+// test).
+QK_FN void unpack_b(bool grouped, const qk_half* ratios, int lane, const uint32_t w[4], uint32_t frag[8]) {
+  uint32_t pairs[4] = {};
+  if (grouped) load_ratios(ratios, lane, pairs);
+  unpack_words(grouped, pairs, w, frag);
 }
 
-// The lane's A fragment at k tile i (of 16 columns): rows g and g + 8, k 16 i + 4 q ...
+// The lane's A fragment at k tile i (of 16 columns; from its act_rows): rows g and g + 8, k 16 i + 4 q ...
 QK_FN void load_a16(const ActRows& rows, int i, uint32_t frag[2]) {
   for (int h = 0; h < 2; ++h) frag[h] = rows.at(h, 16 * i);
 }
@@ -252,9 +254,7 @@ struct QQQTiled {
     const int wn = warp % WARPS_N;
     uint32_t w[4];
     load_u128(stage + W_OFF + (r * WARPS_N + wn) * 512 + 16 * lane, w);
-    uint32_t pairs[4] = {};  // per group the lane's four ratio pairs, as unpack_b loads them, from the stage itself
-    if (a.s_group != nullptr) load_ratios(reinterpret_cast<const qk_half*>(stage + R_OFF) + 64 * wn, lane, pairs);
-    for (int tile = 0; tile < 4; ++tile) unpack_tile_with(a.s_group != nullptr, pairs[tile], w[tile], fb + 2 * tile);
+    unpack_b(a.s_group != nullptr, reinterpret_cast<const qk_half*>(stage + R_OFF) + 64 * wn, lane, w, fb);
   }
 
   QK_FN static void store(const QQQArgs& a, int m0, int n0, int warp, int lane, const Acc& acc) {
@@ -338,8 +338,7 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
   };
   auto compute = [&](int, const Stage& st) {
     uint32_t fb[8];
-#pragma unroll
-    for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(GROUPED, st.r[tile], st.w[tile], fb + 2 * tile);
+    qk::unpack_words(GROUPED, st.r, st.w, fb);
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
@@ -387,8 +386,7 @@ extern "C" __global__ void __maxnreg__(80)
         uint32_t fa[2], w[4], r[4] = {}, fb[8];
         layout.load_a(args, slot, mt, u, lane, fa);
         layout.load_b(slot, s0, u, lane, w, r);
-#pragma unroll
-        for (int tile = 0; tile < 4; ++tile) qk::unpack_tile_with(grouped, r[tile], w[tile], fb + 2 * tile);
+        qk::unpack_words(grouped, r, w, fb);
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], fa, fb[nb]);
       });

@@ -32,12 +32,7 @@ struct QServeArgs {
   GroupSize group;         // of s2 and z2 (per group)
 };
 
-// The lane's activation rows of row tile mt (rows past M: the last; ActRows), at its column 4q.
-QK_FN ActRows act_rows(const QServeArgs& a, int mt, int lane) {
-  return ActRows(a.x, a.m, a.k, 16 * mt + frag_group(lane), 4 * frag_quad(lane));
-}
-
-// The lane's A fragment at k-tile kt: {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
+// The lane's A fragment at k-tile kt (from its act_rows): {row g k 4q.., row g+8 k 4q.., row g k 16+4q.., row g+8 k 16+4q..}.
 QK_FN void load_a(const ActRows& rows, int kt, uint32_t frag[4]) {
   for (int i = 0; i < 4; ++i) frag[i] = rows.at(i & 1, 32 * kt + 16 * (i >> 1));
 }

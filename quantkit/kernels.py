@@ -429,14 +429,15 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     grouped = "s2_scales" in tensors
     if not grouped and t_x is None:
         raise ValueError("the per-channel QServe kernel needs t_x, the per-token sums of the activations")
+    group = k // tensors["s2_scales"].shape[0] if grouped else 0
     if grouped:
-        check_group_division(k, k // tensors["s2_scales"].shape[0])
+        check_group_division(k, group)
     out = np.zeros((m, n), dtype=np.uint16)
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), None if grouped else _c(t_x, np.float32), qweight,
             _half_bits(tensors["s1_scales"]), None if grouped else _half_bits(tensors["s1_szeros"]),
             _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
-            out, m, n, k, k // tensors["s2_scales"].shape[0] if grouped else 0]
+            out, m, n, k, group]
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
     # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers

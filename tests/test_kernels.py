@@ -394,30 +394,33 @@ def test_kernel_settings_come_from_the_environment_checked():
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
 
 
-def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
-    """gpu_check --bench-tuned: no second bench where each tuning step's fastest was its default; otherwise the
-    union of the steps' defines and settings (the small-M and M = 1024 knobs are disjoint)."""
+def bench_module(name: str):
+    """bench/NAME.py, imported: the benchmark scripts are not a package, and find one another on their folder."""
+    import importlib
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    folder = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, folder)
     try:
-        from gpu_check import tuned_env
+        return importlib.import_module(name)
     finally:
-        sys.path.pop(0)
+        sys.path.remove(folder)
+
+
+def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
+    """gpu_check --bench-tuned: no second bench where each tuning step's fastest was its default; otherwise the
+    union of the steps' defines and settings (the small-M and M = 1024 knobs are disjoint)."""
+    tuned_env = bench_module("gpu_check").tuned_env
     small, large = tmp_path / "best.json", tmp_path / "best_large.json"
     small.write_text(json.dumps({"config": "U8", "default": True, "defines": {"QK_SMALLM_AHEAD": 8},
                                  "settings": {"SPLITK_WARPS": 2048}}))
     large.write_text(json.dumps({"config": "W5L3", "default": True, "defines": {"QK_WGMMA_STAGES": 5}, "settings": {}}))
     assert tuned_env([small, large]) is None and tuned_env([]) is None
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    try:
-        from smallm_tune import CONFIGS, LARGE_CONFIGS
-    finally:
-        sys.path.pop(0)
+    tune = bench_module("smallm_tune")
     saved = kernels.tuning()["settings"]
     try:  # every configuration's settings are tunable switches of the right type
-        for _, settings in (*CONFIGS.values(), *LARGE_CONFIGS.values()):
+        for _, settings in (*tune.CONFIGS.values(), *tune.LARGE_CONFIGS.values()):
             kernels.apply_settings(settings)
     finally:
         kernels.apply_settings(saved)
@@ -839,14 +842,8 @@ def test_block_split_gpu_kernel_matches_the_emulation(fmt, group):
 def test_sass_loop_counter_takes_the_longest_backward_branch():
     """bench/sass_loops.py (the README's main-loop counts): per kernel its instructions, and the opcodes between the
     target and the source of its longest backward branch, predicated instructions included."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    try:
-        from sass_loops import alu, main_loop, parse
-    finally:
-        sys.path.pop(0)
+    sass_loops = bench_module("sass_loops")
+    alu, main_loop, parse = sass_loops.alu, sass_loops.main_loop, sass_loops.parse
     sass = """
         Function : k
         /*0000*/                   MOV R1, c[0x0][0x28] ;   /* 0x00000a0000017a02 */
