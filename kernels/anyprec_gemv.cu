@@ -183,25 +183,33 @@ QK_FN constexpr int tc_lane_words() { return BITS <= 4 ? 4 : 2; }
 template <int BITS>
 QK_FN constexpr int tc_step_words() { return 4 * tc_lane_words<BITS>(); }
 
-// Up to 3 bits a lane's two channels' tables live in its registers (tc_load_reg_tables); above, in shared memory.
-// (3 bits from shared memory took 1.04-1.52x the time on an H200: bench/results/kernels_h200_smallm_tune.json, run 7.)
+// Up to QK_AP_REG_BITS bits (3 by default, the most whose code bytes a byte permute indexes: bit 3 of a selector
+// nibble is its sign mode) a lane's two channels' tables live in its registers (tc_load_reg_tables); above, in
+// shared memory. (3 bits from shared memory took 1.04-1.52x the time on an H200, bench/results/
+// kernels_h200_smallm_tune.json run 7, when a lookup's address took a shift and an AND-OR; it now takes one byte
+// permute, and QK_AP_REG_BITS=0, bench/smallm_tune.py's AP-SMEM, times shared tables at every width.)
+#ifndef QK_AP_REG_BITS
+#define QK_AP_REG_BITS 3
+#endif
 template <int BITS>
-QK_FN constexpr bool tc_reg_tables() { return BITS <= 3; }
+QK_FN constexpr bool tc_reg_tables() { return BITS <= QK_AP_REG_BITS && BITS <= 3; }
 
-// The tables in shared memory: per group G of 8 channels (G = 0, 1), entry e of channel g at 32-bit word
-// (e 8 + g) 4 + copy, held 4 times, lane (g, q) reading copy q, so that the 32 lanes of a lookup always fall in 32
-// distinct banks. Entry e is the fp16 pair of byte e = hi << 4 | lo up to 4 bits, lut[lo] | lut[hi] << 16 (nibble
-// pairs with both codes below 2^BITS written; the others unused), else code e's fp16 in the low half.
+// The tables in shared memory, 256 bytes an entry: entry e of channel c (of the block's 16) at byte
+// 256 e + 128 (c / 8) + 16 (c % 8) + 4 copy, held 4 times, lane (g, q) of channel group h reading copy q at
+// 256 e + slot, slot = 128 h + 4 lane: the 32 lanes of a lookup fall in 32 distinct banks, and a lookup's address,
+// byte b of a transposed word times 256 plus the slot, is one byte permute (tc_entry_address). Entry e is the fp16
+// pair of byte e = hi << 4 | lo up to 4 bits, lut[lo] | lut[hi] << 16 (nibble pairs with both codes below 2^BITS
+// written; the others unused), else code e's fp16 in the low half.
+constexpr int APT_ENTRY_BYTES = 256;
 template <int BITS>
 QK_FN constexpr int tc_entries() {
   return tc_reg_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
 }
-template <int BITS>
-QK_FN constexpr int tc_group_bytes() { return tc_entries<BITS>() * 8 * 4 * 4; }
-// Dynamic shared memory: both groups' tables, at least the warps' sums that reuse it at the end.
+// Dynamic shared memory: the tables, at least the warps' sums that reuse it at the end.
 template <int BITS>
 QK_FN constexpr int tc_shared_bytes() {
-  return 2 * tc_group_bytes<BITS>() > APT_WARPS * 2 * 32 * 16 ? 2 * tc_group_bytes<BITS>() : APT_WARPS * 2 * 32 * 16;
+  return tc_entries<BITS>() * APT_ENTRY_BYTES > APT_WARPS * 2 * 32 * 16 ? tc_entries<BITS>() * APT_ENTRY_BYTES
+                                                                         : APT_WARPS * 2 * 32 * 16;
 }
 
 // A lane's tables in registers (up to 3 bits): for its channel h (g, 8 + g), the low bytes of the fp16 entries
@@ -270,7 +278,7 @@ QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid
       entry = e;
     }
     const uint32_t copies[4] = {value, value, value, value};
-    store_u128(tables + (ch / 8) * tc_group_bytes<BITS>() + ((entry * 8 + ch % 8) * 4) * 4, copies);
+    store_u128(tables + entry * APT_ENTRY_BYTES + 128 * (ch / 8) + 16 * (ch % 8), copies);
   }
 }
 
@@ -328,12 +336,9 @@ QK_FN void tc_load_step(const AnyPrecArgs& a, int n0, int step, int lane, uint32
   }
 }
 
-// The byte offset in a group's tables of the entry that byte b of t names, for lane slot `slot` (its copy's word,
-// below 128): (byte << 7) | slot, one shift and one AND-OR.
-QK_FN uint32_t tc_entry_offset(uint32_t t, int b, uint32_t slot) {
-  const uint32_t shifted = b == 0 ? t << 7 : t >> (8 * b - 7);
-  return (shifted & 0x7F80u) | slot;
-}
+// The byte offset in the tables of the entry that byte b of t names, for the lane's slot (below 256): byte b of t
+// times 256 plus the slot, one byte permute (the slot's bytes 1 and 2, zero, fill the top).
+QK_FN uint32_t tc_entry_address(uint32_t t, int b, uint32_t slot) { return byte_perm(t, slot, 0x5504u | b << 4); }
 
 // The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables (registers up to 3
 // bits, else shared memory). Pair b of T_r holds columns r + 4 (low half) and r of run 3 - b.
@@ -341,10 +346,9 @@ template <int BITS>
 QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
                           const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
   constexpr int lanes = transpose_lanes<BITS>();
-  const uint32_t slot = (frag_group(lane) * 4 + frag_quad(lane)) * 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // channel g (a0, a2) and 8 + g (a1, a3)
-    const uint8_t* table = tables + h * tc_group_bytes<BITS>();
+    const uint32_t slot = 128 * h + 4 * lane;
     uint32_t word[BITS], t[lanes];
 #pragma unroll
     for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
@@ -358,10 +362,10 @@ QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           if (BITS <= 4) {
-            pairs[b] = load_u32(table + tc_entry_offset(t[r], b, slot));
+            pairs[b] = load_u32(tables + tc_entry_address(t[r], b, slot));
           } else {
-            const uint32_t col_r = load_u32(table + tc_entry_offset(t[r], b, slot));
-            const uint32_t col_r4 = load_u32(table + tc_entry_offset(t[r + 4], b, slot));
+            const uint32_t col_r = load_u32(tables + tc_entry_address(t[r], b, slot));
+            const uint32_t col_r4 = load_u32(tables + tc_entry_address(t[r + 4], b, slot));
             pairs[b] = byte_perm(col_r4, col_r, 0x5410u);
           }
         }

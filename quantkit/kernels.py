@@ -554,12 +554,13 @@ ANYPREC_TC_MIN_M = 1
 
 
 def anyprec_tc_shared_bytes(bits: int) -> int:
-    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): from 4 bits on (up to 3 the tables are in
-    registers) two groups of 8 channels' tables, each entry 4 copies of 32 bits for 8 channels (fp16 pairs of
-    nibble-pair bytes up to 4 bits, else one fp16 per code), and at least the 8 warps' sums [8, 2, 32, 4] float32
-    that reuse it at the end."""
-    entries = 0 if bits <= 3 else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
-    return max(2 * entries * 8 * 4 * 4, 8 * 2 * 32 * 4 * 4)
+    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): where the tables are in shared memory
+    (above QK_AP_REG_BITS, by default 3), 256 bytes an entry (4 copies of 32 bits for each of the block's 16 channels:
+    fp16 pairs of nibble-pair bytes up to 4 bits, else one fp16 per code), and at least the 8 warps' sums
+    [8, 2, 32, 4] float32 that reuse it at the end."""
+    in_registers = bits <= min(_define("QK_AP_REG_BITS", 3), 3)
+    entries = 0 if in_registers else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
+    return max(entries * 256, 8 * 2 * 32 * 4 * 4)
 
 
 # The tensor-core kernels with unchecked loads (anyprec_gemm_tc*_fast) where a shape allows them (anyprec_tc_fast):

@@ -679,6 +679,40 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
 
 
 @needs_compiler
+def test_anyprec_shared_tables_give_the_register_tables_bits(tmp_path):
+    """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
+    QK_AP_REG_BITS=0 (bench/smallm_tune.py's AP-SMEM) puts them in shared memory, as above 3 bits, each lookup's
+    address one byte permute. The A fragments are the same fp16 pairs either way, so the outputs must be the same
+    bits: a warp simulator built with the knob, in a process of its own, against this one's (checked and fast
+    kernels, one and two token blocks)."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [(1, 40, 2080, False), (9, 24, 2048, True), (3, 16, 1024, True)]
+    xs = {k: activations(m, k, seed=m) for m, _, k, _ in cases}
+    for k, x in xs.items():
+        np.save(tmp_path / f"x{k}.npy", x)
+    script = f"""
+import numpy as np
+from quantkit import kernels
+from quantkit.kernel_bench import synthetic
+for m, n, k, fast in {cases!r}:
+    x = np.load("{tmp_path}/x%d.npy" % k)
+    tensors = synthetic("anyprec", n, k, seed=k)
+    out = kernels.run(kernels.anyprec_launch(tensors, x, 3, tc=True, fast=fast), "cpu")
+    np.save("{tmp_path}/out_%d_%d.npy" % (m, k), out)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "QUANTKIT_NVRTC_DEFINES":
+                          "QK_AP_REG_BITS=0"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for m, n, k, fast in cases:
+        launch = kernels.anyprec_launch(synthetic("anyprec", n, k, seed=k), xs[k], 3, tc=True, fast=fast)
+        out = kernels.run(launch, "cpu")
+        np.testing.assert_array_equal(out, np.load(tmp_path / f"out_{m}_{k}.npy"), err_msg=f"M={m}, K={k}")
+
+
+@needs_compiler
 def test_anyprec_tc_bound_catches_one_wrong_weight():
     """The bound is tight enough to matter: one table entry off by its neighbour's distance moves an output past it."""
     from quantkit.emulate import anyprec_tc_bound, emulate_anyprec
