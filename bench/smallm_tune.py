@@ -69,9 +69,11 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # ones with the next step's words loaded during word 3 of 4 at every width (the default: word 2 up to 3 bits)
     "AP-CHECKED": (U8, {**SPLIT, "ANYPREC_TC_FAST": False}),
     "AP-W3": ({**U8, "QK_AP_PREFETCH_WORD": 3}, SPLIT),
-    # Any-Precision's tables in shared memory at every width, 3 bits included (one byte permute and one shared load
-    # a pair of codes: 351 integer-ALU instructions a step at 3 bits where the registers' lookups take 510)
-    "AP-SMEM": ({**U8, "QK_AP_REG_BITS": 0}, SPLIT),
+    # Any-Precision at 3 bits with both channel groups' tables in shared memory (one byte permute and one shared
+    # load a pair of codes: 351 integer-ALU instructions a step where the registers' lookups take 510), or one
+    # group's in registers and the other's in shared memory (half the loads in flight)
+    "AP-SMEM": ({**U8, "QK_AP_REG_GROUPS": 0}, SPLIT),
+    "AP-HYBRID": ({**U8, "QK_AP_REG_GROUPS": 1}, SPLIT),
 }
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the

@@ -183,16 +183,21 @@ QK_FN constexpr int tc_lane_words() { return BITS <= 4 ? 4 : 2; }
 template <int BITS>
 QK_FN constexpr int tc_step_words() { return 4 * tc_lane_words<BITS>(); }
 
-// Up to QK_AP_REG_BITS bits (3 by default, the most whose code bytes a byte permute indexes: bit 3 of a selector
-// nibble is its sign mode) a lane's two channels' tables live in its registers (tc_load_reg_tables); above, in
-// shared memory. (3 bits from shared memory took 1.04-1.52x the time on an H200, bench/results/
-// kernels_h200_smallm_tune.json run 7, when a lookup's address took a shift and an AND-OR; it now takes one byte
-// permute, and QK_AP_REG_BITS=0, bench/smallm_tune.py's AP-SMEM, times shared tables at every width.)
-#ifndef QK_AP_REG_BITS
-#define QK_AP_REG_BITS 3
+// Up to 3 bits (the most whose codes a byte permute's selector nibbles index: bit 3 is its sign mode) the tables
+// of a lane's channel groups h < QK_AP_REG_GROUPS (of its 2: channels g and 8 + g) live in its registers
+// (tc_load_reg_tables), the others' in shared memory, as from 4 bits on. By default both groups' tables are in
+// registers: 3 bits from shared memory took 1.04-1.52x the time on an H200 (bench/results/
+// kernels_h200_smallm_tune.json run 7) when a lookup's address took a shift and an AND-OR. It now takes one byte
+// permute, and bench/smallm_tune.py times shared tables (AP-SMEM, 0) and one group of each (AP-HYBRID, 1).
+#ifndef QK_AP_REG_GROUPS
+#define QK_AP_REG_GROUPS 2
 #endif
 template <int BITS>
-QK_FN constexpr bool tc_reg_tables() { return BITS <= QK_AP_REG_BITS && BITS <= 3; }
+QK_FN constexpr int tc_reg_groups() { return BITS <= 3 ? QK_AP_REG_GROUPS : 0; }
+template <int BITS>
+QK_FN constexpr bool tc_reg_tables() { return tc_reg_groups<BITS>() > 0; }
+template <int BITS>
+QK_FN constexpr bool tc_shared_tables() { return tc_reg_groups<BITS>() < 2; }
 
 // The tables in shared memory, 256 bytes an entry: entry e of channel c (of the block's 16) at byte
 // 256 e + 128 (c / 8) + 16 (c % 8) + 4 copy, held 4 times, lane (g, q) of channel group h reading copy q at
@@ -203,7 +208,7 @@ QK_FN constexpr bool tc_reg_tables() { return BITS <= QK_AP_REG_BITS && BITS <= 
 constexpr int APT_ENTRY_BYTES = 256;
 template <int BITS>
 QK_FN constexpr int tc_entries() {
-  return tc_reg_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
+  return !tc_shared_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
 }
 // Dynamic shared memory: the tables, at least the warps' sums that reuse it at the end.
 template <int BITS>
@@ -224,7 +229,7 @@ template <int BITS>
 QK_FN void tc_load_reg_tables(const AnyPrecArgs& a, int n0, int lane, TcRegTables& rt) {
   if constexpr (tc_reg_tables<BITS>()) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < tc_reg_groups<BITS>(); ++h) {
       const int channel = n0 + 8 * h + frag_group(lane);
       uint32_t e[4] = {0u, 0u, 0u, 0u};  // entries 2 i (low half) and 2 i + 1
       if (channel < a.n) {
@@ -262,11 +267,11 @@ QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pair
 // The tables of channels n0 .. n0 + 15 (those below N).
 template <int BITS>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
-  if constexpr (tc_reg_tables<BITS>()) return;
+  if constexpr (!tc_shared_tables<BITS>()) return;
   constexpr int items = BITS <= 4 ? 1 << (2 * BITS) : 1 << BITS;  // per channel
   for (int i = tid; i < APT_CHANNELS * items; i += threads) {
     const int ch = i / items, e = i % items;
-    if (n0 + ch >= a.n) continue;
+    if (n0 + ch >= a.n || ch / 8 < tc_reg_groups<BITS>()) continue;  // past N, or a group's tables in registers
     const qk_half* lut = a.lut + (size_t)(n0 + ch) * (1 << BITS);
     uint32_t value, entry;
     if (BITS <= 4) {
@@ -356,7 +361,7 @@ QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       uint32_t pairs[4];  // byte b of T_r: MMA 2 r + b / 2, register 2 (b % 2) + h
-      if constexpr (tc_reg_tables<BITS>()) {
+      if (h < tc_reg_groups<BITS>()) {
         tc_reg_lookup(rt, h, t[r], pairs);
       } else {
 #pragma unroll
@@ -463,7 +468,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
     tc_load_runs<BITS, FAST>(a, warp, lane, 0, token0, run);
   }
   tc_load_reg_tables<BITS>(a, n0, lane, rt);
-  if constexpr (!tc_reg_tables<BITS>()) {
+  if constexpr (tc_shared_tables<BITS>()) {
     tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
     __syncthreads();
   }
@@ -508,7 +513,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
           for (int i = 0; i < W; ++i) w[h][p][i] = next[h][p][i];
     }
   }
-  if constexpr (!tc_reg_tables<BITS>()) __syncthreads();  // the tables' last reader done: the sums take their place
+  if constexpr (tc_shared_tables<BITS>()) __syncthreads();  // the tables' last reader done: the sums take their place
   float* sums = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
