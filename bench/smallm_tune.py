@@ -74,6 +74,9 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # group's in registers and the other's in shared memory (half the loads in flight)
     "AP-SMEM": ({**U8, "QK_AP_REG_GROUPS": 0}, SPLIT),
     "AP-HYBRID": ({**U8, "QK_AP_REG_GROUPS": 1}, SPLIT),
+    # Any-Precision's bit transpose at 3 bits with shifts and ORs on the integer ALU (as measured until now), not the
+    # multiply-adds on the FMA pipe (shift_or)
+    "AP-SHIFTS": ({**U8, "QK_AP_FMA_SHIFTS": 0}, SPLIT),
 }
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the

@@ -679,13 +679,14 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
 
 
 @needs_compiler
-@pytest.mark.parametrize("groups", [0, 1])
-def test_anyprec_shared_tables_give_the_register_tables_bits(groups, tmp_path):
+@pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=0"])
+def test_anyprec_3bit_knobs_keep_the_bits(knob, tmp_path):
     """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
     QK_AP_REG_GROUPS=0 (bench/smallm_tune.py's AP-SMEM) puts both channel groups' in shared memory, as above 3 bits,
-    each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's. The A fragments are the same fp16
-    pairs either way, so the outputs must be the same bits: a warp simulator built with the knob, in a process of
-    its own, against this one's (checked and fast kernels, one and two token blocks)."""
+    each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=0 (AP-SHIFTS)
+    bit-transposes with shifts and ORs instead of multiply-adds. The A fragments are the same either way, so the
+    outputs must be the same bits: a warp simulator built with the knob, in a process of its own, against this
+    one's (checked and fast kernels, one and two token blocks)."""
     import os
     import subprocess
     import sys
@@ -704,8 +705,8 @@ for m, n, k, fast in {cases!r}:
     out = kernels.run(kernels.anyprec_launch(tensors, x, 3, tc=True, fast=fast), "cpu")
     np.save("{tmp_path}/out_%d_%d.npy" % (m, k), out)
 """
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "QUANTKIT_NVRTC_DEFINES":
-                          f"QK_AP_REG_GROUPS={groups}"}, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "QUANTKIT_NVRTC_DEFINES": knob},
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     for m, n, k, fast in cases:
         launch = kernels.anyprec_launch(synthetic("anyprec", n, k, seed=k), xs[k], 3, tc=True, fast=fast)
