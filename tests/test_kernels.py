@@ -431,6 +431,37 @@ def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
     assert json.loads(env["QUANTKIT_KERNEL_SETTINGS"]) == {"SPLITK_WARPS": 2048, "WGMMA_WIDE": True}
 
 
+def test_tuning_picks_the_fastest_configuration_per_layout():
+    """smallm_tune --best: per layout the fastest configuration that matches the emulation, the winners' knobs
+    merged only where they agree and slow no layout they change; the default's where nothing beats it. Every
+    configuration's scope names real layouts."""
+    tune = bench_module("smallm_tune")
+    layouts = {v.fmt for v in tune.variants()}
+    assert all(set(fmts) <= layouts for fmts in tune.SCOPES.values()) and set(tune.SCOPES) <= set(tune.CONFIGS)
+    labels = {v.fmt: v.label for v in tune.variants()}
+
+    def run(config, times, ok=True):  # times: layout -> seconds of its one row
+        rows = {f"{labels[f]}|4096x4096|1": t for f, t in times.items()}
+        return {"config": config, "checked": {labels[f]: ok for f in times}, "seconds": rows, "threads": {}}
+
+    default = run("U8", {"qserve": 10, "qqq": 10, "liquidquant": 10, "anyprec": 10})
+    assert tune.fastest([default])["default"] and tune.fastest([default])["defines"] == {}
+    runs = [default,
+            run("QS-PC12", {"qserve": 8}),
+            run("LQQ-A10", {"liquidquant": 9}),
+            run("AP-SMEM", {"anyprec": 7}, ok=False),  # fastest but wrong: never picked
+            run("AP-HYBRID", {"anyprec": 9}),
+            run("BULK", {"qserve": 7, "qqq": 11, "liquidquant": 6})]  # fastest for two layouts, slower for qqq
+    best = tune.fastest(runs)
+    assert best["formats"] == {"qserve": "QS-PC12", "qqq": "U8", "liquidquant": "LQQ-A10", "anyprec": "AP-HYBRID"}
+    assert best["defines"] == {"QK_QSERVE_PC_AHEAD": 12, "QK_LQQ_AHEAD": 10, "QK_AP_REG_GROUPS": 1}
+    assert not best["default"] and "BULK_DECODE" not in best["settings"]
+    runs[-1]["seconds"][f"{labels['qqq']}|4096x4096|1"] = 9  # now no slower anywhere: it takes both its layouts
+    best = tune.fastest(runs)
+    assert best["formats"]["qserve"] == best["formats"]["liquidquant"] == "BULK" and best["settings"]["BULK_DECODE"]
+    assert tune.fastest(runs[1:]) is None  # no default run: nothing to compare against
+
+
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
     """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
     Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
