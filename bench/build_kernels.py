@@ -11,7 +11,7 @@ differs builds its own, as without them. It exits 1 when a module does not build
 the check that the kernels build with the device's compiler, before the device is spent on finding out.
 
     PYTHONPATH=. python bench/build_kernels.py [--arch sm_90] [--configs NAME,...] [--large-configs NAME,...]
-                                               [--modules NAME,...] [--jobs N]
+                                               [--defines "NAME=VALUE ..."] [--modules NAME,...] [--jobs N]
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main() -> None:
                         "(comma-separated names, or all)")
     parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only; "
                         "names, or all)")
+    parser.add_argument("--defines", default="", help="and these knobs (NAME=VALUE, space-separated, as "
+                        "QUANTKIT_NVRTC_DEFINES takes them), e.g. the merged ones a tuning run found fastest")
     parser.add_argument("--modules", default=",".join(kernels.MODULES), help="the kernels/ modules to build "
                         "(default all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="builds at once (default: every core)")
@@ -63,20 +65,24 @@ def main() -> None:
             parser.error(f"unknown configurations {', '.join(unknown)}; there are {', '.join(configs(large))}")
         return chosen
 
-    # each set of defines once, labelled with the configurations that take it
-    knobs: dict[tuple[str, ...], list[str]] = {(): ["built-in"]}
-    for name in names(args.configs, False):
-        knobs.setdefault(tuple(defines_of(name).split()), []).append(name)
-    hopper_knobs = {defines: list(labels) for defines, labels in knobs.items()}
-    for name in names(args.large_configs, True):
-        hopper_knobs.setdefault(tuple(defines_of(name, True).split()), []).append(name)
     modules = args.modules.split(",")
     if unknown := sorted(set(modules) - set(kernels.MODULES)):
         parser.error(f"unknown modules {', '.join(unknown)}; there are {', '.join(kernels.MODULES)}")
-    jobs = [(name, args.arch, defines) for defines in knobs for name in modules]
-    if args.arch == "sm_90":  # Hopper: the wgmma and bulk kernels too
-        jobs += [(name, kernels.HOPPER_ARCH, defines) for defines in hopper_knobs for name in modules
-                 if name in kernels.HOPPER_MODULES]
+    # (defines, label, sm_90 too): the built-in knobs, each named configuration's, --defines
+    sets = [((), "built-in", True), *((tuple(defines_of(n).split()), n, True) for n in names(args.configs, False)),
+            *((tuple(defines_of(n, True).split()), n, False) for n in names(args.large_configs, True))]
+    if args.defines:
+        sets.append((tuple(args.defines.split()), "--defines", True))
+    # each build once, labelled with what takes it: a module's build keeps only the knobs it reads (module_defines),
+    # so a configuration of one layout's knobs shares the other modules' builds
+    jobs: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
+    for defines, label, plain in sets:
+        for name in modules:
+            archs = [args.arch] if plain else []
+            if args.arch == "sm_90" and name in kernels.HOPPER_MODULES:  # Hopper: the wgmma and bulk kernels too
+                archs.append(kernels.HOPPER_ARCH)
+            for arch in archs:
+                jobs.setdefault((name, arch, kernels.module_defines(name, defines)), []).append(label)
     print(f"NVRTC {version[0]}.{version[1]}: {len(jobs)} builds into {kernels.default_cache_dir() / 'kernels'}",
           flush=True)
     failed = 0
@@ -85,7 +91,7 @@ def main() -> None:
         for future in as_completed(futures):
             name, arch, defines = futures[future]
             error, seconds, size, built = future.result()
-            label = f"{name} {arch} [{', '.join((hopper_knobs if arch == kernels.HOPPER_ARCH else knobs)[defines])}]"
+            label = f"{name} {arch} [{', '.join(dict.fromkeys(jobs[name, arch, defines]))}]"
             if error:
                 failed += 1
                 print(f"FAILED {label}: {error}", flush=True)

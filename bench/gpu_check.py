@@ -157,7 +157,9 @@ def main() -> None:
             if tuned is None:
                 print("\n=== bench-tuned: skipped, the built-in defaults were the fastest (or nothing was tuned)",
                       flush=True)
-            else:
+            else:  # any module whose merged knobs no single configuration had, built on all cores first
+                step("build-tuned", [py, "bench/build_kernels.py", "--defines", tuned["QUANTKIT_NVRTC_DEFINES"]],
+                     args.out, results, 90)
                 step("bench-tuned", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                                      str(args.out / "bench_tuned.json")], args.out, results, 240, {**env, **tuned})
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)

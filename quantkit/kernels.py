@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -742,6 +743,15 @@ MODULES = ("qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8", "atom_w4a4", "anyprec_
 HOPPER_MODULES = ("qserve_w4a8", "qqq_w4a8", "liquidquant_w4a8")  # those with *_wgmma kernels
 
 
+def module_defines(name: str, defines: tuple[str, ...]) -> tuple[str, ...]:
+    """The knobs among `defines` (NAME=VALUE) that kernels/NAME.cu can read: those whose name its source or a shared
+    header mentions. The others change none of its bits, so a build and its cache key leave them out, and a tuning
+    configuration of one layout's knobs shares the other modules' builds."""
+    src = source_dir()
+    text = (src / f"{name}.cu").read_text() + "".join(p.read_text() for p in sorted(src.glob("*.cuh")))
+    return tuple(d for d in defines if re.search(rf"\b{re.escape(d.partition('=')[0])}\b", text))
+
+
 def compile_module(name: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC's cubin of kernels/NAME.cu for `arch` ("sm_90"; "sm_90a" adds the *_wgmma and bulk kernels, QK_WGMMA),
     with the tuning knobs `defines` (NAME=VALUE). The options are those CuPy gives its own RawModule builds: its
@@ -753,7 +763,7 @@ def compile_module(name: str, arch: str, defines: tuple[str, ...] = ()) -> bytes
     src = source_dir()
     options = core.assemble_cupy_compiler_options((
         *NVRTC_OPTIONS, f"-I{src}", f"--gpu-architecture={arch}", *(("-DQK_WGMMA",) if arch == HOPPER_ARCH else ()),
-        *(f"-D{d}" for d in defines)))
+        *(f"-D{d}" for d in module_defines(name, defines))))
     prog = nvrtc.createProgram((src / f"{name}.cu").read_text(), f"{name}.cu", [], [])
     try:
         nvrtc.compileProgram(prog, list(options))
@@ -767,10 +777,10 @@ def compile_module(name: str, arch: str, defines: tuple[str, ...] = ()) -> bytes
 
 def cubin_path(name: str, arch: str, defines: tuple[str, ...] = ()) -> Path:
     """Where module_cubin keeps a build in $QUANTKIT_CACHE/kernels: named by a digest of the sources, NVRTC's
-    version and options, and the defines."""
+    version and options, and the defines the module reads (module_defines)."""
     from cupy_backends.cuda.libs import nvrtc
 
-    salt = repr((nvrtc.getVersion(), NVRTC_OPTIONS, defines)).encode()
+    salt = repr((nvrtc.getVersion(), NVRTC_OPTIONS, module_defines(name, defines))).encode()
     return _built(f"{name}-{arch}", ".cubin", (".cu", ".cuh"), salt)
 
 

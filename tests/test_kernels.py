@@ -1012,7 +1012,8 @@ def test_nvrtc_builds_every_module(name):
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
 def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
     """bench/build_kernels.py puts each build where quantkit.kernels looks for it (module_cubin's cubin_path): once
-    for the defines that several configurations share, the sm_90a build for the wgmma configurations alone; a second
+    for the knobs that several configurations share, a module's build keeping only the knobs it reads (QServe's and
+    LiquidQuant's leave QQQ's build the default one), the sm_90a build for the wgmma configurations alone; a second
     run finds them all built, and a module that does not exist is refused."""
     import os
     import subprocess
@@ -1023,16 +1024,17 @@ def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(repo)}
     cmd = [sys.executable, str(repo / "bench" / "build_kernels.py"), "--modules", "qqq_w4a8", "--configs",
-           "U8,QS-PC12", "--large-configs", "W8L7"]
+           "U8,QS-PC12", "--large-configs", "W8L7", "--defines", "QK_LQQ_AHEAD=10 QK_SMALLM_AHEAD=6"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     built = {path.name for path in (tmp_path / "kernels").iterdir()}
+    assert kernels.module_defines("qqq_w4a8", ("QK_QSERVE_PC_AHEAD=12", "QK_SMALLM_AHEAD=6")) == ("QK_SMALLM_AHEAD=6",)
     wanted = {kernels.cubin_path("qqq_w4a8", arch, defines).name for arch, defines in [
-        ("sm_90", ()), ("sm_90", ("QK_QSERVE_PC_AHEAD=12",)), (kernels.HOPPER_ARCH, ()),
-        (kernels.HOPPER_ARCH, ("QK_QSERVE_PC_AHEAD=12",)),
-        (kernels.HOPPER_ARCH, ("QK_WGMMA_STAGES=8", "QK_WGMMA_LEAD=7"))]}
-    assert built == wanted, (built, wanted)
-    assert "sm_90 [built-in, U8]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
+        ("sm_90", ()), (kernels.HOPPER_ARCH, ()), (kernels.HOPPER_ARCH, ("QK_WGMMA_STAGES=8", "QK_WGMMA_LEAD=7")),
+        ("sm_90", ("QK_SMALLM_AHEAD=6",)), (kernels.HOPPER_ARCH, ("QK_SMALLM_AHEAD=6",))]}
+    assert len(wanted) == 5 and built == wanted, (built, wanted)
+    assert "qqq_w4a8 sm_90 [built-in, U8, QS-PC12]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
+    assert "qqq_w4a8 sm_90 [--defines]" in first.stdout
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count("cached") == 5 and "built in" not in second.stdout
     bad = subprocess.run([*cmd[:2], "--modules", "nope"], env=env, capture_output=True, text=True, timeout=60)
