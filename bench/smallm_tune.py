@@ -13,7 +13,8 @@ builds the kernels once per process, with QUANTKIT_NVRTC_DEFINES), on synthetic 
 then times it as `quantkit bench` does (CUDA-graph replays, operands rotating past the L2 cache). A configuration
 times only the layouts its knobs change (SCOPES; the default times all), so that a short lease fits more of them.
 Prints one table (microseconds; the fastest configuration of each row marked) and the total per configuration and
-layout; --json keeps it all, and --best writes the fastest per layout, merged (`fastest`).
+layout; --json keeps it all, and --best writes the fastest per layout, merged (`fastest`); both are written after
+every configuration, so that a run cut short keeps what it timed.
 
     PYTHONPATH=. python3 bench/smallm_tune.py [--json FILE] [--ms 1,16] [--configs NAME,...] [--formats F,...]
                                               [--large]
@@ -313,6 +314,8 @@ def main() -> None:
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         if args.json:  # after every configuration, so that a run cut short keeps what it timed
             args.json.write_text(json.dumps(runs, indent=1))
+        if args.best and (best := fastest(runs, args.large)):  # and its fastest so far
+            args.best.write_text(json.dumps(best))
         bad = [label for label, ok in runs[-1]["checked"].items() if not ok]
         registers = ", ".join(f"{kernel} {regs} ({local} B local)"
                               for kernel, (regs, local) in runs[-1]["registers"].items())
@@ -344,7 +347,6 @@ def main() -> None:
         print(f"| {r['config']} | " + " | ".join(cells) + " |")
     best = fastest(runs, args.large)
     if args.best and best:
-        args.best.write_text(json.dumps(best))
         print(f"\nfastest: {best['config']} ({', '.join(f'{f} {c}' for f, c in best['formats'].items())})")
     sys.exit(any(not ok for r in runs for ok in r["checked"].values()))
 
