@@ -97,6 +97,23 @@ QK_FN void transpose_words(const uint32_t words[BITS], uint32_t t[transpose_lane
   }
 }
 
+// The pair transpose of one thread's BITS plane words (BITS <= 4), for the tensor-core kernels' shared tables in pair
+// mode (tc_pairs): word i takes, in each byte (columns v = 0..7 of a run at bits 7 - v), columns 2 i and 2 i + 1 of
+// every plane into one index of 2 BITS bits, plane j's two bits at bits 2 (BITS - 1 - j) + 1 (column 2 i) and
+// 2 (BITS - 1 - j) (column 2 i + 1): a table of 4^BITS fp16 pairs then gives the two columns' weights in the order
+// of the activations' fp16 pair in memory, so the MMA's B operand needs no permute.
+template <int BITS>
+QK_FN void transpose_pairs(const uint32_t words[BITS], uint32_t t[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t mask = 0xC0C0C0C0u >> (2 * i);
+    t[i] = 0;
+#pragma unroll
+    for (int j = 0; j < BITS; ++j)
+      t[i] = shift_or<BITS <= 3 && QK_AP_FMA_SHIFTS>(words[j] & mask, 6 - 2 * i - 2 * (BITS - 1 - j), t[i]);
+  }
+}
+
 // The same as 32 codes in word order u.
 template <int BITS>
 QK_FN void transpose_planes(const uint32_t words[BITS], uint32_t codes[32]) {
@@ -234,6 +251,19 @@ QK_FN constexpr bool tc_reg_tables() { return tc_reg_groups<BITS>() > 0; }
 template <int BITS>
 QK_FN constexpr bool tc_shared_tables() { return tc_reg_groups<BITS>() < 2; }
 
+// Pair mode (QK_AP_PAIRS, on): in the kernels of one token block (NB = 1, up to 8 tokens), where both channel
+// groups' tables are in shared memory and a code has at most 4 bits, the tables are indexed by the pair transpose
+// (transpose_pairs: two adjacent columns of a run a lookup, their fp16 weights in the activations' order), so that
+// each B register is an activation word as loaded (tc_b_fragments), where the nibble layout's pairs (columns r and
+// r + 4) took a byte permute each. The tensor cores then see the columns in another order, so the float32 sums may
+// round differently: the same bound, not the same bits. (With two token blocks the loaded words stay live longer and
+// the kernels spill.) Its 4^BITS entries fit the nibble layout's tc_entries.
+#ifndef QK_AP_PAIRS
+#define QK_AP_PAIRS 1
+#endif
+template <int BITS, int NB>
+QK_FN constexpr bool tc_pairs() { return QK_AP_PAIRS && NB == 1 && BITS <= 4 && tc_reg_groups<BITS>() == 0; }
+
 // The tables in shared memory, 256 bytes an entry: entry e of channel c (of the block's 16) at byte
 // 256 e + 128 (c / 8) + 16 (c % 8) + 4 copy, held 4 times, lane (g, q) of channel group h reading copy q at
 // 256 e + slot, slot = 128 h + 4 lane: the 32 lanes of a lookup fall in 32 distinct banks, and a lookup's address,
@@ -305,7 +335,7 @@ QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pair
 }
 
 // The tables of channels n0 .. n0 + 15 (those below N).
-template <int BITS>
+template <int BITS, int NB>
 QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid, int threads) {
   if constexpr (!tc_shared_tables<BITS>()) return;
   constexpr int items = BITS <= 4 ? 1 << (2 * BITS) : 1 << BITS;  // per channel
@@ -314,7 +344,15 @@ QK_FN void tc_fill_tables(const AnyPrecArgs& a, uint8_t* tables, int n0, int tid
     if (n0 + ch >= a.n || ch / 8 < tc_reg_groups<BITS>()) continue;  // past N, or a group's tables in registers
     const qk_half* lut = a.lut + (size_t)(n0 + ch) * (1 << BITS);
     uint32_t value, entry;
-    if (BITS <= 4) {
+    if (tc_pairs<BITS, NB>()) {  // index e: plane j's bits of columns 2 i, 2 i + 1 at 2 (BITS - 1 - j) + 1, + 0
+      int first = 0, second = 0;
+      for (int j = 0; j < BITS; ++j) {
+        first |= (e >> (2 * (BITS - 1 - j) + 1) & 1) << (BITS - 1 - j);
+        second |= (e >> (2 * (BITS - 1 - j)) & 1) << (BITS - 1 - j);
+      }
+      value = (uint32_t)lut[first] | ((uint32_t)lut[second] << 16);
+      entry = e;
+    } else if (BITS <= 4) {
       const int hi = e >> BITS, lo = e & ((1 << BITS) - 1);
       value = (uint32_t)lut[lo] | ((uint32_t)lut[hi] << 16);
       entry = hi << 4 | lo;
@@ -387,7 +425,7 @@ QK_FN uint32_t tc_entry_address(uint32_t t, int b, uint32_t slot) { return byte_
 
 // The A fragments of word i of the lane's step (a[s] for MMA s), from its channels' tables (registers up to 3
 // bits, else shared memory). Pair b of T_r holds columns r + 4 (low half) and r of run 3 - b.
-template <int BITS>
+template <int BITS, int NB>
 QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane,
                           const uint32_t w[2][BITS][tc_lane_words<BITS>()], int i, uint32_t a[8][4]) {
   constexpr int lanes = transpose_lanes<BITS>();
@@ -397,6 +435,14 @@ QK_FN void tc_a_fragments(const uint8_t* tables, const TcRegTables& rt, int lane
     uint32_t word[BITS], t[lanes];
 #pragma unroll
     for (int p = 0; p < BITS; ++p) word[p] = w[h][p][i];
+    if constexpr (tc_pairs<BITS, NB>()) {  // pair b of T_i: columns 2 i (low half) and 2 i + 1 of run 3 - b
+      transpose_pairs<BITS>(word, t);
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) a[2 * r + b / 2][2 * (b % 2) + h] = load_u32(tables + tc_entry_address(t[r], b, slot));
+      continue;
+    }
     transpose_words<BITS>(word, t);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -444,7 +490,9 @@ QK_FN void tc_load_runs(const AnyPrecArgs& a, int step, int lane, int i, int tok
 }
 
 // The B fragments (b[s] for MMA s) from a word's runs: the pair of columns e = r + 4 (low half) and r of run j,
-// as the A fragments, is halves r % 2 of its words 2 + r / 2 and r / 2.
+// as the A fragments, is halves r % 2 of its words 2 + r / 2 and r / 2; in pair mode (PAIRS, tc_pairs) columns
+// 2 r and 2 r + 1, its word r as loaded.
+template <bool PAIRS>
 QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
@@ -452,7 +500,7 @@ QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int j = 3 - (2 * (s % 2) + half);
-      b[s][half] = byte_perm(run[j][2 + r / 2], run[j][r / 2], r % 2 ? 0x7632u : 0x5410u);
+      b[s][half] = PAIRS ? run[j][r] : byte_perm(run[j][2 + r / 2], run[j][r / 2], r % 2 ? 0x7632u : 0x5410u);
     }
   }
 }
@@ -509,7 +557,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   }
   tc_load_reg_tables<BITS>(a, n0, lane, rt);
   if constexpr (tc_shared_tables<BITS>()) {
-    tc_fill_tables<BITS>(a, smem, n0, tid, APT_THREADS);
+    tc_fill_tables<BITS, NB>(a, smem, n0, tid, APT_THREADS);
     __syncthreads();
   }
   float acc[2][4] = {};
@@ -527,19 +575,19 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
         if (i == tc_prefetch_word<BITS>() && more) tc_load_step<BITS, FAST>(a, n0, step + APT_WARPS, lane, next);
       }
       uint32_t fa[8][4], fb[8][2];
-      tc_b_fragments(run, fb);
+      tc_b_fragments<tc_pairs<BITS, NB>()>(run, fb);
       // the first token block's activations of the lane's next word, in flight during this word's MMAs: this
       // step's next word or the first of the warp's next step (H200: 1.5-5% faster than loading each word's when
       // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
       if (i + 1 < W) tc_load_runs<BITS, FAST>(a, step, lane, i + 1, token0, run);
       else if (more) tc_load_runs<BITS, FAST>(a, step + APT_WARPS, lane, 0, token0, run);
-      tc_a_fragments<BITS>(smem, rt, lane, w, i, fa);
+      tc_a_fragments<BITS, NB>(smem, rt, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
       if (NB == 2 && blocks_n == 2) {  // tokens 8 .. 15 of the tile
         uint32_t run1[4][4];
         tc_load_runs<BITS, FAST>(a, step, lane, i, token0 + 8, run1);
-        tc_b_fragments(run1, fb);
+        tc_b_fragments<tc_pairs<BITS, NB>()>(run1, fb);
 #pragma unroll
         for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
       }

@@ -878,7 +878,7 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   for (int m0 = 0; m0 < a.m; m0 += APT_TOKENS) {
     for (int n0 = 0; n0 < a.n; n0 += APT_CHANNELS) {
       std::fill(smem.begin(), smem.end(), 0xA5);  // nothing read that the block did not write
-      for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS>(a, smem.data(), n0, tid, APT_THREADS);
+      for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS, NB>(a, smem.data(), n0, tid, APT_THREADS);
       TcRegTables rt[32];
       for (int lane = 0; lane < 32; ++lane) tc_load_reg_tables<BITS>(a, n0, lane, rt[lane]);
       std::vector<float> sums((size_t)APT_WARPS * 2 * 32 * 4, 0.0f);
@@ -889,11 +889,11 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
           for (int i = 0; i < W; ++i) {
             uint32_t fa[32][8][4], fb[32][8][2], as[32][4], bs[32][2], run[4][4];
             for (int lane = 0; lane < 32; ++lane)
-              tc_a_fragments<BITS>(smem.data(), rt[lane], lane, words_of(lane), i, fa[lane]);
+              tc_a_fragments<BITS, NB>(smem.data(), rt[lane], lane, words_of(lane), i, fa[lane]);
             for (int nb = 0; nb < (a.m - m0 > 8 ? NB : 1); ++nb) {
               for (int lane = 0; lane < 32; ++lane) {
                 tc_load_runs<BITS, FAST>(a, step, lane, i, m0 + 8 * nb + frag_group(lane), run);
-                tc_b_fragments(run, fb[lane]);
+                tc_b_fragments<tc_pairs<BITS, NB>()>(run, fb[lane]);
               }
               for (int s = 0; s < 8; ++s) {
                 for (int lane = 0; lane < 32; ++lane) {

@@ -558,7 +558,8 @@ def anyprec_tc_shared_bytes(bits: int) -> int:
     """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): where the tables are in shared memory
     (above 3 bits, and up to 3 unless QK_AP_REG_GROUPS keeps both channel groups' in registers, the default), 256
     bytes an entry (4 copies of 32 bits for each of the block's 16 channels: fp16 pairs of nibble-pair bytes up to 4
-    bits, else one fp16 per code), and at least the 8 warps' sums [8, 2, 32, 4] float32 that reuse it at the end."""
+    bits, which also hold pair mode's 4^bits, else one fp16 per code), and at least the 8 warps' sums [8, 2, 32, 4]
+    float32 that reuse it at the end."""
     in_registers = bits <= 3 and _define("QK_AP_REG_GROUPS", 2) >= 2
     entries = 0 if in_registers else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
     return max(entries * 256, 8 * 2 * 32 * 4 * 4)

@@ -694,7 +694,8 @@ def assert_within_tc_bound(tensors, x, bits, out):
 @pytest.mark.parametrize("m,n,k", [(1, 13, 96), (5, 130, 1024), (17, 64, 2080), (9, 40, 8736), (3, 24, 4128)])
 def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n, k):
     """The tensor-core kernel's lane code (the weights as the A operand from nibble-pair lookups, the activations as
-    B from byte permutes of the runs, the warps' sums met in warp order): within `anyprec_tc_bound` of the
+    B from byte permutes of the runs; at 4 bits up to 8 tokens pair mode's lookups of adjacent columns, the runs'
+    words as B; the warps' sums met in warp order): within `anyprec_tc_bound` of the
     emulation at every width, past N % 16, past 8 and 16 tokens, past the last whole chunk (2080: a chunk of 32
     columns), with more steps than warps (8736: 18 steps of 512 columns) and rows of K / 32 words not a multiple of
     4 (4128: word loads one by one)."""
@@ -715,9 +716,10 @@ def test_anyprec_3bit_knobs_keep_the_bits(knob, tmp_path):
     """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
     QK_AP_REG_GROUPS=0 (bench/smallm_tune.py's AP-SMEM) puts both channel groups' in shared memory, as above 3 bits,
     each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=0 (AP-SHIFTS)
-    bit-transposes with shifts and ORs instead of multiply-adds. The A fragments are the same either way, so the
-    outputs must be the same bits: a warp simulator built with the knob, in a process of its own, against this
-    one's (checked and fast kernels, one and two token blocks)."""
+    bit-transposes with shifts and ORs instead of multiply-adds. Where the A fragments are the same, the outputs must
+    be the same bits; the kernels of one token block under AP-SMEM take pair mode (tc_pairs: the MMAs see the columns
+    in another order), which must land within the bound. A warp simulator built with the knob, in a process of its
+    own, against this one's (checked and fast kernels, one and two token blocks)."""
     import os
     import subprocess
     import sys
@@ -740,9 +742,13 @@ for m, n, k, fast in {cases!r}:
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     for m, n, k, fast in cases:
-        launch = kernels.anyprec_launch(synthetic("anyprec", n, k, seed=k), xs[k], 3, tc=True, fast=fast)
-        out = kernels.run(launch, "cpu")
-        np.testing.assert_array_equal(out, np.load(tmp_path / f"out_{m}_{k}.npy"), err_msg=f"M={m}, K={k}")
+        tensors = synthetic("anyprec", n, k, seed=k)
+        out, theirs = kernels.run(kernels.anyprec_launch(tensors, xs[k], 3, tc=True, fast=fast), "cpu"), \
+            np.load(tmp_path / f"out_{m}_{k}.npy")
+        if knob == "QK_AP_REG_GROUPS=0" and m <= 8:  # pair mode
+            assert_within_tc_bound(tensors, xs[k], 3, theirs.view(np.float16))
+        else:
+            np.testing.assert_array_equal(out, theirs, err_msg=f"M={m}, K={k}")
 
 
 @needs_compiler
