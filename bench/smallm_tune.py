@@ -73,8 +73,9 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "AP-CHECKED": (U8, {**SPLIT, "ANYPREC_TC_FAST": False}),
     "AP-W3": ({**U8, "QK_AP_PREFETCH_WORD": 3}, SPLIT),
     # Any-Precision at 3 bits with both channel groups' tables in shared memory (one byte permute and one shared
-    # load a pair of codes: 303 integer-ALU instructions a step where the registers' lookups take 430), or one
-    # group's in registers and the other's in shared memory (367; half the loads in flight)
+    # load a pair of codes, and up to 8 tokens pair mode's B operand without permutes: 253 integer-ALU instructions
+    # a step where the registers' lookups take 430), or one group's in registers and the other's in shared memory
+    # (367; half the loads in flight)
     "AP-SMEM": ({**U8, "QK_AP_REG_GROUPS": 0}, SPLIT),
     "AP-HYBRID": ({**U8, "QK_AP_REG_GROUPS": 1}, SPLIT),
     # Any-Precision's bit transpose at 3 bits with shifts and ORs on the integer ALU (as measured until now), not the
