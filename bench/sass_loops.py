@@ -3,8 +3,9 @@
 
 Builds one module of kernels/ with nvcc (sm_90a; with --hopper, QK_WGMMA too, for the wgmma and bulk kernels),
 disassembles it with cuobjdump and prints, per kernel, its instruction count and its main loop's: the span of the
-longest backward branch, with the loop's opcodes by count, and how many of them are integer-ALU opcodes (ALU). The
-counts are static: a loop that holds two paths (per channel and per group) counts both.
+longest backward branch, with the loop's opcodes by count, how many of them are integer-ALU opcodes (ALU) and
+integer multiply-adds (IMAD), and which of issue, ALU and IMAD bounds it by a pipe model (`pipe_bound`). The counts
+are static: a loop that holds two paths (per channel and per group) counts both.
 
     python bench/sass_loops.py MODULE [--hopper] [-D NAME=VALUE ...] [--kernels REGEX] [--cuobjdump PATH]
 
@@ -54,15 +55,24 @@ def main_loop(instructions: list[tuple[int, str, str]]) -> collections.Counter |
 
 
 # Integer-ALU opcodes. A Hopper SM sub-partition has 16 INT32 lanes beside its 32 FP32 ones (the H100 whitepaper's SM:
-# 64 INT32 and 128 FP32 units), so these issue at half the rate of the FMA pipe's (IMAD, FFMA, HFMA2, HADD2). A loop
-# whose ALU instructions take more issue cycles than its tensor-core work is held by them, whatever its total. A
-# model for reading the counts; only a profile on a GPU measures the pipes.
+# 64 INT32 and 128 FP32 units), so these issue at half the rate of FFMA, HFMA2 and HADD2. Integer multiply-adds
+# (IMAD, its .HI, .WIDE, .IADD and .MOV forms) run on the FP32 pipe's heavy half alone: half rate as well, but beside
+# the ALU, not in it. A loop whose ALU (or IMAD) instructions take more issue cycles, at two a warp instruction,
+# than its total or its tensor-core work is held by them. A model for reading the counts; only a profile on a GPU
+# measures the pipes.
 ALU = frozenset({"LOP3", "SHF", "IADD3", "PRMT", "LEA", "SEL", "ISETP", "PLOP3"})
 
 
 def alu(loop: collections.Counter) -> int:
     """How many of a loop's instructions are integer-ALU opcodes (ALU)."""
     return sum(n for op, n in loop.items() if op in ALU)
+
+
+def pipe_bound(loop: collections.Counter) -> str:
+    """Which of issue (one warp instruction a cycle), the integer ALU and IMAD (two cycles each) takes the most
+    cycles in a loop, by the model above: "issue", "ALU" or "IMAD"."""
+    cycles = {"issue": sum(loop.values()), "ALU": 2 * alu(loop), "IMAD": 2 * loop.get("IMAD", 0)}
+    return max(cycles, key=cycles.get)
 
 
 def main() -> None:
@@ -85,8 +95,8 @@ def main() -> None:
         if not re.search(args.kernels, name):
             continue
         loop = main_loop(instructions)
-        counts = f"main loop {sum(loop.values())} (ALU {alu(loop)}): " + \
-            ", ".join(f"{op} {n}" for op, n in loop.most_common(8)) if loop else "no loop"
+        counts = f"main loop {sum(loop.values())} (ALU {alu(loop)}, IMAD {loop.get('IMAD', 0)}; {pipe_bound(loop)}" \
+            "-bound by the model): " + ", ".join(f"{op} {n}" for op, n in loop.most_common(8)) if loop else "no loop"
         print(f"{name}: {len(instructions)} instructions; {counts}")
 
 

@@ -932,6 +932,9 @@ def test_sass_loop_counter_takes_the_longest_backward_branch():
     assert main_loop(kernels["k"]) == {"LDG": 1, "IMAD": 1, "IADD3": 1, "BRA": 2}
     assert alu(main_loop(kernels["k"])) == 1  # IADD3; IMAD goes to the FMA pipe
     assert main_loop(kernels["k"][:3]) is None
+    bound = sass_loops.pipe_bound
+    assert bound(main_loop(kernels["k"])) == "issue"  # 5 instructions against 2 cycles of ALU and of IMAD
+    assert bound({"PRMT": 3, "HMMA": 1}) == "ALU" and bound({"IMAD": 4, "LOP3": 1, "HMMA": 1}) == "IMAD"
 
 
 def ptxas_log(args: list[str], tmp_path) -> str:
