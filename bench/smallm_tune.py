@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,8 +172,9 @@ def make_tensors(job: tuple[int, int, int, Path, bool]) -> None:
                tensor_file(cache, v, n, k))
 
 
+@cache
 def fmt_of(key: str) -> str:
-    """The layout of a timing row "label|NxK|M"."""
+    """The layout of a timing row "label|NxK|M" (cached: `fastest` and the tables ask for every row many times)."""
     label = key.split("|")[0]
     return next(v.fmt for v in variants() + variants(True) if v.label == label)
 

@@ -113,6 +113,36 @@ QK_FN uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
 #endif
 }
 
+// 2^i, which the GPU reads from the constant bank, so that the compiler cannot turn a multiply-add by it back into
+// a shift (the warp simulator reads the same table).
+#if defined(__CUDA_ARCH__)
+__constant__
+#else
+static const
+#endif
+uint32_t qk_pow2[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10,
+    1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15, 1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21,
+    1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
+
+// acc | part shifted right by `shift` (left where it is negative), part's bits disjoint from acc's. With FMA, one
+// multiply-add by a power of two from qk_pow2, the add being the OR: IMAD, or IMAD.HI for a right shift, which
+// issue on the FMA pipe, where a shift and an OR (or a LEA, which the compiler makes of a multiply-add by a
+// constant it can see) take the half-rate integer ALU. It costs registers for the factors (and the IMAD.HI's
+// addend pairs), so a kernel takes it where its registers allow: Any-Precision's bit transpose up to 3 bits (at 4, 6
+// and 7 bits its tensor-core kernels spill with it; anyprec_gemm_tc8_3_fast's main loop 430 integer-ALU
+// instructions of 682, against 478 of 656 with shifts), QServe's high nibbles (high_nibbles).
+template <bool FMA>
+QK_FN uint32_t shift_or(uint32_t part, int shift, uint32_t acc) {
+  if (!FMA || shift == 0) return acc | (shift < 0 ? part << -shift : part >> shift);
+  if (shift < 0) return part * qk_pow2[-shift] + acc;
+#if defined(__CUDA_ARCH__)
+  return __umulhi(part, qk_pow2[32 - shift]) + acc;
+#else
+  return (uint32_t)((uint64_t)part * qk_pow2[32 - shift] >> 32) + acc;
+#endif
+}
+
 // Per-byte add modulo 256 of two words of four bytes, no carries between bytes (CUDA __vadd4).
 QK_FN uint32_t vadd4(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)

@@ -73,26 +73,11 @@ QK_FN uint32_t unpack_half(const QServeArgs& a, uint32_t word, uint32_t s, uint3
   return dequant_half(a, (word >> (4 * h)) & 0x0F0F0F0Fu, s, z, h, b);  // h ? hi_nibbles : lo_nibbles
 }
 
-// 2^28, which the GPU reads from the constant bank, so that the compiler cannot turn the multiply-high by it back into
-// a shift (the warp simulator reads the same value).
-#if defined(__CUDA_ARCH__)
-__constant__
-#else
-static const
-#endif
-uint32_t qk_two_28 = 1u << 28;
-
 // A word's high nibbles as four bytes, given its low ones: the word less them (no borrow) shifted right by 4, as a
-// multiply-high by 2^28, which the GPU runs on the FMA pipe (IMAD.HI; the subtraction an IMAD too) where a shift and
-// a mask take the half-rate integer ALU twice. Main loop (sm_90a): the per-group decode kernel 568 ALU instructions
-// of 884 to 440 of 889, the per-channel one 153 of 255 to 95 of 256.
-QK_FN uint32_t high_nibbles(uint32_t word, uint32_t low) {
-#if defined(__CUDA_ARCH__)
-  return __umulhi(word - low, qk_two_28);
-#else
-  return (uint32_t)((uint64_t)(word - low) * qk_two_28 >> 32);
-#endif
-}
+// multiply-high by 2^28 (shift_or), which the GPU runs on the FMA pipe (IMAD.HI; the subtraction an IMAD too) where
+// a shift and a mask take the half-rate integer ALU twice. Main loop (sm_90a): the per-group decode kernel 568 ALU
+// instructions of 884 to 440 of 889, the per-channel one 153 of 255 to 95 of 256.
+QK_FN uint32_t high_nibbles(uint32_t word, uint32_t low) { return shift_or<true>(word - low, 4, 0u); }
 
 // The lane's 16 weight bytes and group parameters -> B fragments of the 4 n8 blocks: frag[nb][p], nb = 2 h + b.
 QK_FN void unpack_b(const QServeArgs& a, const uint32_t w[4], uint32_t s, uint32_t z, uint32_t frag[4][2]) {
