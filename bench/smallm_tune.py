@@ -44,6 +44,12 @@ REPO = Path(__file__).resolve().parent.parent
 # N = 6144 and 28672, 3-6% slower at 4096) and two accumulator sets (no faster, up to 32% slower at M = 16); run 8
 # blocks that take several tiles each, the next tile's words loaded during this one's (4% faster at N = 28672, 10%
 # slower at 6144).
+# An H100 run (bench/results/kernels_h100_smallm_tune.json, run 1; times against U8, the defaults then) made three of
+# its configurations the defaults: the bit transpose's shifts (AP-SHIFTS, 0.94-0.97x on all eight Any-Precision
+# rows), two token blocks for LiquidQuant's 9 to 16 tokens (LQQ-16, 0.79-0.99x at M = 16) and split-K across blocks
+# (ZSPLIT, 0.46-1.17x), narrowed to the tiles whose copies a block cannot hold (split_plan). The 3-bit tables in
+# shared memory were slower again (AP-SMEM 1.04-1.68x, AP-HYBRID 1.00-1.39x), and so were the bulk-copy kernels
+# (BULK, up to 5.2x); QS-PC10, QS-PC12 and LQQ-A10 came within 0.91-1.05x, too close to call in one run.
 # The built-in defines (8 steps' loads a round: QK_SMALLM_AHEAD) and split budget, which the other configurations
 # vary. No define at all, so that the default configuration runs the default build, the one the tests and the bench
 # load, and not a second build of the same kernels under another cache key.
@@ -52,17 +58,16 @@ SPLIT = {"SPLITK_WARPS": 2048, "SPLITK_MIN_STEPS": 8}
 CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "U8": (U8, SPLIT),
     "U6": ({"QK_SMALLM_AHEAD": 6}, SPLIT),
-    # LiquidQuant from 9 to 16 tokens with two token blocks a tile (liquidquant_w4a8_gemm16), not four
-    "LQQ-16": (U8, {**SPLIT, "LIQUIDQUANT_GEMM16": True}),
-    # QServe's and QQQ's small-M kernels with K split across up to 4 blocks a tile (split_plan)
-    "ZSPLIT": (U8, {**SPLIT, "SPLITK_BLOCKS_MAX": 4}),
+    # LiquidQuant from 9 to 16 tokens with four token blocks a tile, not two (liquidquant_w4a8_gemm16)
+    "LQQ-4B": (U8, {**SPLIT, "LIQUIDQUANT_GEMM16": False}),
+    # QServe's and QQQ's small-M kernels with each tile one block, not split across up to 4 (split_plan)
+    "Z1": (U8, {**SPLIT, "SPLITK_BLOCKS_MAX": 1}),
     # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
     "LQQ-W4": ({**U8, "QK_LQQ_TILE_WARPS": 4}, SPLIT),
     # the bulk-copy kernels on Hopper (qserve_w4a8_bulk, qqq_w4a8_bulk, liquidquant_w4a8_bulk8), two or three
     # chunks in flight a warp
     "BULK": (U8, {**SPLIT, "BULK_DECODE": True}),
     "BULK-3": (U8, {**SPLIT, "BULK_DECODE": True, "BULK_SLOTS": 3}),
-    "BULK-Z": (U8, {**SPLIT, "BULK_DECODE": True, "SPLITK_BLOCKS_MAX": 4}),
     # QServe's per-channel decode kernel (qserve_w4a8_gemm_pc, 98 registers at 8) with 10 or 12 steps a round
     # (124 and 128 registers, no spills); the other kernels keep 8
     "QS-PC10": ({**U8, "QK_QSERVE_PC_AHEAD": 10}, SPLIT),
@@ -79,21 +84,21 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # (367; half the loads in flight)
     "AP-SMEM": ({**U8, "QK_AP_REG_GROUPS": 0}, SPLIT),
     "AP-HYBRID": ({**U8, "QK_AP_REG_GROUPS": 1}, SPLIT),
-    # Any-Precision's bit transpose at 3 bits with shifts and ORs on the integer ALU (as measured until now), not the
-    # multiply-adds on the FMA pipe (shift_or)
-    "AP-SHIFTS": ({**U8, "QK_AP_FMA_SHIFTS": 0}, SPLIT),
+    # Any-Precision's bit transpose at 3 bits with multiply-adds on the FMA pipe (shift_or), not shifts and ORs on the
+    # integer ALU (3-6% slower on an H100; the H200, where the profile found the ALU binding, has not timed it)
+    "AP-FMA": ({**U8, "QK_AP_FMA_SHIFTS": 1}, SPLIT),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
 W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": (*W4A8, "atom"),
-    "LQQ-16": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",),
-    "ZSPLIT": ("qserve", "qqq"),
-    "BULK": W4A8, "BULK-3": W4A8, "BULK-Z": W4A8,
+    "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",),
+    "Z1": ("qserve", "qqq"),
+    "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
-    "AP-SHIFTS": ("anyprec",),
+    "AP-FMA": ("anyprec",),
 }
 
 

@@ -47,9 +47,11 @@ template <int BITS>
 QK_FN constexpr int transpose_lanes() { return BITS <= 4 ? 4 : 8; }
 
 // Whether the bit transpose of the tensor-core kernels' widths up to 3 bits (the Any-Precision bar's) shifts by
-// multiply-adds (shift_or); 0 (bench/smallm_tune.py's AP-SHIFTS) keeps shifts and ORs, as measured until now.
+// multiply-adds (shift_or: 430 integer-ALU instructions of a step's 682, against 478 of 656) rather than shifts and
+// ORs. Off: on an H100 the shifts were 3-6% faster on all eight rows of the 3-bit bar (run 1 of
+// bench/results/kernels_h100_smallm_tune.json, AP-SHIFTS against U8). 1 is bench/smallm_tune.py's AP-FMA.
 #ifndef QK_AP_FMA_SHIFTS
-#define QK_AP_FMA_SHIFTS 1
+#define QK_AP_FMA_SHIFTS 0
 #endif
 
 template <int BITS>

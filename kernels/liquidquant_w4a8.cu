@@ -79,7 +79,8 @@ QK_FN void load_tokens_checked(const LiquidArgs& a, int tb, int kt, int j, int l
 // thread `local` is thread t of block nt's 128 (rows 16 (t / 32) + g ..). One warp a block gives N / 16 blocks, so
 // that a narrow N (N = 4096: 64 blocks of 64 channels) still fills every SM.
 // The small-M kernels' warps a block: QK_LQQ_TILE_WARPS, a compile-time knob for tuning on a GPU (4 in every H200
-// run so far; one warp a block is not yet measured). It changes no bit of any output.
+// run; on an H100 four took 0.98-1.63x one's time, bench/results/kernels_h100_smallm_tune.json). It changes no bit
+// of any output.
 #ifndef QK_LQQ_TILE_WARPS
 #define QK_LQQ_TILE_WARPS 1
 #endif
@@ -295,7 +296,8 @@ extern "C" __global__ void __launch_bounds__(512)
   liquidquant_gemm_at<1, QK_LQQ_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
-// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (not yet measured): grid (N / (16 warps), 1),
+// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block
+// kernel's time at M = 16 on an H100): grid (N / (16 warps), 1),
 // block 32 warps splits, dynamic shared memory (splits - 1) * warps * 1 KiB: two token blocks, 3/4 of
 // QK_SMALLM_AHEAD steps a round (125 registers at 6; 8 spill).
 extern "C" __global__ void __launch_bounds__(512)

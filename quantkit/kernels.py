@@ -191,13 +191,15 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
 
 
 # Split-K across blocks as well (QServe's and QQQ's small-M kernels): up to SPLITK_BLOCKS_MAX blocks a tile, which
-# meet in an int32 workspace that the last block of a tile zeroes again (kernels/qk_common.cuh splitk_blocks), so
-# that the grid's blocks spread evenly over SPLITK_SMS SMs. A block is one tile's copies, and every copy of a small
-# grid is resident at once, so an SM's time follows the most blocks any SM holds: 192 QServe tiles at N = 6144 put
-# two on 60 SMs and one on 72 (73% of the even spread), 384 half-tiles three and two (97%); QQQ's 64 tiles at
-# N = 4096 (8 warps each: 16 copies' partial sums would pass the 48 KiB a block takes without opting in) use 64 of
-# an H200's 132 SMs and 512 warps. 1 (off) until a GPU run times it (bench/smallm_tune.py's ZSPLIT configuration).
-SPLITK_BLOCKS_MAX = 1
+# meet in an int32 workspace that the last block of a tile zeroes again (kernels/qk_common.cuh splitk_blocks). Only
+# where a block cannot hold the copies SPLITK_WARPS asks for: QQQ's 64 tiles at N = 4096 (8 warps each; 16 copies'
+# partial sums would pass the 48 KiB a block takes without opting in) ran 512 warps on 64 SMs. On an H100 (run 1
+# of bench/results/kernels_h100_smallm_tune.json, ZSPLIT against U8) four blocks a tile took QQQ g128 from 41.7 to 19.7
+# us at 4096 x 14336, 15.1 to 10.0 at 4096 x 4096 and 15.4 to 12.5 at 6144 x 4096 (M = 1), and QQQ per channel from
+# 20.4 to 15.6 at 4096 x 14336, but 10.1 to 10.8 at 6144 x 4096. Blocks a tile for an even spread alone, at the same
+# warps, were slower: QServe per channel at 6144 x 4096 8.4 -> 9.8 us (two blocks of 4 copies: 384 blocks, 97% of
+# the even spread, against 192 of 8 copies, 73%), QQQ per channel at 28672 x 4096 24.4 -> 27.9.
+SPLITK_BLOCKS_MAX = 4
 SPLITK_SMS = 132  # an H100 / H200 SXM
 SPLITK_BLOCK_COPIES = 16  # a block's most copies (SPLITK_MAX_THREADS of one-warp copies)
 
@@ -209,19 +211,21 @@ def block_balance(blocks: int) -> float:
 
 def split_plan(tiles: int, steps: int, partial_bytes: int) -> tuple[int, int]:
     """(splits, zsplit) of a small-M launch of `tiles` one-warp tiles of `steps` K steps: split_count's copies a
-    tile, doubled past a block's most while the tiles are too few for SPLITK_WARPS; then the blocks a tile (a power
-    of two up to SPLITK_BLOCKS_MAX) whose grid spreads most evenly (block_balance; the fewest on a tie), the copies
-    shared among them."""
+    tile, doubled past a block's most while the tiles are too few for SPLITK_WARPS; where that adds copies (a block
+    could not hold them all), the blocks a tile (a power of two up to SPLITK_BLOCKS_MAX) whose grid spreads most
+    evenly (block_balance; the fewest on a tie), the copies shared among them. A tile stays one block when its copies
+    fit one: more blocks for the spread alone were slower (SPLITK_BLOCKS_MAX's note)."""
     splits = split_count(tiles, 1, steps, partial_bytes)
-    if SPLITK_BLOCKS_MAX == 1:
-        return splits, 1
+    held = 1  # the most copies a block holds: threads and the other copies' partial sums
+    while 2 * held <= SPLITK_BLOCK_COPIES and (2 * held - 1) * partial_bytes <= SPLITK_MAX_SHARED:
+        held *= 2
     total = splits
-    while (2 * total <= SPLITK_BLOCK_COPIES * SPLITK_BLOCKS_MAX and tiles * 2 * total <= SPLITK_WARPS
+    while (2 * total <= held * SPLITK_BLOCKS_MAX and tiles * 2 * total <= SPLITK_WARPS
            and steps // (2 * total) >= SPLITK_MIN_STEPS):
         total *= 2
-    zsplits = [z for z in (1 << i for i in range(SPLITK_BLOCKS_MAX.bit_length())) if z <= SPLITK_BLOCKS_MAX
-               and z <= total and total // z <= SPLITK_BLOCK_COPIES
-               and (total // z - 1) * partial_bytes <= SPLITK_MAX_SHARED]
+    if total == splits:
+        return splits, 1
+    zsplits = [z for z in (1 << i for i in range(SPLITK_BLOCKS_MAX.bit_length())) if z <= total and total // z <= held]
     zsplit = max(zsplits, key=lambda z: (round(block_balance(tiles * z), 6), -z))
     return total // zsplit, zsplit
 
@@ -280,8 +284,9 @@ WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024)
 WGMMA2 = {fmt: replace(t, bn=256, threads=512, kernel="wgmma2",
                        stage_bytes=-(-(t.bm * t.bk + 2 * (TILES[fmt].stage_bytes - t.bm * t.bk)) // 1024) * 1024)
           for fmt, t in WGMMA.items()}
-# Whether a Hopper launch takes the 256-channel kernel where N % 256 == 0. Off until a GPU run times it against the
-# 128-channel one (bench/smallm_tune.py --large); validate checks whichever a launch would take.
+# Whether a Hopper launch takes the 256-channel kernel where N % 256 == 0. Off: on an H100 it took 0.89-1.57x the
+# 128-channel kernels' time at M = 1024, slower on 19 of 20 rows (bench/results/kernels_h100_smallm_tune.json, run
+# 2); validate checks whichever a launch would take.
 WGMMA_WIDE = False
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
@@ -345,8 +350,8 @@ def _half_bits(t: torch.Tensor) -> np.ndarray:
 # Whether a small-M launch on a Hopper GPU takes the bulk-copy kernel (qserve_w4a8_bulk, qqq_w4a8_bulk;
 # liquidquant_w4a8_bulk8 up to DECODE_MAX_M tokens): each warp's weights, activations and group parameters arrive by
 # cp.async.bulk into its own slots of shared memory, BULK_SLOTS chunks in flight, no registers held by loads in
-# flight (the register kernels' cap: 8 steps a warp). Off until a GPU run times it (bench/smallm_tune.py's BULK
-# configurations).
+# flight (the register kernels' cap: 8 steps a warp). Off: on an H100 they took 0.99-5.2x the register kernels'
+# time, 1.11-1.79x at M = 1 (bench/results/kernels_h100_smallm_tune.json, run 1, BULK against U8).
 BULK_DECODE = False
 BULK_SLOTS = 2
 BULK_MAX_SHARED = 227 * 1024  # an sm_90 block's most dynamic shared memory (opted in)
@@ -452,10 +457,10 @@ DECODE_MAX_M = 8
 
 # LiquidQuant's small-M kernel holds the activations of its tile's token blocks of 8 in registers beside the
 # weights' loads: up to 8 tokens one block (liquidquant_w4a8_gemm8: 8 K steps a round, 0.81-0.89x the four-block
-# kernel's time at M = 1 on an H200), else four (4 steps a round). Two blocks up to 16 tokens
-# (liquidquant_w4a8_gemm16, 6 steps a round) only when this is set: not yet measured (bench/smallm_tune.py's
-# LQQ-16 configuration times it).
-LIQUIDQUANT_GEMM16 = False
+# kernel's time at M = 1 on an H200), up to 16 two (liquidquant_w4a8_gemm16, 6 steps a round: at M = 16 on an H100,
+# 0.81, 0.79, 0.99 and 0.95x the four-block kernel's time on the four Llama-3-8B shapes, run 1 of
+# bench/results/kernels_h100_smallm_tune.json), else four (4 steps a round). False: four blocks from 9 tokens on.
+LIQUIDQUANT_GEMM16 = True
 # The warps of a LiquidQuant small-M block (kernels/liquidquant_w4a8.cu QK_LQQ_TILE_WARPS): one, each with its 16
 # channels, so that N / 16 blocks spread over every SM (at N = 4096 the 64 blocks of four warps, one per 64-channel
 # weight block, left half of an H200's 132 SMs idle); 4 as before, through QUANTKIT_NVRTC_DEFINES, for comparison.

@@ -161,16 +161,21 @@ def test_block_split_matches_the_emulation(fmt, group, m, k, splits, zsplit, bul
 
 
 def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
-    """split_plan: split_count's copies alone by default; with blocks allowed, the blocks a tile that spread the grid
-    most evenly over the SMs, within the warp budget and SPLITK_MIN_STEPS steps a copy."""
-    assert kernels.split_plan(192, 128, 2048) == (8, 1)  # QServe 6144 x 4096
-    monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 4)
-    assert kernels.split_plan(192, 128, 2048) == (4, 2)  # 384 blocks: 3 or 2 an SM, not 2 or 1
-    assert kernels.split_plan(128, 128, 2048) == (16, 1)  # QServe 4096 x 4096: 128 blocks spread already
+    """split_plan: a tile is one block of split_count's copies where they are all SPLITK_WARPS asks for; where a block
+    cannot hold them (the partial sums' shared memory), the blocks a tile that spread the grid most evenly over the
+    SMs, within the warp budget and SPLITK_MIN_STEPS steps a copy; none with SPLITK_BLOCKS_MAX = 1."""
+    assert kernels.split_plan(192, 128, 2048) == (8, 1)  # QServe 6144 x 4096: not 384 blocks for the spread alone
+    assert kernels.split_plan(128, 128, 2048) == (16, 1)  # QServe 4096 x 4096
+    assert kernels.split_plan(896, 128, 2048) == (2, 1)  # QServe 28672 x 4096
+    assert kernels.split_plan(448, 256, 4096) == (4, 1)  # QQQ 28672 x 4096: 1792 warps in one block a tile
     assert kernels.split_plan(64, 256, 4096) == (8, 4)  # QQQ 4096 x 4096: 32 copies a tile over four blocks (16
     # copies' partial sums would pass the 48 KiB a block may take without opting in)
     assert kernels.split_plan(64, 128, 4096) == (8, 2)  # but not below 8 steps a copy
-    assert kernels.split_plan(896, 128, 2048) == (2, 1)  # QServe 28672 x 4096
+    assert kernels.split_plan(96, 256, 4096) == (4, 4)  # QQQ 6144 x 4096: 16 copies as 384 blocks (3 or 2 an SM),
+    # not 192 blocks of 8 (2 or 1)
+    monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 1)
+    assert kernels.split_plan(64, 256, 4096) == (8, 1)
+    assert kernels.split_plan(96, 256, 4096) == (8, 1)
     assert abs(kernels.block_balance(192) - 192 / 264) < 1e-12 and kernels.block_balance(132) == 1.0
 
 
@@ -711,12 +716,12 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
 
 
 @needs_compiler
-@pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=0"])
+@pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=1"])
 def test_anyprec_3bit_knobs_keep_the_bits(knob, tmp_path):
     """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
     QK_AP_REG_GROUPS=0 (bench/smallm_tune.py's AP-SMEM) puts both channel groups' in shared memory, as above 3 bits,
-    each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=0 (AP-SHIFTS)
-    bit-transposes with shifts and ORs instead of multiply-adds. Where the A fragments are the same, the outputs must
+    each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=1 (AP-FMA)
+    bit-transposes with multiply-adds instead of shifts and ORs. Where the A fragments are the same, the outputs must
     be the same bits; the kernels of one token block under AP-SMEM take pair mode (tc_pairs: the MMAs see the columns
     in another order), which must land within the bound. A warp simulator built with the knob, in a process of its
     own, against this one's (checked and fast kernels, one and two token blocks)."""
