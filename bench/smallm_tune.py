@@ -87,6 +87,10 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # Any-Precision's bit transpose at 3 bits with multiply-adds on the FMA pipe (shift_or), not shifts and ORs on the
     # integer ALU (3-6% slower on an H100; the H200, where the profile found the ALU binding, has not timed it)
     "AP-FMA": ({**U8, "QK_AP_FMA_SHIFTS": 1}, SPLIT),
+    # Any-Precision's tensor-core blocks of 4 or 2 warps, not 8: more steps a warp (its next step's words in flight
+    # during this one's decode) and more, smaller blocks an SM
+    "AP-W4": ({**U8, "QK_AP_TC_WARPS": 4}, SPLIT),
+    "AP-W2": ({**U8, "QK_AP_TC_WARPS": 2}, SPLIT),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -98,7 +102,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
-    "AP-FMA": ("anyprec",),
+    "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",),
 }
 
 

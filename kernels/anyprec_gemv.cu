@@ -199,7 +199,17 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 // supplies token g' at the same two columns of the same word (the lanes of one q share it), from its 16-byte load
 // of run j by one byte permute. Not bit-exact against the emulation: the tensor cores' float32 accumulation has its
 // own order and rounding (quantkit.kernels checks it within a bound).
-constexpr int APT_WARPS = 8, APT_CHANNELS = 16, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
+// The warps of a block (QK_AP_TC_WARPS, 8; 4 or 2 are bench/smallm_tune.py's AP-W4 and AP-W2), which take turns
+// at the tile's K steps and add their sums in warp order at the end. On 28672 x 4096 (8 steps a 16-channel tile at
+// 3 bits) each of 8 warps has one step: its loads, then its decode, with nothing of its own in flight meanwhile and
+// the SM's other block the only overlap. Fewer warps a block give each more steps (the next one's words in flight
+// during this one's decode: tc_prefetch) and an SM more, smaller blocks (the same 16 warps), which also spread
+// 6144 x 4096's 384 tiles over 132 SMs more evenly. Other float32 sums, so not the same bits: the same bound.
+#ifndef QK_AP_TC_WARPS
+#define QK_AP_TC_WARPS 8
+#endif
+constexpr int APT_WARPS = QK_AP_TC_WARPS, APT_CHANNELS = 16, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
+static_assert(APT_WARPS == 2 || APT_WARPS == 4 || APT_WARPS == 8, "QK_AP_TC_WARPS: 2, 4 or 8");
 
 // Plane words a lane holds per channel and step, and the step's words per channel (its four quads').
 template <int BITS>
@@ -477,16 +487,18 @@ QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
   }
 }
 
-// The warps' sums (sums[warp][nb][lane][4], in shared memory) added in warp order: thread tid's output of the
-// block's 16 x 16 tile, rounded once to fp16. Lane (g, q)'s accumulators of n8 block nb: (channel g, tokens 2 q,
-// 2 q + 1), (channel 8 + g, the same).
+// The warps' sums (sums[warp][nb][lane][4], in shared memory) added in warp order: outputs o = tid, tid +
+// APT_THREADS, .. of the block's 16 x 16 tile, each rounded once to fp16. Lane (g, q)'s accumulators of n8 block nb:
+// (channel g, tokens 2 q, 2 q + 1), (channel 8 + g, the same).
 QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, int tid) {
-  const int nb = tid / 128, lane = tid / 4 % 32, i = tid % 4;
-  const int channel = n0 + frag_group(lane) + 8 * (i >> 1), token = m0 + 8 * nb + 2 * frag_quad(lane) + (i & 1);
-  if (channel >= a.n || token >= a.m) return;
-  float sum = 0.0f;
-  for (int warp = 0; warp < APT_WARPS; ++warp) sum = fadd(sum, sums[((warp * 2 + nb) * 32 + lane) * 4 + i]);
-  a.out[(size_t)token * a.n + channel] = float_to_half(sum);
+  for (int o = tid; o < APT_CHANNELS * APT_TOKENS; o += APT_THREADS) {
+    const int nb = o / 128, lane = o / 4 % 32, i = o % 4;
+    const int channel = n0 + frag_group(lane) + 8 * (i >> 1), token = m0 + 8 * nb + 2 * frag_quad(lane) + (i & 1);
+    if (channel >= a.n || token >= a.m) continue;
+    float sum = 0.0f;
+    for (int warp = 0; warp < APT_WARPS; ++warp) sum = fadd(sum, sums[((warp * 2 + nb) * 32 + lane) * 4 + i]);
+    a.out[(size_t)token * a.n + channel] = float_to_half(sum);
+  }
 }
 
 }  // namespace qk
@@ -585,10 +597,11 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 
 // One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and
 // each again as *_fast for K % AP_CHUNK == 0 (tc_fast), so that each has its own register budget (one kernel
-// for all widths takes the widest's): at most 128 registers, for 2 blocks an SM, where that needs no spills (all but
-// 8 bits). grid (ceil(N / 16), 1, ceil(M / 16)), block 256, dynamic shared memory tc_shared_bytes<B>().
+// for all widths takes the widest's): at most 128 registers, for 16 warps an SM (2 blocks of 8), where that needs no
+// spills (all but 8 bits). grid (ceil(N / 16), 1, ceil(M / 16)), block APT_THREADS, dynamic shared memory
+// tc_shared_bytes<B>().
 #define QK_AP_TC_KERNEL(NAME, B, NB, FAST)                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, B <= 7 ? 2 : 1) NAME(                                          \
+  extern "C" __global__ void __launch_bounds__(qk::APT_THREADS, (B <= 7 ? 16 : 8) / qk::APT_WARPS) NAME(           \
       const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
     extern __shared__ uint4 qk_apt_smem[];                                                                          \
     anyprec_gemm_tc_at<B, NB, FAST>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                              \

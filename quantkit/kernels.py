@@ -553,6 +553,8 @@ def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.nda
 
 ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per block (one a warp), tokens per warp
 ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc(8): the m16 tile of channels, two n8 of tokens
+# The warps of a tensor-core block (kernels/anyprec_gemv.cu QK_AP_TC_WARPS: 8; 4 and 2 for bench/smallm_tune.py).
+ANYPREC_TC_WARPS = _define("QK_AP_TC_WARPS", 8)
 # From this many tokens on, the Any-Precision launch takes the tensor-core kernel: from the first. On an H200 it took
 # 7.1-34.6 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
 # the GEMV stays, bit for bit the emulation's arithmetic, for `quantkit validate` and `tc=False`.
@@ -563,11 +565,11 @@ def anyprec_tc_shared_bytes(bits: int) -> int:
     """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): where the tables are in shared memory
     (above 3 bits, and up to 3 unless QK_AP_REG_GROUPS keeps both channel groups' in registers, the default), 256
     bytes an entry (4 copies of 32 bits for each of the block's 16 channels: fp16 pairs of nibble-pair bytes up to 4
-    bits, which also hold pair mode's 4^bits, else one fp16 per code), and at least the 8 warps' sums [8, 2, 32, 4]
-    float32 that reuse it at the end."""
+    bits, which also hold pair mode's 4^bits, else one fp16 per code), and at least the warps' sums [warps, 2, 32,
+    4] float32 that reuse it at the end."""
     in_registers = bits <= 3 and _define("QK_AP_REG_GROUPS", 2) >= 2
     entries = 0 if in_registers else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
-    return max(entries * 256, 8 * 2 * 32 * 4 * 4)
+    return max(entries * 256, ANYPREC_TC_WARPS * 2 * 32 * 4 * 4)
 
 
 # The tensor-core kernels with unchecked loads (anyprec_gemm_tc*_fast) where a shape allows them (anyprec_tc_fast):
@@ -606,7 +608,7 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
         # one n8 block up to DECODE_MAX_M tokens, fewer registers
         name = f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}{'_fast' if fast else ''}"
         return Launch("anyprec_gemv", name, [x16, planes, lut, out, m, n, k],
-                      (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 256, out,
+                      (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 32 * ANYPREC_TC_WARPS, out,
                       anyprec_tc_shared_bytes(bits))
     args = [x16, planes, lut, out, m, n, k, bits]
     return Launch("anyprec_gemv", "anyprec_gemv", args, (-(-n // ANYPREC_WARPS), -(-m // ANYPREC_TOKENS)),

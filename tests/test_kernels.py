@@ -716,15 +716,18 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
 
 
 @needs_compiler
-@pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=1"])
+@pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=1",
+                                  "QK_AP_TC_WARPS=4", "QK_AP_TC_WARPS=2"])
 def test_anyprec_3bit_knobs_keep_the_bits(knob, tmp_path):
     """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
     QK_AP_REG_GROUPS=0 (bench/smallm_tune.py's AP-SMEM) puts both channel groups' in shared memory, as above 3 bits,
     each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=1 (AP-FMA)
     bit-transposes with multiply-adds instead of shifts and ORs. Where the A fragments are the same, the outputs must
     be the same bits; the kernels of one token block under AP-SMEM take pair mode (tc_pairs: the MMAs see the columns
-    in another order), which must land within the bound. A warp simulator built with the knob, in a process of its
-    own, against this one's (checked and fast kernels, one and two token blocks)."""
+    in another order), which must land within the bound, and so must blocks of 4 or 2 warps (QK_AP_TC_WARPS: other
+    float32 sums), whose launch and shared memory quantkit.kernels must size as the kernels do. A warp simulator
+    built with the knob, in a process of its own, against this one's (checked and fast kernels, one and two token
+    blocks)."""
     import os
     import subprocess
     import sys
@@ -740,8 +743,11 @@ from quantkit.kernel_bench import synthetic
 for m, n, k, fast in {cases!r}:
     x = np.load("{tmp_path}/x%d.npy" % k)
     tensors = synthetic("anyprec", n, k, seed=k)
-    out = kernels.run(kernels.anyprec_launch(tensors, x, 3, tc=True, fast=fast), "cpu")
-    np.save("{tmp_path}/out_%d_%d.npy" % (m, k), out)
+    launch = kernels.anyprec_launch(tensors, x, 3, tc=True, fast=fast)
+    assert launch.block == 32 * kernels.ANYPREC_TC_WARPS
+    for bits in range(1, 9):
+        assert kernels.anyprec_tc_shared_bytes(bits) == kernels.host_library().anyprec_tc_shared_bytes(bits), bits
+    np.save("{tmp_path}/out_%d_%d.npy" % (m, k), kernels.run(launch, "cpu"))
 """
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "QUANTKIT_NVRTC_DEFINES": knob},
                           capture_output=True, text=True)
@@ -750,7 +756,7 @@ for m, n, k, fast in {cases!r}:
         tensors = synthetic("anyprec", n, k, seed=k)
         out, theirs = kernels.run(kernels.anyprec_launch(tensors, xs[k], 3, tc=True, fast=fast), "cpu"), \
             np.load(tmp_path / f"out_{m}_{k}.npy")
-        if knob == "QK_AP_REG_GROUPS=0" and m <= 8:  # pair mode
+        if (knob == "QK_AP_REG_GROUPS=0" and m <= 8) or knob.startswith("QK_AP_TC_WARPS"):  # pair mode, other sums
             assert_within_tc_bound(tensors, xs[k], 3, theirs.view(np.float16))
         else:
             np.testing.assert_array_equal(out, theirs, err_msg=f"M={m}, K={k}")
