@@ -200,7 +200,7 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 // of run j by one byte permute. Not bit-exact against the emulation: the tensor cores' float32 accumulation has its
 // own order and rounding (quantkit.kernels checks it within a bound).
 // The warps of a block (QK_AP_TC_WARPS, 8; 4 or 2 are bench/smallm_tune.py's AP-W4 and AP-W2), which take turns
-// at the tile's K steps and add their sums in warp order at the end. On 28672 x 4096 (8 steps a 16-channel tile at
+// at the tile's K steps and add their sums in warp order at the end. At K = 4096 (8 steps a 16-channel tile at
 // 3 bits) each of 8 warps has one step: its loads, then its decode, with nothing of its own in flight meanwhile and
 // the SM's other block the only overlap. Fewer warps a block give each more steps (the next one's words in flight
 // during this one's decode: tc_prefetch) and an SM more, smaller blocks (the same 16 warps), which also spread

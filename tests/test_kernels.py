@@ -718,7 +718,7 @@ def test_anyprec_tensor_core_kernel_matches_the_emulation_within_its_bound(m, n,
 @needs_compiler
 @pytest.mark.parametrize("knob", ["QK_AP_REG_GROUPS=0", "QK_AP_REG_GROUPS=1", "QK_AP_FMA_SHIFTS=1",
                                   "QK_AP_TC_WARPS=4", "QK_AP_TC_WARPS=2"])
-def test_anyprec_3bit_knobs_keep_the_bits(knob, tmp_path):
+def test_anyprec_3bit_knobs_keep_the_bits_or_the_bound(knob, tmp_path):
     """At 3 bits (an artifact's narrowest width) the tensor-core kernels look codes up in tables held in registers;
     QK_AP_REG_GROUPS=0 (bench/smallm_tune.py's AP-SMEM) puts both channel groups' in shared memory, as above 3 bits,
     each lookup's address one byte permute, and 1 (AP-HYBRID) the second group's; QK_AP_FMA_SHIFTS=1 (AP-FMA)
