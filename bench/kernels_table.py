@@ -1,12 +1,15 @@
 """The README's kernel tables from `quantkit bench --json` output (bench/gpu_check.py writes bench.json and
 sweep.json to its --out folder), as Markdown:
 
-1. issue #6's bars, one line per (shape, M, kernel) they apply to, with the device and its copy bandwidth;
-2. with --grid M,...: per M, every row against the shapes (times, speedups, bandwidth shares);
-3. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
+1. issue #6's bars, one line per (shape, M, kernel) they apply to, with the device and its copy bandwidth, then
+   how many each kernel meets per requirement;
+2. with --against OTHER.json (another run or configuration of the same bars), the bars whose verdict differs;
+3. with --grid M,...: per M, every row against the shapes (times, speedups, bandwidth shares);
+4. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
    what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from.
 
-    PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--grid 1,16,1024] [--sweep OUT/sweep.json]
+    PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--against OUT/bench_tuned.json] [--grid 1,16,1024]
+        [--sweep OUT/sweep.json]
 """
 
 from __future__ import annotations
@@ -15,17 +18,30 @@ import argparse
 import json
 from pathlib import Path
 
-from quantkit.kernel_bench import markdown_bars, markdown_grid, markdown_sweep
+from quantkit.kernel_bench import (
+    markdown_bar_changes,
+    markdown_bar_counts,
+    markdown_bars,
+    markdown_grid,
+    markdown_sweep,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", type=Path, help="quantkit bench --json output (the default paths)")
+    parser.add_argument("--against", type=Path, help="another report of the same bars: the bars whose verdict "
+                        "differs from this one's (e.g. bench_tuned.json against bench.json)")
     parser.add_argument("--grid", help="token counts to tabulate against the shapes, e.g. 1,16,1024")
     parser.add_argument("--sweep", type=Path, help="quantkit bench --paths all --json output")
     args = parser.parse_args()
     report = json.loads(args.bench.read_text())
     print(markdown_bars(report))
+    print()
+    print(markdown_bar_counts(report))
+    if args.against:
+        print()
+        print(markdown_bar_changes(report, json.loads(args.against.read_text())))
     for m in (int(v) for v in args.grid.split(",")) if args.grid else ():
         print()
         print(markdown_grid(report, m))

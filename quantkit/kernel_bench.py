@@ -548,6 +548,39 @@ def markdown_bars(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_bar_counts(report: dict) -> str:
+    """How many of a `report`'s bars each kernel meets, per requirement (met / of), as a Markdown table: where the
+    bars stand at a glance, beside markdown_bars' line per bar."""
+    requirements = list(dict.fromkeys(b["requirement"] for b in report["bars"]))
+    counts: dict[str, dict[str, list[int]]] = {}
+    for b in report["bars"]:
+        tally = counts.setdefault(b["label"], {}).setdefault(b["requirement"], [0, 0])
+        tally[0] += b["met"]
+        tally[1] += 1
+    lines = ["| kernel | " + " | ".join(requirements) + " | met |", "|---|" + "---|" * (len(requirements) + 1)]
+    for label, by in counts.items():
+        cells = [f"{by[r][0]} of {by[r][1]}" if r in by else "-" for r in requirements]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {sum(t[0] for t in by.values())} |")
+    return "\n".join(lines)
+
+
+def markdown_bar_changes(before: dict, after: dict) -> str:
+    """The bars whose verdict differs between two reports of the same bars (`before`, then `after`: another
+    configuration, or another run of the same one), as a Markdown table; the counts of both in its first line.
+    Across runs a bar near its threshold can flip with no change at all: read it beside the runs' spread."""
+    key = lambda b: (b["n"], b["k"], b["m"], b["label"], b["requirement"])  # noqa: E731
+    theirs = {key(b): b for b in before["bars"]}
+    lines = [f"{sum(b['met'] for b in before['bars'])} -> {sum(b['met'] for b in after['bars'])} bars met", "",
+             "| N x K | M | kernel | requirement | before | after |", "|---|---|---|---|---|---|"]
+    for b in after["bars"]:
+        a = theirs.get(key(b))
+        if a is not None and a["met"] != b["met"]:
+            verdicts = [f"{v['measured']} {'yes' if v['met'] else 'NO'}" for v in (a, b)]
+            lines.append(f"| {b['n']} x {b['k']} | {b['m']} | {b['label']} | {b['requirement']} | "
+                         f"{verdicts[0]} | {verdicts[1]} |")
+    return "\n".join(lines)
+
+
 def markdown_grid(report: dict, m: int) -> str:
     """From a `report`, the rows at one M as a Markdown table with a column per shape: the baselines' times (TOPS at
     M > 16, the read floor's share of the copy bandwidth), then each kernel's time with its speedup over cuBLAS FP16

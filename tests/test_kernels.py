@@ -1329,6 +1329,29 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     assert len(grid) == 2 + 1 + len({r.label for r in rows if r.m == 4 and r.variant is not None})
 
 
+def test_bar_counts_and_changes_between_two_reports():
+    """bench/kernels_table.py's summaries: per kernel and requirement the bars met of those it has, and between two
+    reports the bars whose verdict flipped (both ways), with the two totals."""
+    def bar(label, requirement, m, measured, met):
+        return {"n": 4096, "k": 4096, "m": m, "label": label, "requirement": requirement, "measured": measured,
+                "met": met}
+
+    from quantkit import kernel_bench as kb
+
+    fp16, bandwidth, ap = ">= 2.5x cuBLAS FP16", ">= 60% of copy bandwidth", ">= 3.0x cuBLAS FP16"
+    before = {"bars": [bar("QQQ", fp16, 1, "2.4x", False), bar("QQQ", fp16, 4, "2.6x", True),
+                       bar("QQQ", bandwidth, 1, "61%", True), bar("AP", ap, 1, "2.0x", False)]}
+    after = {"bars": [bar("QQQ", fp16, 1, "2.7x", True), bar("QQQ", fp16, 4, "2.6x", True),
+                      bar("QQQ", bandwidth, 1, "59%", False), bar("AP", ap, 1, "2.1x", False)]}
+    counts = kb.markdown_bar_counts(before).splitlines()
+    assert counts[0] == "| kernel | >= 2.5x cuBLAS FP16 | >= 60% of copy bandwidth | >= 3.0x cuBLAS FP16 | met |"
+    assert counts[2:] == ["| QQQ | 1 of 2 | 1 of 1 | - | 2 |", "| AP | - | - | 0 of 1 | 0 |"]
+    changes = kb.markdown_bar_changes(before, after).splitlines()
+    assert changes[0] == "2 -> 2 bars met"
+    assert changes[4:] == ["| 4096 x 4096 | 1 | QQQ | >= 2.5x cuBLAS FP16 | 2.4x NO | 2.7x yes |",
+                           "| 4096 x 4096 | 1 | QQQ | >= 60% of copy bandwidth | 61% yes | 59% NO |"]
+
+
 def test_bench_replays_short_kernels_in_cuda_graphs(monkeypatch):
     """A single launch's event time carries microseconds of launch overhead, as much as a decode GEMM takes: below
     GRAPH_BELOW a kernel is timed per call in CUDA-graph replays covering every operand copy; a long kernel, or one
