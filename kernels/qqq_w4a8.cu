@@ -8,8 +8,8 @@
 //  - per channel: codes are two's complement in [-7, 7]; w & 0xF0F0F0F0 gives elements 0-3 as INT8 16 q and
 //    (w << 4) & 0xF0F0F0F0 elements 4-7 (s_channel holds the scale / 16);
 //  - per group (128): codes are q + 8; each is expanded with the 0x6400 fp16 trick to q and turned into the INT8
-//    round(q * r) by one fp16 FMA q * r + 1152 (the sum lies where the fp16 ulp is 1) and the low byte XOR 0x80,
-//    r the fp16 ratio of the group scale to the channel's INT8 scale (`s_group`).
+//    round(q * r) by one fp16 FMA q * r + 1536, whose low byte it is (the sum lies where the fp16 ulp is 1, and its
+//    bits are 0x6600 + round(q * r)), r the fp16 ratio of the group scale to the channel's INT8 scale (`s_group`).
 // One warp computes 16 tokens x 64 channels; grid (N / 64, ceil(M / 16)). For small M the block holds `splits`
 // warps on the same tile, each taking every splits-th k tile with four tiles' loads in flight, and their int32
 // accumulators meet in shared memory before the epilogue (split-K, qk_common.cuh: bit-identical to one warp). No
@@ -65,12 +65,14 @@ QK_FN uint32_t group_codes(uint32_t lanes) {
 #endif
 }
 
-// Two fp16 q (group_codes') -> per lane the fp16 bits of q * r + 1152 rounded once (fp16 FMA, round to nearest
-// even). Its low byte XOR 0x80 is round(q * r) as two's complement (the sum lies where the fp16 ulp is 1). The host
-// twin rounds each lane's exact value the same way.
+// Two fp16 q (group_codes') -> per lane the fp16 bits of q * r + 1536 rounded once (fp16 FMA, round to nearest
+// even). Its low byte is round(q * r) as two's complement: with |round(q * r)| <= 127 the sum lies in [1408, 1664),
+// where the fp16 ulp is 1 (so the FMA's rounding is the integer rounding, ties to even as 1536 is even) and the bits
+// of 1536 + v are 0x6600 + v. (The paper's 1152 = 0x6480 put 0x80 + v in the low byte, which took an XOR 0x80 a
+// byte to undo.) The host twin rounds each lane's exact value the same way.
 QK_FN uint32_t group_fma2(uint32_t q2, qk_half r) {
 #if defined(__CUDA_ARCH__)
-  const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));  // 1152
+  const __half2 bias = __halves2half2(__ushort_as_half(0x6600u), __ushort_as_half(0x6600u));  // 1536
   const __half2 r2 = __halves2half2(__ushort_as_half(r), __ushort_as_half(r));
   __half2 h = *reinterpret_cast<__half2*>(&q2);
   h = __hfma2(h, r2, bias);
@@ -79,7 +81,7 @@ QK_FN uint32_t group_fma2(uint32_t q2, qk_half r) {
   uint32_t out = 0;
   for (int i = 0; i < 2; ++i) {
     const double q = (double)half_to_float((qk_half)(q2 >> (16 * i)));
-    const double exact = q * (double)half_to_float(r) + 1152.0;  // exact in double
+    const double exact = q * (double)half_to_float(r) + 1536.0;  // exact in double
     const double ulp = std::ldexp(1.0, std::ilogb(exact) - 10);  // fp16 has 10 fraction bits
     out |= (uint32_t)float_to_half((float)(std::nearbyint(exact / ulp) * ulp)) << (16 * i);
   }
@@ -92,14 +94,14 @@ QK_FN uint32_t group_fma2(uint32_t q2, qk_half r) {
 // (the interleave [0, 2, 4, 6, 1, 3, 5, 7]), so nibbles n and n + 4 (elements 2 n and 2 n + 1) make one fp16x2
 // register with one mask and 0x6400 in each lane: nibbles 0 and 2 at mantissa bit 0, 1 and 3 at bit 4, from the word
 // and the word shifted right by 8 (group_codes). Lane by lane the arithmetic is each code's alone; the low bytes of
-// two registers (lanes e = 0, 1 and 2, 3) are gathered by one byte permute.
+// two registers (lanes e = 0, 1 and 2, 3), already the INT8 weights (group_fma2), are gathered by one byte permute.
 QK_FN void group_word(uint32_t word, uint32_t ratio_pair, uint32_t frag[2]) {
   for (int half = 0; half < 2; ++half) {
     const uint32_t bytes = word >> (8 * half);  // nibbles 2 half, 2 half + 1 and their partners 4 above, at 0 and 4
     const qk_half r = (qk_half)(ratio_pair >> (16 * half));
     const uint32_t even = group_codes<0>(and_or(bytes, 0x000F000Fu, 0x64006400u));  // elements 4 half, 4 half + 1
     const uint32_t odd = group_codes<4>(and_or(bytes, 0x00F000F0u, 0x64006400u));   // 4 half + 2, 4 half + 3
-    frag[half] = prmt(group_fma2(even, r), group_fma2(odd, r), 0x6420u) ^ 0x80808080u;
+    frag[half] = prmt(group_fma2(even, r), group_fma2(odd, r), 0x6420u);
   }
 }
 

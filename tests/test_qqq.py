@@ -88,7 +88,7 @@ def test_kernel_int8_per_channel_is_sixteen_q():
 
 
 def test_kernel_int8_per_group_for_every_fp16_ratio():
-    """The FP16 path (0x6400 expansion, one hfma2 with 1152, low byte XOR 0x80) equals round-half-even(q * r) for
+    """The FP16 path (0x6400 expansion, one hfma2 with 1536, its low byte) equals round-half-even(q * r) for
     every code and every fp16 ratio r in (0, 127/8], the range requantize_int8 can produce."""
     ratios = np.arange(1, 0x4BF1, dtype=np.uint16).view(np.float16)  # every positive fp16 up to 15.875
     assert ratios[-1] == np.float16(15.875)

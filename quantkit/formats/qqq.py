@@ -9,9 +9,10 @@ Per quantized linear `<module>` (K = in features, N = out features; N % 64 == 0,
     word's four bytes are elements 0-3: the kernel's `w & 0xF0F0F0F0` is four INT8 values 16 q
     (`(w << 4) & 0xF0F0F0F0` the other four);
   - per group (128): unsigned codes q + 8 in [0, 15], interleave [0,2,4,6,1,3,5,7] (Marlin's), expanded with the
-    0x6400 FP16 trick to q, multiplied by the fp16 group ratio r with 1152 added in one hfma2 (the sum lies in
-    [1025, 1279], where the fp16 ulp is 1, so the FMA's round-to-nearest-even is the integer rounding), and the
-    low bytes XOR 0x80 are the INT8 values round(q * r) (`kernel_int8` models exactly this).
+    0x6400 FP16 trick to q, multiplied by the fp16 group ratio r with 1536 added in one hfma2 (the sum lies in
+    [1409, 1663], where the fp16 ulp is 1, so the FMA's round-to-nearest-even is the integer rounding, and its bits
+    are 0x6600 + round(q * r)), and the low bytes are the INT8 values round(q * r) (`kernel_int8` models exactly
+    this; the paper's 1152 = 0x6480 left 0x80 + round(q * r) there, which took an XOR a byte).
 - `s_channel` float32 [1, N]: per channel scale / 16 (undoing the 16 q); per group the INT8 scale max|w_hat| / 127.
   Columns in `scale_perm_single` order within each 32.
 - `s_group` float16 [K/128, N] (per group only): the ratios r = fp16(group scale / s_channel), columns in
@@ -93,7 +94,7 @@ def permute_columns(t: np.ndarray, perm: np.ndarray, inverse: bool = False) -> n
 def kernel_int8(b: np.ndarray, s_group: np.ndarray | None) -> np.ndarray:
     """The INT8 B operand [K, N] the kernel feeds its MMA, from the stored tensors, with its own bit operations:
     per channel (no `s_group`) the masked high nibbles; per group the 0x6400 expansion, one fp16 FMA
-    (q * r + 1152, rounded once), the low byte XOR 0x80. `s_group` is the stored (permuted) fp16 tensor."""
+    (q * r + 1536, rounded once), its low byte. `s_group` is the stored (permuted) fp16 tensor."""
     rows, cols = b.shape
     k, n = rows * TILE, cols // 2
     words = np.ascontiguousarray(b).view(np.uint32)
@@ -113,9 +114,9 @@ def kernel_int8(b: np.ndarray, s_group: np.ndarray | None) -> np.ndarray:
     q = np.stack(pairs, axis=-1).reshape(rows, n * TILE)
     q = _untile(q, per_group=True, k=k, n=n)
     r = permute_columns(s_group.astype(np.float16), SCALE_PERM, inverse=True).astype(np.float64)
-    exact = q * np.repeat(r, GROUP, axis=0) + 1152.0  # exact in float64 (fp16 ratio x 4-bit integer + 2^10.2)
+    exact = q * np.repeat(r, GROUP, axis=0) + 1536.0  # exact in float64 (fp16 ratio x 4-bit integer + 1.5 * 2^10)
     low = np.float16(exact).view(np.uint16) & np.uint16(0xFF)  # the hfma2's single rounding, then prmt's byte
-    return (low ^ np.uint16(0x80)).astype(np.uint8).view(np.int8).astype(np.int64)
+    return low.astype(np.uint8).view(np.int8).astype(np.int64)
 
 
 def _untile(lanes: np.ndarray, per_group: bool, k: int, n: int) -> np.ndarray:
