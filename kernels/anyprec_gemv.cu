@@ -257,11 +257,12 @@ template <int BITS>
 QK_FN constexpr int tc_entries() {
   return !tc_shared_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
 }
-// Dynamic shared memory: the tables, at least the warps' sums that reuse it at the end.
+// Dynamic shared memory: the tables, at least the warps' sums (sums[warp][nb][lane][4] float32) that reuse it at
+// the end.
 template <int BITS>
 QK_FN constexpr int tc_shared_bytes() {
-  return tc_entries<BITS>() * APT_ENTRY_BYTES > APT_WARPS * 2 * 32 * 16 ? tc_entries<BITS>() * APT_ENTRY_BYTES
-                                                                         : APT_WARPS * 2 * 32 * 16;
+  constexpr int tables = tc_entries<BITS>() * APT_ENTRY_BYTES, sums = APT_WARPS * 2 * 32 * 4 * 4;
+  return tables > sums ? tables : sums;
 }
 
 // A lane's tables in registers (up to 3 bits): for its channel h (g, 8 + g), the low bytes of the fp16 entries

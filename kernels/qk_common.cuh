@@ -129,9 +129,10 @@ uint32_t qk_pow2[32] = {
 // multiply-add by a power of two from qk_pow2, the add being the OR: IMAD, or IMAD.HI for a right shift, which
 // issue on the FMA pipe, where a shift and an OR (or a LEA, which the compiler makes of a multiply-add by a
 // constant it can see) take the half-rate integer ALU. It costs registers for the factors (and the IMAD.HI's
-// addend pairs), so a kernel takes it where its registers allow: Any-Precision's bit transpose up to 3 bits (at 4, 6
-// and 7 bits its tensor-core kernels spill with it; anyprec_gemm_tc8_3_fast's main loop 430 integer-ALU
-// instructions of 682, against 478 of 656 with shifts), QServe's high nibbles (high_nibbles).
+// addend pairs), so a kernel takes it where its registers allow: QServe's high nibbles (high_nibbles), and
+// Any-Precision's bit transpose up to 3 bits behind QK_AP_FMA_SHIFTS (anyprec_gemm_tc8_3_fast's main loop 430
+// integer-ALU instructions of 682, against 478 of 656 with shifts, but 3-6% slower on an H100, so off; at 4, 6 and
+// 7 bits its tensor-core kernels spill with it).
 template <bool FMA>
 QK_FN uint32_t shift_or(uint32_t part, int shift, uint32_t acc) {
   if (!FMA || shift == 0) return acc | (shift < 0 ? part << -shift : part >> shift);
