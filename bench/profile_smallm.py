@@ -4,8 +4,8 @@ Every small-M kernel of quantkit bench's variants (and both Any-Precision 3-bit 
 tensor-core one) at M = 1 on (4096, 4096) and (28672, 4096), once each, on synthetic tensors; --formats keeps some
 layouts only; --large the Hopper (wgmma) kernels at M = 1024 instead. Without a profiler it only launches them.
 
-    ncu --kernel-name regex:'_gemm(8|_pc)?$|_gemv$|_tc8?_3(_fast)?$' --section SpeedOfLight --section WarpStateStats \\
-        python3 bench/profile_smallm.py [--formats anyprec,...] [--large]
+    ncu --kernel-name regex:'_gemm(8|_pc)?$|_gemv$|_tc8?_3(_fast)?(_w4)?$' --section SpeedOfLight \\
+        --section WarpStateStats python3 bench/profile_smallm.py [--formats anyprec,...] [--large]
 """
 
 from __future__ import annotations

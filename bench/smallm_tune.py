@@ -50,6 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 # (ZSPLIT, 0.46-1.17x), narrowed to the tiles whose copies a block cannot hold (split_plan). The 3-bit tables in
 # shared memory were slower again (AP-SMEM 1.04-1.68x, AP-HYBRID 1.00-1.39x), and so were the bulk-copy kernels
 # (BULK, up to 5.2x); QS-PC10, QS-PC12 and LQQ-A10 came within 0.91-1.05x, too close to call in one run.
+# Run 3 (H100) made 4-warp blocks the default where 8 would leave a warp a single K step (AP-W4 took 0.79-0.90x on
+# 6144 x 4096 and at M = 1 on 28672 x 4096, and 1.05-1.12x at K = 14336; anyprec_tc_warps). LQQ-A10 came within
+# 0.97-1.00x, inside the run's noise: LQQ-4B's rows at M = 1 run the same kernel as U8 and took 0.95-0.97x.
 # The built-in defines (8 steps' loads a round: QK_SMALLM_AHEAD) and split budget, which the other configurations
 # vary. No define at all, so that the default configuration runs the default build, the one the tests and the bench
 # load, and not a second build of the same kernels under another cache key.
@@ -87,10 +90,12 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # Any-Precision's bit transpose at 3 bits with multiply-adds on the FMA pipe (shift_or), not shifts and ORs on the
     # integer ALU (3-6% slower on an H100; the H200, where the profile found the ALU binding, has not timed it)
     "AP-FMA": ({**U8, "QK_AP_FMA_SHIFTS": 1}, SPLIT),
-    # Any-Precision's tensor-core blocks of 4 or 2 warps, not 8: more steps a warp (its next step's words in flight
-    # during this one's decode) and more, smaller blocks an SM
+    # Any-Precision's tensor-core blocks of 4 or 2 warps everywhere, not 8: more steps a warp (its next step's words
+    # in flight during this one's decode) and more, smaller blocks an SM; and AP-W8, blocks of 8 everywhere, not 4
+    # where a warp of 8 would have a single step (anyprec_tc_warps: at K = 4096 up to 3 bits)
     "AP-W4": ({**U8, "QK_AP_TC_WARPS": 4}, SPLIT),
     "AP-W2": ({**U8, "QK_AP_TC_WARPS": 2}, SPLIT),
+    "AP-W8": (U8, {**SPLIT, "ANYPREC_TC_FEW": False}),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -102,7 +107,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
-    "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",),
+    "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",), "AP-W8": ("anyprec",),
 }
 
 

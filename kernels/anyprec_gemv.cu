@@ -186,9 +186,9 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 // A block owns 16 channels and 16 tokens: the weights are the A operand of mma.m16n8k16 (rows: channels) and the
 // activations its B operand (columns: tokens, two n8 blocks, the second skipped up to 8 tokens), so that a decode
 // call's lone token costs the seven other columns nothing but zeros. The block walks K in steps of 16 plane words
-// (512 columns; 8 words above 4 bits, whose planes take more registers) a channel; warp w of 8 takes steps w,
-// w + 8, ... and the warps' float32 sums meet in shared memory, added in warp order (deterministic). grid
-// (ceil(N / 16), 1, ceil(M / 16)), block 256.
+// (512 columns; 8 words above 4 bits, whose planes take more registers) a channel; warp w of W (8, or 4 for short K:
+// below) takes steps w, w + W, ... and the warps' float32 sums meet in shared memory, added in warp order
+// (deterministic). grid (ceil(N / 16), 1, ceil(M / 16)), block 32 W.
 // Lane (g, q) holds words 16 s + 4 q .. + 3 of channels g and 8 + g (one 16-byte load a plane each; above 4 bits
 // 8 s + 2 q, + 1, one 8-byte load) and takes them one at a time: the bit transpose (transpose_words) puts in byte b
 // of word T_r the codes of the word's columns e = r and e = r + 4 of the 8-column run j = 3 - b (up to 4 bits both
@@ -205,10 +205,15 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 // the SM's other block the only overlap. Fewer warps a block give each more steps (the next one's words in flight
 // during this one's decode: tc_prefetch) and an SM more, smaller blocks (the same 16 warps), which also spread
 // 6144 x 4096's 384 tiles over 132 SMs more evenly. Other float32 sums, so not the same bits: the same bound.
+// On an H100 (bench/results/kernels_h100_smallm_tune.json, run 3) 4 warps took 0.79-0.90x the time of 8 at 3 bits
+// on 6144 x 4096 and at M = 1 on 28672 x 4096, 1.07x at M = 16 on 4096 x 4096, and 1.05-1.12x at K = 14336 (28
+// steps: 3 or 4 a warp already). So the fast kernels up to 3 bits (tables in registers: four blocks an SM need no
+// more shared memory) are built again with APT_FEW_WARPS (the *_w4 kernels), which quantkit.kernels launches where
+// 8 warps would leave a warp under two steps (anyprec_tc_warps).
 #ifndef QK_AP_TC_WARPS
 #define QK_AP_TC_WARPS 8
 #endif
-constexpr int APT_WARPS = QK_AP_TC_WARPS, APT_CHANNELS = 16, APT_TOKENS = 16, APT_THREADS = 32 * APT_WARPS;
+constexpr int APT_WARPS = QK_AP_TC_WARPS, APT_FEW_WARPS = 4, APT_CHANNELS = 16, APT_TOKENS = 16;
 static_assert(APT_WARPS == 2 || APT_WARPS == 4 || APT_WARPS == 8, "QK_AP_TC_WARPS: 2, 4 or 8");
 
 // Plane words a lane holds per channel and step, and the step's words per channel (its four quads').
@@ -257,11 +262,11 @@ template <int BITS>
 QK_FN constexpr int tc_entries() {
   return !tc_shared_tables<BITS>() ? 0 : BITS <= 4 ? 17 * ((1 << BITS) - 1) + 1 : 1 << BITS;
 }
-// Dynamic shared memory: the tables, at least the warps' sums (sums[warp][nb][lane][4] float32) that reuse it at
-// the end.
-template <int BITS>
+// Dynamic shared memory of a block of WARPS warps: the tables, at least the warps' sums (sums[warp][nb][lane][4]
+// float32) that reuse it at the end.
+template <int BITS, int WARPS>
 QK_FN constexpr int tc_shared_bytes() {
-  constexpr int tables = tc_entries<BITS>() * APT_ENTRY_BYTES, sums = APT_WARPS * 2 * 32 * 4 * 4;
+  constexpr int tables = tc_entries<BITS>() * APT_ENTRY_BYTES, sums = WARPS * 2 * 32 * 4 * 4;
   return tables > sums ? tables : sums;
 }
 
@@ -488,16 +493,17 @@ QK_FN void tc_b_fragments(const uint32_t run[4][4], uint32_t b[8][2]) {
   }
 }
 
-// The warps' sums (sums[warp][nb][lane][4], in shared memory) added in warp order: outputs o = tid, tid +
-// APT_THREADS, .. of the block's 16 x 16 tile, each rounded once to fp16. Lane (g, q)'s accumulators of n8 block nb:
+// The WARPS warps' sums (sums[warp][nb][lane][4], in shared memory) added in warp order: outputs o = tid, tid +
+// 32 WARPS, .. of the block's 16 x 16 tile, each rounded once to fp16. Lane (g, q)'s accumulators of n8 block nb:
 // (channel g, tokens 2 q, 2 q + 1), (channel 8 + g, the same).
+template <int WARPS>
 QK_FN void tc_finish(const AnyPrecArgs& a, const float* sums, int n0, int m0, int tid) {
-  for (int o = tid; o < APT_CHANNELS * APT_TOKENS; o += APT_THREADS) {
+  for (int o = tid; o < APT_CHANNELS * APT_TOKENS; o += 32 * WARPS) {
     const int nb = o / 128, lane = o / 4 % 32, i = o % 4;
     const int channel = n0 + frag_group(lane) + 8 * (i >> 1), token = m0 + 8 * nb + 2 * frag_quad(lane) + (i & 1);
     if (channel >= a.n || token >= a.m) continue;
     float sum = 0.0f;
-    for (int warp = 0; warp < APT_WARPS; ++warp) sum = fadd(sum, sums[((warp * 2 + nb) * 32 + lane) * 4 + i]);
+    for (int warp = 0; warp < WARPS; ++warp) sum = fadd(sum, sums[((warp * 2 + nb) * 32 + lane) * 4 + i]);
     a.out[(size_t)token * a.n + channel] = float_to_half(sum);
   }
 }
@@ -526,8 +532,9 @@ QK_FN constexpr int tc_prefetch_word() {
 }
 
 // FAST (the anyprec_gemm_tc*_fast kernels, where tc_fast holds): every step with the unchecked loaders. A kernel
-// of its own, not a branch in one kernel: the two loops in one kernel took 128 registers and spilled.
-template <int BITS, int NB, bool FAST>
+// of its own, not a branch in one kernel: the two loops in one kernel took 128 registers and spilled. WARPS: the
+// block's warps, which take turns at the tile's K steps.
+template <int BITS, int NB, bool FAST, int WARPS>
 __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uint8_t* smem) {
   using namespace qk;
   constexpr int W = tc_lane_words<BITS>();
@@ -542,22 +549,22 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   }
   tc_load_reg_tables<BITS>(a, n0, lane, rt);
   if constexpr (tc_shared_tables<BITS>()) {
-    tc_fill_tables<BITS, NB>(a, smem, n0, tid, APT_THREADS);
+    tc_fill_tables<BITS, NB>(a, smem, n0, tid, 32 * WARPS);
     __syncthreads();
   }
   float acc[2][4] = {};
-  for (int step = warp; step < steps; step += APT_WARPS) {
-    const bool more = step + APT_WARPS < steps;
+  for (int step = warp; step < steps; step += WARPS) {
+    const bool more = step + WARPS < steps;
     uint32_t next[2][BITS][W];
     if constexpr (!tc_prefetch<BITS, NB>()) {
       if (step != warp) tc_load_step<BITS, FAST>(a, n0, step, lane, w);
     } else if constexpr (!FAST) {
-      if (more) tc_load_step<BITS, FAST>(a, n0, step + APT_WARPS, lane, next);
+      if (more) tc_load_step<BITS, FAST>(a, n0, step + WARPS, lane, next);
     }
 #pragma unroll
     for (int i = 0; i < W; ++i) {
       if constexpr (tc_prefetch<BITS, NB>() && FAST) {
-        if (i == tc_prefetch_word<BITS>() && more) tc_load_step<BITS, FAST>(a, n0, step + APT_WARPS, lane, next);
+        if (i == tc_prefetch_word<BITS>() && more) tc_load_step<BITS, FAST>(a, n0, step + WARPS, lane, next);
       }
       uint32_t fa[8][4], fb[8][2];
       tc_b_fragments<tc_pairs<BITS, NB>()>(run, fb);
@@ -565,7 +572,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
       // step's next word or the first of the warp's next step (H200: 1.5-5% faster than loading each word's when
       // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
       if (i + 1 < W) tc_load_runs<BITS, FAST>(a, step, lane, i + 1, token0, run);
-      else if (more) tc_load_runs<BITS, FAST>(a, step + APT_WARPS, lane, 0, token0, run);
+      else if (more) tc_load_runs<BITS, FAST>(a, step + WARPS, lane, 0, token0, run);
       tc_a_fragments<BITS, NB>(smem, rt, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
@@ -593,27 +600,31 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 #pragma unroll
     for (int i = 0; i < 4; ++i) sums[((warp * 2 + nb) * 32 + lane) * 4 + i] = acc[nb][i];
   __syncthreads();
-  tc_finish(a, sums, n0, m0, tid);
+  tc_finish<WARPS>(a, sums, n0, m0, tid);
 }
 
 // One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and
 // each again as *_fast for K % AP_CHUNK == 0 (tc_fast), so that each has its own register budget (one kernel
 // for all widths takes the widest's): at most 128 registers, for 16 warps an SM (2 blocks of 8), where that needs no
-// spills (all but 8 bits). grid (ceil(N / 16), 1, ceil(M / 16)), block APT_THREADS, dynamic shared memory
-// tc_shared_bytes<B>().
-#define QK_AP_TC_KERNEL(NAME, B, NB, FAST)                                                                         \
-  extern "C" __global__ void __launch_bounds__(qk::APT_THREADS, (B <= 7 ? 16 : 8) / qk::APT_WARPS) NAME(           \
+// spills (all but 8 bits); the fast ones up to 3 bits also as *_fast_w4, blocks of APT_FEW_WARPS for short K. grid
+// (ceil(N / 16), 1, ceil(M / 16)), block 32 WARPS, dynamic shared memory tc_shared_bytes<B, WARPS>().
+#define QK_AP_TC_KERNEL(NAME, B, NB, FAST, WARPS)                                                                  \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS), (B <= 7 ? 16 : 8) / (WARPS)) NAME(                   \
       const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
     extern __shared__ uint4 qk_apt_smem[];                                                                          \
-    anyprec_gemm_tc_at<B, NB, FAST>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                              \
-                                    reinterpret_cast<uint8_t*>(qk_apt_smem));                                       \
+    anyprec_gemm_tc_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                       \
+                                           reinterpret_cast<uint8_t*>(qk_apt_smem));                                \
   }
 #define QK_AP_TC(B)                                                                                                \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B, B, 2, false)                                                                 \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B, B, 1, false)                                                                \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast, B, 2, true)                                                           \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast, B, 1, true)
+  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B, B, 2, false, qk::APT_WARPS)                                                  \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B, B, 1, false, qk::APT_WARPS)                                                 \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast, B, 2, true, qk::APT_WARPS)                                            \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast, B, 1, true, qk::APT_WARPS)
+#define QK_AP_TC_FEW(B)                                                                                            \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast_w4, B, 2, true, qk::APT_FEW_WARPS)                                     \
+  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast_w4, B, 1, true, qk::APT_FEW_WARPS)
 QK_AP_TC(1) QK_AP_TC(2) QK_AP_TC(3) QK_AP_TC(4) QK_AP_TC(5) QK_AP_TC(6) QK_AP_TC(7) QK_AP_TC(8)
+QK_AP_TC_FEW(1) QK_AP_TC_FEW(2) QK_AP_TC_FEW(3)
 
 template <int BITS>
 __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_WORDS]) {

@@ -868,23 +868,23 @@ extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, cons
 // The host twin of anyprec_gemm_tc at width BITS and NB token blocks a tile (FAST: of the *_fast kernel, whose
 // unchecked loads read past N and M from the last channel and token): block by block, warp by warp, each MMA from
 // the lanes' fragments.
-template <int BITS, int NB, bool FAST>
+template <int BITS, int NB, bool FAST, int WARPS>
 void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
   using namespace qk;
-  std::vector<uint8_t> smem(tc_shared_bytes<BITS>());
+  std::vector<uint8_t> smem(tc_shared_bytes<BITS, WARPS>());
   constexpr int W = tc_lane_words<BITS>();
   std::vector<uint32_t> w((size_t)32 * 2 * BITS * W);
   auto words_of = [&](int lane) { return reinterpret_cast<uint32_t(*)[BITS][W]>(&w[(size_t)lane * 2 * BITS * W]); };
   for (int m0 = 0; m0 < a.m; m0 += APT_TOKENS) {
     for (int n0 = 0; n0 < a.n; n0 += APT_CHANNELS) {
       std::fill(smem.begin(), smem.end(), 0xA5);  // nothing read that the block did not write
-      for (int tid = 0; tid < APT_THREADS; ++tid) tc_fill_tables<BITS, NB>(a, smem.data(), n0, tid, APT_THREADS);
+      for (int tid = 0; tid < 32 * WARPS; ++tid) tc_fill_tables<BITS, NB>(a, smem.data(), n0, tid, 32 * WARPS);
       TcRegTables rt[32];
       for (int lane = 0; lane < 32; ++lane) tc_load_reg_tables<BITS>(a, n0, lane, rt[lane]);
-      std::vector<float> sums((size_t)APT_WARPS * 2 * 32 * 4, 0.0f);
-      for (int warp = 0; warp < APT_WARPS; ++warp) {
+      std::vector<float> sums((size_t)WARPS * 2 * 32 * 4, 0.0f);
+      for (int warp = 0; warp < WARPS; ++warp) {
         float acc[2][32][4] = {};
-        for (int step = warp; step < tc_steps<BITS>(a); step += APT_WARPS) {
+        for (int step = warp; step < tc_steps<BITS>(a); step += WARPS) {
           for (int lane = 0; lane < 32; ++lane) tc_load_step<BITS, FAST>(a, n0, step, lane, words_of(lane));
           for (int i = 0; i < W; ++i) {
             uint32_t fa[32][8][4], fb[32][8][2], as[32][4], bs[32][2], run[4][4];
@@ -909,15 +909,20 @@ void anyprec_gemm_tc_host_at(const qk::AnyPrecArgs& a) {
           for (int lane = 0; lane < 32; ++lane)
             for (int i = 0; i < 4; ++i) sums[((warp * 2 + nb) * 32 + lane) * 4 + i] = acc[nb][lane][i];
       }
-      for (int tid = 0; tid < APT_THREADS; ++tid) tc_finish(a, sums.data(), n0, m0, tid);
+      for (int tid = 0; tid < 32 * WARPS; ++tid) tc_finish<WARPS>(a, sums.data(), n0, m0, tid);
     }
   }
 }
 
-// The dynamic shared memory anyprec_gemm_tc_`bits` needs (tc_shared_bytes), for quantkit.kernels to be held to.
-extern "C" int anyprec_tc_shared_bytes(int bits) {
-  int bytes = 0;
-  qk::with_width(bits, [&](auto width) { bytes = qk::tc_shared_bytes<decltype(width)::value>(); });
+// The dynamic shared memory anyprec_gemm_tc_`bits` needs in blocks of `warps` (tc_shared_bytes), for
+// quantkit.kernels to be held to.
+extern "C" int anyprec_tc_shared_bytes(int bits, int warps) {
+  int bytes = -1;  // a block size no kernel is built with
+  qk::with_width(bits, [&](auto width) {
+    constexpr int B = decltype(width)::value;
+    if (warps == qk::APT_WARPS) bytes = qk::tc_shared_bytes<B, qk::APT_WARPS>();
+    else if (warps == qk::APT_FEW_WARPS) bytes = qk::tc_shared_bytes<B, qk::APT_FEW_WARPS>();
+  });
   return bytes;
 }
 
@@ -933,16 +938,20 @@ extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {
 }
 
 // One kernel per width, token blocks and loads (anyprec_gemm_tc_1 .. _8, anyprec_gemm_tc8_1 .. _8, each also
-// *_fast), and their host twins.
-#define QK_AP_TC_HOST_ONE(NAME, B, NB, FAST)                                                                       \
+// *_fast; up to 3 bits *_fast_w4 too), and their host twins.
+#define QK_AP_TC_HOST_ONE(NAME, B, NB, FAST, WARPS)                                                                \
   extern "C" void NAME##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,   \
                               int n, int k) {                                                                       \
-    anyprec_gemm_tc_host_at<B, NB, FAST>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                         \
+    anyprec_gemm_tc_host_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                  \
   }
 #define QK_AP_TC_HOST(B)                                                                                           \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B, B, 2, false)                                                               \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B, B, 1, false)                                                              \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast, B, 2, true)                                                         \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast, B, 1, true)
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B, B, 2, false, qk::APT_WARPS)                                                \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B, B, 1, false, qk::APT_WARPS)                                               \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast, B, 2, true, qk::APT_WARPS)                                          \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast, B, 1, true, qk::APT_WARPS)
+#define QK_AP_TC_HOST_FEW(B)                                                                                       \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast_w4, B, 2, true, qk::APT_FEW_WARPS)                                   \
+  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast_w4, B, 1, true, qk::APT_FEW_WARPS)
 QK_AP_TC_HOST(1) QK_AP_TC_HOST(2) QK_AP_TC_HOST(3) QK_AP_TC_HOST(4)
 QK_AP_TC_HOST(5) QK_AP_TC_HOST(6) QK_AP_TC_HOST(7) QK_AP_TC_HOST(8)
+QK_AP_TC_HOST_FEW(1) QK_AP_TC_HOST_FEW(2) QK_AP_TC_HOST_FEW(3)

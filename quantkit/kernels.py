@@ -555,21 +555,37 @@ ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per bl
 ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc(8): the m16 tile of channels, two n8 of tokens
 # The warps of a tensor-core block (kernels/anyprec_gemv.cu QK_AP_TC_WARPS: 8; 4 and 2 for bench/smallm_tune.py).
 ANYPREC_TC_WARPS = _define("QK_AP_TC_WARPS", 8)
+# The fast kernels up to 3 bits are also built with blocks of 4 warps (APT_FEW_WARPS, *_fast_w4), which the launch
+# takes where ANYPREC_TC_WARPS would leave a warp under two K steps (anyprec_tc_warps): K = 4096 at up to 4 bits is
+# 8 steps. On an H100 they took 0.79-0.90x the time on 6144 x 4096 and at M = 1 on 28672 x 4096, and 1.07x at
+# M = 16 on 4096 x 4096 (bench/results/kernels_h100_smallm_tune.json, run 3). False: ANYPREC_TC_WARPS everywhere.
+ANYPREC_TC_FEW_WARPS = 4
+ANYPREC_TC_FEW = True
 # From this many tokens on, the Any-Precision launch takes the tensor-core kernel: from the first. On an H200 it took
 # 7.1-34.6 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
 # the GEMV stays, bit for bit the emulation's arithmetic, for `quantkit validate` and `tc=False`.
 ANYPREC_TC_MIN_M = 1
 
 
-def anyprec_tc_shared_bytes(bits: int) -> int:
-    """Dynamic shared memory of anyprec_gemm_tc_`bits` (tc_shared_bytes): where the tables are in shared memory
-    (above 3 bits, and up to 3 unless QK_AP_REG_GROUPS keeps both channel groups' in registers, the default), 256
-    bytes an entry (4 copies of 32 bits for each of the block's 16 channels: fp16 pairs of nibble-pair bytes up to 4
-    bits, which also hold pair mode's 4^bits, else one fp16 per code), and at least the warps' sums [warps, 2, 32,
-    4] float32 that reuse it at the end."""
+def anyprec_tc_shared_bytes(bits: int, warps: int | None = None) -> int:
+    """Dynamic shared memory of anyprec_gemm_tc_`bits` in blocks of `warps` (default ANYPREC_TC_WARPS;
+    tc_shared_bytes): where the tables are in shared memory (above 3 bits, and up to 3 unless QK_AP_REG_GROUPS keeps
+    both channel groups' in registers, the default), 256 bytes an entry (4 copies of 32 bits for each of the block's
+    16 channels: fp16 pairs of nibble-pair bytes up to 4 bits, which also hold pair mode's 4^bits, else one fp16 per
+    code), and at least the warps' sums [warps, 2, 32, 4] float32 that reuse it at the end."""
     in_registers = bits <= 3 and _define("QK_AP_REG_GROUPS", 2) >= 2
     entries = 0 if in_registers else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
-    return max(entries * 256, ANYPREC_TC_WARPS * 2 * 32 * 4 * 4)
+    return max(entries * 256, (warps or ANYPREC_TC_WARPS) * 2 * 32 * 4 * 4)
+
+
+def anyprec_tc_warps(k: int, bits: int, fast: bool) -> int:
+    """The warps of a tensor-core block for K at width `bits`: ANYPREC_TC_FEW_WARPS for the fast kernels up to 3
+    bits (built with both sizes) where ANYPREC_TC_WARPS would leave a warp under two of the tile's K steps (512
+    columns a step up to 4 bits, 256 above: tc_steps), so that each warp's next step is in flight during this one's
+    decode and an SM holds twice the blocks; else ANYPREC_TC_WARPS."""
+    steps = -(-(k // 32) // (16 if bits <= 4 else 8))
+    few = ANYPREC_TC_FEW and fast and bits <= 3 and ANYPREC_TC_FEW_WARPS < ANYPREC_TC_WARPS
+    return ANYPREC_TC_FEW_WARPS if few and steps < 2 * ANYPREC_TC_WARPS else ANYPREC_TC_WARPS
 
 
 # The tensor-core kernels with unchecked loads (anyprec_gemm_tc*_fast) where a shape allows them (anyprec_tc_fast):
@@ -586,11 +602,12 @@ def anyprec_tc_fast(m: int, n: int, k: int, bits: int) -> bool:
 
 
 def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, tc: bool | None = None,
-                   fast: bool | None = None) -> Launch:
+                   fast: bool | None = None, warps: int | None = None) -> Launch:
     """kernels/anyprec_gemv.cu at width `bits` on one linear's bitplanes and table `lut{bits}`, from activations x
     [M, K] (rounded to fp16, the kernel's input): the CUDA-core GEMV (bit-exact against the emulation) or, with
     `tc` (default: from ANYPREC_TC_MIN_M tokens on), the tensor-core kernel (within `anyprec_tc_bound`); `fast`
-    (default: ANYPREC_TC_FAST where anyprec_tc_fast allows) its unchecked-load twin."""
+    (default: ANYPREC_TC_FAST where anyprec_tc_fast allows) its unchecked-load twin, in blocks of `warps` (default
+    anyprec_tc_warps; ANYPREC_TC_FEW_WARPS only for the fast kernels up to 3 bits)."""
     planes = _c(tensors["qweight"].numpy().view(np.uint32), np.uint32)
     if not 1 <= bits <= planes.shape[0] or f"lut{bits}" not in tensors:
         raise ValueError(f"this artifact serves widths up to {planes.shape[0]} with tables "
@@ -605,11 +622,17 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
         elif fast and not anyprec_tc_fast(m, n, k, bits):
             raise ValueError(f"the fast Any-Precision kernels need K a multiple of 1024 and 32-bit indices; "
                              f"got M={m}, N={n}, K={k} at {bits} bits")
+        if warps is None:
+            warps = anyprec_tc_warps(k, bits, fast)
+        elif warps != ANYPREC_TC_WARPS and not (warps == ANYPREC_TC_FEW_WARPS and fast and bits <= 3):
+            raise ValueError(f"the tensor-core kernels come in blocks of {ANYPREC_TC_WARPS} warps, and of "
+                             f"{ANYPREC_TC_FEW_WARPS} for the fast ones up to 3 bits; got {warps} at {bits} bits")
         # one n8 block up to DECODE_MAX_M tokens, fewer registers
-        name = f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}{'_fast' if fast else ''}"
+        name = (f"anyprec_gemm_tc{8 if m <= DECODE_MAX_M else ''}_{bits}{'_fast' if fast else ''}"
+                f"{f'_w{warps}' if warps != ANYPREC_TC_WARPS else ''}")
         return Launch("anyprec_gemv", name, [x16, planes, lut, out, m, n, k],
-                      (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 32 * ANYPREC_TC_WARPS, out,
-                      anyprec_tc_shared_bytes(bits))
+                      (-(-n // ANYPREC_TC_CHANNELS), 1, -(-m // ANYPREC_TC_TOKENS)), 32 * warps, out,
+                      anyprec_tc_shared_bytes(bits, warps))
     args = [x16, planes, lut, out, m, n, k, bits]
     return Launch("anyprec_gemv", "anyprec_gemv", args, (-(-n // ANYPREC_WARPS), -(-m // ANYPREC_TOKENS)),
                   32 * ANYPREC_WARPS, out)
@@ -820,7 +843,7 @@ def _module(name: str, hopper: bool = False) -> Any:
 # JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
 # fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
 TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "BULK_DECODE", "BULK_SLOTS", "WGMMA_WIDE",
-           "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST")
+           "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

@@ -318,9 +318,13 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
 @needs_compiler
 def test_anyprec_tc_shared_memory_mirrors_the_kernel():
     """quantkit.kernels sizes the tensor-core Any-Precision launch's shared memory: the kernel's tables and warp sums
-    (tc_shared_bytes) must fit in it at every width."""
+    (tc_shared_bytes) must fit in it at every width, in blocks of 8 warps and of 4 (the *_fast_w4 kernels); the host
+    knows no other block size."""
+    host = kernels.host_library().anyprec_tc_shared_bytes
     for bits in range(1, 9):
-        assert kernels.anyprec_tc_shared_bytes(bits) == kernels.host_library().anyprec_tc_shared_bytes(bits), bits
+        assert kernels.anyprec_tc_shared_bytes(bits) == host(bits, kernels.ANYPREC_TC_WARPS), bits
+        assert kernels.anyprec_tc_shared_bytes(bits, 4) == host(bits, 4), bits
+    assert kernels.anyprec_tc_shared_bytes(3, 4) < kernels.anyprec_tc_shared_bytes(3) and host(3, 2) == -1
 
 
 @needs_compiler
@@ -361,18 +365,61 @@ def test_anyprec_fast_kernels_serve_the_shapes_the_kernel_allows():
 @pytest.mark.parametrize("m,n,k", [(1, 13, 4096), (5, 130, 1024), (17, 24, 9216), (9, 16, 2048)])
 def test_anyprec_fast_kernels_give_the_checked_kernels_bits(m, n, k):
     """The *_fast kernels run the checked kernels' MMAs on the same operands wherever an output is stored, so their
-    bits are equal at every width: past N % 16 and past M (whose rows and columns read the last channel and token),
-    with more steps than warps (9216: 18 steps) and two token tiles; `fast` is the default on these shapes."""
+    bits are equal at every width in blocks of the same warps: past N % 16 and past M (whose rows and columns read
+    the last channel and token), with more steps than warps (9216: 18 steps) and two token tiles; `fast` is the
+    default on these shapes, at 3 bits in blocks of 4 warps below 16 steps (the *_fast_w4 kernels, other sums: the
+    bound)."""
     tensors = synthetic("anyprec", n, k, seed=k + n)
     x = activations(m, k, seed=m)
     for bits in range(3, 9):  # the artifact's widths
         launch = kernels.anyprec_launch(tensors, x, bits, tc=True)
-        assert launch.name.endswith("_fast")
-        fast = kernels.run(launch, "cpu")
+        assert launch.name.endswith("_fast_w4" if bits == 3 and k < 8192 else "_fast"), (bits, launch.name)
+        if launch.name.endswith("_w4"):
+            assert_within_tc_bound(tensors, x, bits, kernels.run(launch, "cpu").view(np.float16))
+        fast = kernels.run(kernels.anyprec_launch(tensors, x, bits, tc=True, warps=kernels.ANYPREC_TC_WARPS), "cpu")
         checked = kernels.run(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=False), "cpu")
         np.testing.assert_array_equal(fast, checked, err_msg=f"{bits} bits")
         if bits == 3:
             assert_within_tc_bound(tensors, x, bits, fast.view(np.float16))
+
+
+def test_anyprec_takes_blocks_of_4_warps_where_8_would_have_a_step_each():
+    """anyprec_tc_warps: the fast kernels up to 3 bits take blocks of 4 warps where 8 would leave a warp under two of
+    the tile's K steps (512 columns a step up to 4 bits, 256 above), and 8 elsewhere; ANYPREC_TC_FEW off, 8 always."""
+    few, warps = kernels.ANYPREC_TC_FEW_WARPS, kernels.ANYPREC_TC_WARPS
+    assert (few, warps) == (4, 8)
+    assert kernels.anyprec_tc_warps(4096, 3, True) == few  # 8 steps
+    assert kernels.anyprec_tc_warps(7680, 3, True) == few  # 15
+    assert kernels.anyprec_tc_warps(8192, 3, True) == warps  # 16: two each
+    assert kernels.anyprec_tc_warps(14336, 3, True) == warps
+    assert kernels.anyprec_tc_warps(1024, 1, True) == few
+    assert kernels.anyprec_tc_warps(4096, 3, False) == warps  # the checked kernels come in one size
+    assert kernels.anyprec_tc_warps(4096, 4, True) == warps  # 4 bits: tables in shared memory
+    try:
+        kernels.ANYPREC_TC_FEW = False
+        assert kernels.anyprec_tc_warps(4096, 3, True) == warps
+    finally:
+        kernels.ANYPREC_TC_FEW = True
+
+
+@needs_compiler
+@pytest.mark.parametrize("m,n,k", [(1, 13, 1024), (4, 40, 3072), (17, 24, 2048), (9, 16, 7168)])
+def test_anyprec_blocks_of_4_warps_match_the_emulation_within_the_bound(m, n, k):
+    """The *_fast_w4 kernels (1 to 3 bits): within the bound, past N % 16 and past M, with warps of one step and of
+    several (3072: 6 steps, 7168: 14, the next step's words in flight), one and two token blocks; their launch and
+    shared memory are sized for 4 warps, and the sizes no kernel is built with are refused."""
+    tensors = synthetic("anyprec", n, k, seed=k + n)
+    x = activations(m, k, seed=m)
+    launch = kernels.anyprec_launch(tensors, x, 3, tc=True)
+    assert launch.name == f"anyprec_gemm_tc{8 if m <= 8 else ''}_3_fast_w4" and launch.block == 128
+    assert launch.shared_mem == kernels.anyprec_tc_shared_bytes(3, 4) == 4 * 2 * 32 * 4 * 4
+    out = kernels.run(launch, "cpu").view(np.float16)
+    reference = assert_within_tc_bound(tensors, x, 3, out)
+    assert np.mean(out == reference) > 0.9
+    with pytest.raises(ValueError, match="blocks of 8 warps, and of 4"):
+        kernels.anyprec_launch(tensors, x, 4, tc=True, warps=4)
+    with pytest.raises(ValueError, match="blocks of 8 warps, and of 4"):
+        kernels.anyprec_launch(tensors, x, 3, tc=True, warps=2)
 
 
 def test_kernel_settings_come_from_the_environment_checked():
@@ -744,9 +791,11 @@ for m, n, k, fast in {cases!r}:
     x = np.load("{tmp_path}/x%d.npy" % k)
     tensors = synthetic("anyprec", n, k, seed=k)
     launch = kernels.anyprec_launch(tensors, x, 3, tc=True, fast=fast)
-    assert launch.block == 32 * kernels.ANYPREC_TC_WARPS
+    warps = kernels.anyprec_tc_warps(k, 3, fast)
+    assert launch.block == 32 * warps
     for bits in range(1, 9):
-        assert kernels.anyprec_tc_shared_bytes(bits) == kernels.host_library().anyprec_tc_shared_bytes(bits), bits
+        assert kernels.anyprec_tc_shared_bytes(bits, warps) == \
+            kernels.host_library().anyprec_tc_shared_bytes(bits, warps), bits
     np.save("{tmp_path}/out_%d_%d.npy" % (m, k), kernels.run(launch, "cpu"))
 """
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "QUANTKIT_NVRTC_DEFINES": knob},
@@ -1195,7 +1244,8 @@ def test_anyprec_fast_gpu_kernels_give_the_checked_kernels_bits(k, m):
     tensors = synthetic("anyprec", 300, k, seed=k + m)
     x = activations(m, k, seed=m)
     for bits in range(3, 9):
-        fast = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=True))
+        fast = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=True,
+                                                     warps=kernels.ANYPREC_TC_WARPS))
         checked = kernels.upload(kernels.anyprec_launch(tensors, x, bits, tc=True, fast=False))
         fast()
         checked()
