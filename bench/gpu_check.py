@@ -180,7 +180,7 @@ def main() -> None:
         validate_recipes(args, work, results, env)
     if not args.skip_sweep and args.kernel == "cuda":
         step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
-                       "1,4,16,64,256,1024", "--iters", "10", "--json", str(args.out / "sweep.json")],
+                       "1,4,16,64,256,1024", "--iters", "10", "--rounds", "1", "--json", str(args.out / "sweep.json")],
              args.out, results, 400, env)
 
     print("\n| step | exit code | seconds |\n|---|---|---|")

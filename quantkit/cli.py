@@ -404,10 +404,13 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
               "cores), to set the thresholds between them.")
 @click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Times the whole run is repeated (kernels and baselines alike); each row shows the median of its "
+              "rounds, so that a slow spell of the device during one round moves no bar. 1 for a quick look.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every row and bar, with the device and its copy bandwidth, to this JSON file.")
 def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
-              warmup: int, iters: int, json_path: Path | None) -> None:
+              warmup: int, iters: int, rounds: int, json_path: Path | None) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm and cublasGemmEx; the faster sets the bar) on the same shapes, in one run: CUDA events, warm-up,
     medians (a call under 100 us is timed per call in replayed CUDA graphs, as engines run decode GEMMs, and its
@@ -437,7 +440,7 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     bandwidth = kernel_bench.copy_bandwidth()
-    rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters)
+    rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters, rounds)
     checks = kernel_bench.bars(rows, bandwidth)
     Console().print(kernel_bench.render(rows, bandwidth, device))
     Console().print(kernel_bench.render_bars(checks, device))

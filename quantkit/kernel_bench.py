@@ -188,6 +188,7 @@ class Row:
     kernel: str = "cuBLAS"
     variant: Variant | None = None
     launch_seconds: float | None = None  # median of single launches, each between its own CUDA events
+    round_seconds: tuple[float, ...] = ()  # with several rounds (`run_bench`), each round's `seconds`
 
     @property
     def tops(self) -> float:
@@ -443,28 +444,50 @@ def artifact_cases(path, layer: int = 0) -> list[Case]:
     return cases
 
 
-def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: int = 50) -> list[Row]:
-    """Time every case and, once per (N, K, M), the baselines, side by side in one run."""
+def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: int = 50,
+              rounds: int = 1) -> list[Row]:
+    """Time every case and, once per (N, K, M), the baselines, side by side in one run; with several `rounds`, the
+    whole run again that many times, each row's time the median of its rounds' (its `round_seconds`), so that a
+    slow spell of the device or of cuBLAS during one round (on an H100, cuBLAS FP16 once took 101 us where every
+    other run took 80-86) moves neither a bar's kernel nor its baseline."""
     from quantkit.kernels import upload
 
-    rows, timed = [], set()
-    for case in cases:
-        tensors = None
-        for m in ms:
-            if (case.n, case.k, m) not in timed:
-                rows += baselines(m, case.n, case.k, warmup, iters)
-                timed.add((case.n, case.k, m))
-            if case.variant.fmt == "anyprec" and m > 16:
-                continue  # decode batches only: above a few tokens, dequantize and call cuBLAS (the paper)
-            tensors = tensors if tensors is not None else case.tensors()
-            launch = variant_launch(case.variant, tensors, m, case.k)
-            stored = weight_bytes(tensors, case.variant)
-            call = rotation(lambda _, launch=launch: upload(launch), stored)
-            act = m * case.k * (2 if case.variant.fmt == "anyprec" else 1)
-            seconds, single = timing(call, warmup, iters)
-            rows.append(Row(case.n, case.k, m, case.label, seconds, stored + act + 2 * m * case.n, launch.name,
-                            case.variant, single))
-    return rows
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    made: dict[int, dict[str, torch.Tensor]] = {}  # each case's tensors, made once for all rounds
+    samples: dict[tuple, list[Row]] = {}
+    for _ in range(rounds):
+        timed = set()
+        for index, case in enumerate(cases):
+            for m in ms:
+                if (case.n, case.k, m) not in timed:
+                    for row in baselines(m, case.n, case.k, warmup, iters):
+                        samples.setdefault((row.n, row.k, row.m, row.label, None), []).append(row)
+                    timed.add((case.n, case.k, m))
+                if case.variant.fmt == "anyprec" and m > 16:
+                    continue  # decode batches only: above a few tokens, dequantize and call cuBLAS (the paper)
+                tensors = made.get(index) or made.setdefault(index, case.tensors())
+                launch = variant_launch(case.variant, tensors, m, case.k)
+                stored = weight_bytes(tensors, case.variant)
+                call = rotation(lambda _, launch=launch: upload(launch), stored)
+                act = m * case.k * (2 if case.variant.fmt == "anyprec" else 1)
+                seconds, single = timing(call, warmup, iters)
+                samples.setdefault((case.n, case.k, m, case.label, index), []).append(
+                    Row(case.n, case.k, m, case.label, seconds, stored + act + 2 * m * case.n, launch.name,
+                        case.variant, single))
+            if rounds == 1:
+                made.pop(index, None)  # one round: no case's tensors held past its own timing
+    return [_median_row(rows) for rows in samples.values()]
+
+
+def _median_row(rows: list[Row]) -> Row:
+    """One row from its rounds: the median time and single-launch time, and every round's time."""
+    if len(rows) == 1:
+        return rows[0]
+    singles = [r.launch_seconds for r in rows if r.launch_seconds is not None]
+    return replace(rows[0], seconds=statistics.median(r.seconds for r in rows),
+                   launch_seconds=statistics.median(singles) if singles else None,
+                   round_seconds=tuple(r.seconds for r in rows))
 
 
 FP16, INT8, INT8_GEMMEX = "cuBLAS FP16 (torch.matmul)", "cuBLAS INT8 (torch._int_mm)", "cuBLAS INT8 (cublasGemmEx)"
@@ -523,7 +546,7 @@ def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) ->
         return {"n": r.n, "k": r.k, "m": r.m, "label": r.label, "function": r.kernel,
                 "format": r.variant.fmt if r.variant else None, "path": r.variant.path if r.variant else None,
                 "seconds": r.seconds, "launch_seconds": r.launch_seconds, "tops": r.tops, "gbps": r.gbps,
-                "bytes_moved": r.bytes_moved}
+                "bytes_moved": r.bytes_moved, **({"round_seconds": list(r.round_seconds)} if r.round_seconds else {})}
 
     return {"device": device, "copy_bandwidth_gbps": bandwidth, "tuning": tuning(), "rows": [row(r) for r in rows],
             "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
@@ -656,10 +679,11 @@ def render(rows: list[Row], bandwidth: float, device: str):
     from rich.table import Table
 
     table = Table(title=f"{device}: kernels against cuBLAS (medians of CUDA-event timings; under 100 us per call, "
-                  "of CUDA-graph replays, as engines run decode GEMMs; '1 launch': each call alone); copy bandwidth "
+                  "of CUDA-graph replays, as engines run decode GEMMs; 'rounds': the fastest and slowest of the "
+                  "run's rounds, whose median is the time; '1 launch': each call alone); copy bandwidth "
                   f"{bandwidth:.0f} GB/s")
-    for column in ("N x K", "M", "kernel", "function", "time (us)", "1 launch (us)", "TOPS", "GB/s", "% copy BW",
-                   "vs FP16", "vs INT8 (faster)", "x read floor"):
+    for column in ("N x K", "M", "kernel", "function", "time (us)", "rounds (us)", "1 launch (us)", "TOPS", "GB/s",
+                   "% copy BW", "vs FP16", "vs INT8 (faster)", "x read floor"):
         table.add_column(column, justify="left" if column in ("kernel", "function", "N x K") else "right")
     by_case: dict[tuple[int, int, int], dict[str, Row]] = {}
     for r in rows:
@@ -668,7 +692,10 @@ def render(rows: list[Row], bandwidth: float, device: str):
         fp16, int8, floor = case.get(FP16), int8_baseline(case), case.get(READ_FLOOR)
         for r in case.values():
             single = f"{r.launch_seconds * 1e6:.1f}" if r.launch_seconds is not None else "-"
-            table.add_row(f"{n} x {k}", str(m), r.label, r.kernel, f"{r.seconds * 1e6:.1f}", single, f"{r.tops:.1f}",
+            spread = (f"{min(r.round_seconds) * 1e6:.1f}-{max(r.round_seconds) * 1e6:.1f}" if r.round_seconds
+                      else "-")
+            table.add_row(f"{n} x {k}", str(m), r.label, r.kernel, f"{r.seconds * 1e6:.1f}", spread, single,
+                          f"{r.tops:.1f}",
                           f"{r.gbps:.0f}", f"{100 * r.gbps / bandwidth:.0f}%",
                           f"{fp16.seconds / r.seconds:.2f}x" if fp16 else "-",
                           f"{int8.seconds / r.seconds:.2f}x" if int8 else "-",

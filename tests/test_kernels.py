@@ -1330,6 +1330,46 @@ def test_bench_bars_apply_the_issue_thresholds():
     assert not int8_bar.met and int8_bar.measured == "0.65x"
 
 
+def test_bench_rounds_report_each_rows_median_and_make_tensors_once(monkeypatch):
+    """`quantkit bench --rounds 3`: kernels and baselines are timed once a round and each row reports the median of
+    its rounds, so a slow spell in one round (a baseline 3x slower, a kernel 2x) moves no ratio; every round's time
+    is kept (the JSON's round_seconds), the stored tensors are made once for all rounds, and no round is refused."""
+    from quantkit import kernel_bench as kb
+
+    monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
+    monkeypatch.setattr(kb, "l2_bytes", lambda: 1 << 20)
+    round_of = {"now": 0}
+    kernel_times = {0: 1e-5, 1: 2e-5, 2: 1.1e-5}  # round 1 slow for the kernel
+    fp16_times = {0: 4e-5, 1: 4.4e-5, 2: 12e-5}  # round 2 slow for cuBLAS
+    monkeypatch.setattr(kb, "timing", lambda call, warmup, iters, torch_graph=False:
+                        (kernel_times[round_of["now"]], 2 * kernel_times[round_of["now"]]))
+
+    def baselines(m, n, k, warmup, iters):
+        if (n, k, m) == (256, 640, 1) and made["count"]:  # the first baseline of a round after the first
+            round_of["now"] += 1
+        return [kb.Row(n, k, m, kb.FP16, fp16_times[round_of["now"]], 1)]
+
+    monkeypatch.setattr(kb, "baselines", baselines)
+    made = {"count": 0}
+    cases = kb.shape_cases(((256, 640),), tuple(v for v in kb.VARIANTS if v.fmt in ("qserve", "anyprec")))
+    cases = [kb.Case(c.label, c.n, c.k, c.variant,
+                     lambda make=c.tensors: made.__setitem__("count", made["count"] + 1) or make()) for c in cases]
+    rows = kb.run_bench(cases, ms=(1, 4), rounds=3)
+    assert round_of["now"] == 2 and made["count"] == len(cases)
+    fp16 = [r for r in rows if r.label == kb.FP16]
+    kernels_rows = [r for r in rows if r.variant is not None]
+    assert len(fp16) == 2 and len(kernels_rows) == 2 * len(cases)  # one row per (shape, M, kernel), not per round
+    assert all(r.seconds == 4.4e-5 and r.round_seconds == (4e-5, 4.4e-5, 12e-5) for r in fp16)
+    assert all(r.seconds == 1.1e-5 and r.launch_seconds == 2.2e-5 for r in kernels_rows)
+    data = kb.report(rows, kb.bars(rows, 1e9), 1e9, "test GPU")
+    assert {tuple(r["round_seconds"]) for r in data["rows"] if r["label"] != kb.FP16} == {(1e-5, 2e-5, 1.1e-5)}
+    kernel_times[3], fp16_times[3] = 1e-5, 4e-5  # one more round
+    one = kb.run_bench(cases[:1], ms=(1,))  # a single round: the row as timed, no rounds recorded
+    assert one[-1].round_seconds == () and "round_seconds" not in kb.report(one, [], 1e9, "x")["rows"][-1]
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        kb.run_bench(cases, ms=(1,), rounds=0)
+
+
 def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     """`quantkit bench --paths all` without a GPU: the device calls stubbed, what is timed, under which label and
     CUDA function, and which bars apply."""
