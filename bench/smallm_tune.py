@@ -96,6 +96,9 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "AP-W4": ({**U8, "QK_AP_TC_WARPS": 4}, SPLIT),
     "AP-W2": ({**U8, "QK_AP_TC_WARPS": 2}, SPLIT),
     "AP-W8": (U8, {**SPLIT, "ANYPREC_TC_FEW": False}),
+    # Any-Precision from 9 tokens on (two token blocks) up to 3 bits: the second block's activations of a word loaded
+    # before its A fragments' decode, in flight meanwhile, not after the first block's MMAs (tc_early_runs)
+    "AP-EARLY": ({**U8, "QK_AP_EARLY_RUNS": 3}, SPLIT),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -108,6 +111,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
     "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",), "AP-W8": ("anyprec",),
+    "AP-EARLY": ("anyprec",),
 }
 
 

@@ -531,6 +531,17 @@ QK_FN constexpr int tc_prefetch_word() {
 #endif
 }
 
+// The second token block's activations of a word (kernels of two token blocks, 9 tokens on), loaded before the
+// word's A fragments are decoded, in flight during the decode, where they were loaded after the first block's
+// MMAs and waited for (the fast kernels' loads are volatile asm, which the compiler keeps in place): up to
+// QK_AP_EARLY_RUNS bits (0 by default: bench/smallm_tune.py's AP-EARLY, 3). Above 3 bits the fast kernels then
+// spill (sm_90a, nvcc 13.0); at 3 the same 128 registers. The same MMAs on the same operands: the same bits.
+#ifndef QK_AP_EARLY_RUNS
+#define QK_AP_EARLY_RUNS 0
+#endif
+template <int BITS, int NB>
+QK_FN constexpr bool tc_early_runs() { return NB == 2 && BITS <= QK_AP_EARLY_RUNS; }
+
 // FAST (the anyprec_gemm_tc*_fast kernels, where tc_fast holds): every step with the unchecked loaders. A kernel
 // of its own, not a branch in one kernel: the two loops in one kernel took 128 registers and spilled. WARPS: the
 // block's warps, which take turns at the tile's K steps.
@@ -573,12 +584,15 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
       // its MMAs need them, bench/results/kernels_h200_anyprec_xahead.json)
       if (i + 1 < W) tc_load_runs<BITS, FAST>(a, step, lane, i + 1, token0, run);
       else if (more) tc_load_runs<BITS, FAST>(a, step + WARPS, lane, 0, token0, run);
+      uint32_t run1[4][4];  // tokens 8 .. 15 of the tile
+      if constexpr (tc_early_runs<BITS, NB>()) {
+        if (blocks_n == 2) tc_load_runs<BITS, FAST>(a, step, lane, i, token0 + 8, run1);
+      }
       tc_a_fragments<BITS, NB>(smem, rt, lane, w, i, fa);
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma_f16(acc[0], fa[s], fb[s]);
-      if (NB == 2 && blocks_n == 2) {  // tokens 8 .. 15 of the tile
-        uint32_t run1[4][4];
-        tc_load_runs<BITS, FAST>(a, step, lane, i, token0 + 8, run1);
+      if (NB == 2 && blocks_n == 2) {
+        if constexpr (!tc_early_runs<BITS, NB>()) tc_load_runs<BITS, FAST>(a, step, lane, i, token0 + 8, run1);
         tc_b_fragments<tc_pairs<BITS, NB>()>(run1, fb);
 #pragma unroll
         for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
