@@ -466,7 +466,9 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
                     timed.add((case.n, case.k, m))
                 if case.variant.fmt == "anyprec" and m > 16:
                     continue  # decode batches only: above a few tokens, dequantize and call cuBLAS (the paper)
-                tensors = made.get(index) or made.setdefault(index, case.tensors())
+                if index not in made:
+                    made[index] = case.tensors()
+                tensors = made[index]
                 launch = variant_launch(case.variant, tensors, m, case.k)
                 stored = weight_bytes(tensors, case.variant)
                 call = rotation(lambda _, launch=launch: upload(launch), stored)
@@ -593,7 +595,9 @@ def markdown_bar_changes(before: dict, after: dict) -> str:
     Across runs a bar near its threshold can flip with no change at all: read it beside the runs' spread."""
     key = lambda b: (b["n"], b["k"], b["m"], b["label"], b["requirement"])  # noqa: E731
     theirs = {key(b): b for b in before["bars"]}
-    lines = [f"{sum(b['met'] for b in before['bars'])} -> {sum(b['met'] for b in after['bars'])} bars met", "",
+    both = sum(b["met"] and theirs.get(key(b), {}).get("met", False) for b in after["bars"])
+    lines = [f"{sum(b['met'] for b in before['bars'])} -> {sum(b['met'] for b in after['bars'])} bars met "
+             f"({both} in both)", "",
              "| N x K | M | kernel | requirement | before | after |", "|---|---|---|---|---|---|"]
     for b in after["bars"]:
         a = theirs.get(key(b))

@@ -1437,7 +1437,7 @@ def test_bar_counts_and_changes_between_two_reports():
     assert counts[0] == "| kernel | >= 2.5x cuBLAS FP16 | >= 60% of copy bandwidth | >= 3.0x cuBLAS FP16 | met |"
     assert counts[2:] == ["| QQQ | 1 of 2 | 1 of 1 | - | 2 |", "| AP | - | - | 0 of 1 | 0 |"]
     changes = kb.markdown_bar_changes(before, after).splitlines()
-    assert changes[0] == "2 -> 2 bars met"
+    assert changes[0] == "2 -> 2 bars met (1 in both)"
     assert changes[4:] == ["| 4096 x 4096 | 1 | QQQ | >= 2.5x cuBLAS FP16 | 2.4x NO | 2.7x yes |",
                            "| 4096 x 4096 | 1 | QQQ | >= 60% of copy bandwidth | 61% yes | 59% NO |"]
 
