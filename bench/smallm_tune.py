@@ -99,6 +99,9 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # Any-Precision from 9 tokens on (two token blocks) up to 3 bits: the second block's activations of a word loaded
     # before its A fragments' decode, in flight meanwhile, not after the first block's MMAs (tc_early_runs)
     "AP-EARLY": ({**U8, "QK_AP_EARLY_RUNS": 3}, SPLIT),
+    # Any-Precision's register lookups at 3 bits with the upper half's codes (t >> 16) shifted on the integer ALU, not
+    # taken by a multiply-high on the FMA pipe (tc_reg_lookup)
+    "AP-SHF16": ({**U8, "QK_AP_LOOKUP_FMA": 0}, SPLIT),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -111,7 +114,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
     "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",), "AP-W8": ("anyprec",),
-    "AP-EARLY": ("anyprec",),
+    "AP-EARLY": ("anyprec",), "AP-SHF16": ("anyprec",),
 }
 
 

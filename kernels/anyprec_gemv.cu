@@ -306,13 +306,17 @@ QK_FN void tc_load_reg_tables(const AnyPrecArgs& a, int n0, int lane, TcRegTable
 // The four fp16 pairs of a transposed word t from the registers of channel h: pair b (byte b of t) is
 // lut[lo nibble] | lut[hi nibble] << 16, as the shared tables' entries. Two permutes look up four codes' low and high
 // bytes, two more interleave them: 9 instructions for 8 weights, no shared memory. The codes are the selectors as
-// they stand (prmt, not byte_perm's masked selector): up to 3 bits, bit 3 of each nibble is clear.
+// they stand (prmt, not byte_perm's masked selector): up to 3 bits, bit 3 of each nibble is clear. The permute
+// reads its selector's low 4 nibbles, so the upper half's codes are t >> 16: by default an IMAD.HI on the FMA pipe,
+// QK_AP_LOOKUP_FMA = 0 a shift on the integer ALU (bench/smallm_tune.py's AP-SHF16).
+#ifndef QK_AP_LOOKUP_FMA
+#define QK_AP_LOOKUP_FMA 1
+#endif
 QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pairs[4]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // the permute reads its selector's low 4 nibbles; t >> 16 as an IMAD.HI, on the FMA pipe, not a shift
 #if defined(__CUDA_ARCH__)
-    const uint32_t codes = half ? __umulhi(t, 0x10000u) : t;
+    const uint32_t codes = !half ? t : QK_AP_LOOKUP_FMA ? __umulhi(t, 0x10000u) : t >> 16;
 #else
     const uint32_t codes = half ? t >> 16 : t;
 #endif
