@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90", help="the device's architecture (default sm_90, an H100 or H200; "
                         "Hopper also gets the sm_90a builds)")
     parser.add_argument("--configs", default="", help="also build under these bench/smallm_tune.py configurations "
-                        "(comma-separated names, or all)")
+                        "(comma-separated names, all, or pending: those not yet timed)")
     parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only; "
                         "names, or all)")
     parser.add_argument("--defines", default="", help="and these knobs (NAME=VALUE, space-separated, as "
@@ -57,13 +57,13 @@ def main() -> None:
         version = nvrtc.getVersion()
     except Exception as e:  # CuPy absent, or its NVRTC library
         sys.exit(f"needs CuPy with NVRTC: pip install cupy-cuda13x nvidia-cuda-nvrtc==13.0.* ({e})")
-    from smallm_tune import configs, defines_of
+    from smallm_tune import config_names, defines_of
 
     def names(text: str, large: bool) -> list[str]:
-        chosen = list(configs(large)) if text == "all" else list(filter(None, text.split(",")))
-        if unknown := [n for n in chosen if n not in configs(large)]:
-            parser.error(f"unknown configurations {', '.join(unknown)}; there are {', '.join(configs(large))}")
-        return chosen
+        try:
+            return config_names(text, large) if text else []
+        except ValueError as e:
+            parser.error(str(e))
 
     modules = args.modules.split(",")
     if unknown := sorted(set(modules) - set(kernels.MODULES)):

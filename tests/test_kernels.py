@@ -514,6 +514,21 @@ def test_tuning_picks_the_fastest_configuration_per_layout():
     assert tune.fastest(runs[1:]) is None  # no default run: nothing to compare against
 
 
+def test_tuning_configurations_are_named_all_pending_or_one_by_one():
+    """smallm_tune and build_kernels take --configs as names, "all", or "pending" (the default first, then the
+    configurations not yet timed, each a real one whose knobs differ from the default's); an unknown name is an
+    error that names it."""
+    tune = bench_module("smallm_tune")
+    assert tune.config_names("all") == list(tune.CONFIGS) and tune.config_names("all", True) == list(tune.LARGE_CONFIGS)
+    pending = tune.config_names("pending")
+    assert pending[0] == "U8" and pending[1:] == list(tune.PENDING) and set(tune.PENDING) <= set(tune.CONFIGS)
+    assert all(tune.CONFIGS[name] != tune.CONFIGS["U8"] for name in tune.PENDING)
+    assert tune.config_names("pending", True) == ["W5L3", *tune.LARGE_PENDING]
+    assert tune.config_names("U8,AP-EARLY") == ["U8", "AP-EARLY"]
+    with pytest.raises(ValueError, match="unknown configurations NOPE"):
+        tune.config_names("U8,NOPE")
+
+
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
     """WGMMA_MIN_M None: no launch takes a *_wgmma kernel unasked. Set, a launch that names no path takes it on a
     Hopper GPU from that many tokens, and a named path still wins; never on another GPU."""
