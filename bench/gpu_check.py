@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the device tests (a second run on a "
-                        "machine whose first run passed them)")
+                        "machine whose first run passed them; with --kernel sim, the simulator's kernel tests)")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
     parser.add_argument("--skip-tune", action="store_true", help="leave out bench/smallm_tune.py")
     parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
@@ -173,7 +173,7 @@ def main() -> None:
             step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
                                    *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
                                    "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
-    else:
+    elif not args.skip_tests:
         step("kernel-tests", pytest, args.out, results, 300, env)
 
     if not args.skip_validate:
