@@ -9,8 +9,9 @@ under each configuration of
 With --large it tunes the Hopper (wgmma) kernels at M = 1024 instead, over their ring of shared-memory stages
 (QK_WGMMA_STAGES deep, copies QK_WGMMA_LEAD steps ahead). Each configuration runs in a process of its own (NVRTC
 builds the kernels once per process, with QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them
-(in parallel). It first checks each kernel against the emulation (bit for bit; Any-Precision's within its bound),
-then times it as `quantkit bench` does (CUDA-graph replays, operands rotating past the L2 cache). A configuration
+(in parallel). It first checks each kernel against the emulation at M = 3 and 13 (--large: 200; bit for bit,
+Any-Precision's within its bound), then times it as `quantkit bench` does (CUDA-graph replays, operands rotating
+past the L2 cache). A configuration
 times only the layouts its knobs change (SCOPES; the default times all), so that a short lease fits more of them.
 Prints one table (microseconds; the fastest configuration of each row marked) and the total per configuration and
 layout; --json keeps it all, and --best writes the fastest per layout, merged (`fastest`); both are written after
@@ -102,13 +103,16 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # Any-Precision's register lookups at 3 bits with the upper half's codes (t >> 16) shifted on the integer ALU, not
     # taken by a multiply-high on the FMA pipe (tc_reg_lookup)
     "AP-SHF16": ({**U8, "QK_AP_LOOKUP_FMA": 0}, SPLIT),
+    # LiquidQuant from 9 to 16 tokens with 32 channels a warp (two 16-channel slices, one load of the activations),
+    # 4 steps a round, not 16 channels and 6
+    "LQQ-S2": ({**U8, "QK_LQQ16_SLICES": 2}, SPLIT),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
 W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": (*W4A8, "atom"),
-    "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",),
+    "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S2": ("liquidquant",),
     "Z1": ("qserve", "qqq"),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
@@ -136,6 +140,10 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
 }
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
+# The token counts each configuration is checked at before it is timed: small M the decode kernels (3) and those of
+# two token blocks, the second partial (13: LiquidQuant's gemm16, Any-Precision's tensor-core kernel with NB = 2);
+# --large two 128-token tiles, the second partial.
+CHECK_MS = {False: (3, 13), True: (200,)}
 
 
 def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
@@ -144,7 +152,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 
 # The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
 # default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU.
-PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8")
+PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2")
 LARGE_PENDING: tuple[str, ...] = ()
 
 
@@ -278,9 +286,11 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
             continue
         n, k = CHECK_SHAPE
         tensors = torch.load(tensor_file(cache, v, n, k))
-        launch = variant_launch(v, tensors, 200 if large else 3, k, seed=4)  # large: two token blocks, the 2nd partial
-        out = kernels.run(launch, "cuda").view(np.uint16)
-        checked[v.label] = matches(v, tensors, launch, out)
+        checked[v.label] = True
+        for m in CHECK_MS[large]:
+            launch = variant_launch(v, tensors, m, k, seed=4)
+            out = kernels.run(launch, "cuda").view(np.uint16)
+            checked[v.label] = checked[v.label] and matches(v, tensors, launch, out)
         for n, k in kernel_bench.SHAPE_SETS["llama3-8b"]:
             tensors = torch.load(tensor_file(cache, v, n, k))
             for m in ms:

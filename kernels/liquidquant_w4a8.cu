@@ -234,45 +234,61 @@ struct LiquidWgmma {
 // The small-M kernels: block (x, y) is `splits` copies of `warps` warps (lqq_tile: 4, the whole 64-channel block x,
 // or 1, the 16 channels 16 x ..), each warp computing its 16 channels for TB token blocks of 8 (tokens 8 TB y ..),
 // AHEAD K steps' loads in flight a round. Its K steps are 64 columns wide, so a thread's 16 bytes of weights a step
-// are a QServe thread's of a 32-column step.
-template <int TB, int AHEAD>
+// are a QServe thread's of a 32-column step. With SLICES = 2 a warp computes 32 channels, two 16-channel slices of
+// one 64-channel block, from one load of the activations (grid N / (32 warps)): the activations a warp re-reads per
+// weight byte halve (a 16-channel warp at 16 tokens loads 1 KiB of them a step beside its 512 bytes of weights).
+template <int TB, int AHEAD, int SLICES = 1>
 __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, int splits) {
+  static_assert(SLICES == 1 || SLICES == 2, "one or two 16-channel slices a warp");
   constexpr int warps = QK_LQQ_TILE_WARPS;
   const int local = threadIdx.x % (32 * warps), copy = threadIdx.x / (32 * warps), tb0 = TB * blockIdx.y;
-  int nt, t;
-  qk::lqq_tile(blockIdx.x, local, warps, nt, t);
-  struct Stage { uint32_t r[4], sa[2], b[TB][2][2]; };
+  int nt, t[SLICES];
+  if constexpr (SLICES == 1) {
+    qk::lqq_tile(blockIdx.x, local, warps, nt, t[0]);
+  } else {  // slices 2 w, 2 w + 1 among the N / 16 (4 a weight block), w the warp's index among the N / 32
+    const int slice = SLICES * (blockIdx.x * warps + local / 32);
+    nt = slice / 4;
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s) t[s] = 32 * (slice % 4 + s) + local % 32;
+  }
+  struct Stage { uint32_t r[SLICES][4], sa[SLICES][2], b[TB][2][2]; };
   const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
-  int32_t acc[TB][4] = {};
+  int32_t acc[SLICES][TB][4] = {};
   // up to 2 token blocks each lane's rows made once (4 blocks: checked per load; 4 row pointers, or 32-bit offsets,
   // held across the loop spilled)
   const uint8_t* rows[TB];
 #pragma unroll
-  for (int tb = 0; tb < TB; ++tb) rows[tb] = TB <= 2 ? qk::token_row(args, tb0 + tb, t % 32) : nullptr;
+  for (int tb = 0; tb < TB; ++tb) rows[tb] = TB <= 2 ? qk::token_row(args, tb0 + tb, t[0] % 32) : nullptr;
   pipelined_steps<AHEAD, Stage>(
       copy, splits, args.k / 64,
       [&](int kt, Stage& st) {
-        qk::load_weights_raw(args, nt, kt, t, st.r, st.sa);
+#pragma unroll
+        for (int s = 0; s < SLICES; ++s) qk::load_weights_raw(args, nt, kt, t[s], st.r[s], st.sa[s]);
 #pragma unroll
         for (int tb = 0; tb < TB; ++tb)
           if (tb < blocks)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               if (TB <= 2) qk::load_tokens(rows[tb], kt, j, st.b[tb][j]);
-              else qk::load_tokens_checked(args, tb0 + tb, kt, j, t % 32, st.b[tb][j]);
+              else qk::load_tokens_checked(args, tb0 + tb, kt, j, t[0] % 32, st.b[tb][j]);
             }
       },
       [&](int, const Stage& st) {
-        uint32_t fa[2][4];
-        qk::unpack_weights(st.r, st.sa, fa);
 #pragma unroll
-        for (int tb = 0; tb < TB; ++tb)  // blocks past M would only multiply zeros into sums never stored
-          if (tb < blocks)
+        for (int s = 0; s < SLICES; ++s) {
+          uint32_t fa[2][4];
+          qk::unpack_weights(st.r[s], st.sa[s], fa);
 #pragma unroll
-            for (int j = 0; j < 2; ++j) mma_s8(acc[tb], fa[j], st.b[tb][j]);
+          for (int tb = 0; tb < TB; ++tb)  // blocks past M would only multiply zeros into sums never stored
+            if (tb < blocks)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) mma_s8(acc[s][tb], fa[j], st.b[tb][j]);
+        }
       });
-  if (!splitk_reduce<4 * TB>(&acc[0][0], local, copy, 32 * warps, splits)) return;
-  for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t, acc[tb]);
+  if (!splitk_reduce<4 * TB * SLICES>(&acc[0][0][0], local, copy, 32 * warps, splits)) return;
+#pragma unroll
+  for (int s = 0; s < SLICES; ++s)
+    for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);
 }
 
 // warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory
@@ -297,13 +313,18 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 // Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block
-// kernel's time at M = 16 on an H100): grid (N / (16 warps), 1),
-// block 32 warps splits, dynamic shared memory (splits - 1) * warps * 1 KiB: two token blocks, 3/4 of
-// QK_SMALLM_AHEAD steps a round (125 registers at 6; 8 spill).
+// kernel's time at M = 16 on an H100): grid (N / (16 warps slices), 1), block 32 warps splits, dynamic shared memory
+// (splits - 1) * warps * slices * 1 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round (125 registers at 6;
+// 8 spill). QK_LQQ16_SLICES = 2 (bench/smallm_tune.py's LQQ-S2; not yet timed): 32 channels a warp, from one load
+// of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's weights take registers too).
+#ifndef QK_LQQ16_SLICES
+#define QK_LQQ16_SLICES 1
+#endif
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                             const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  liquidquant_gemm_at<2, 3 * QK_SMALLM_AHEAD / 4>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+  constexpr int ahead = QK_LQQ16_SLICES == 1 ? 3 * QK_SMALLM_AHEAD / 4 : QK_SMALLM_AHEAD / 2;
+  liquidquant_gemm_at<2, ahead, QK_LQQ16_SLICES>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 #if defined(QK_WGMMA)

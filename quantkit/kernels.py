@@ -465,6 +465,9 @@ LIQUIDQUANT_GEMM16 = True
 # channels, so that N / 16 blocks spread over every SM (at N = 4096 the 64 blocks of four warps, one per 64-channel
 # weight block, left half of an H200's 132 SMs idle); 4 as before, through QUANTKIT_NVRTC_DEFINES, for comparison.
 LQQ_TILE_WARPS = _define("QK_LQQ_TILE_WARPS", 1)
+# The 16-channel slices a warp of liquidquant_w4a8_gemm16 computes from one load of the activations
+# (QK_LQQ16_SLICES: 1; 2 is bench/smallm_tune.py's LQQ-S2, not yet timed).
+LQQ16_SLICES = _define("QK_LQQ16_SLICES", 1)
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
@@ -488,9 +491,12 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
         return Launch("liquidquant_w4a8", "liquidquant_w4a8_bulk8", [*args, splits, chunk, slots], grid, 32 * splits,
                       out, shared)
     blocks = 1 if m <= DECODE_MAX_M else 2 if m <= 16 and LIQUIDQUANT_GEMM16 else 4  # token blocks of 8 a tile
-    warps = LQQ_TILE_WARPS
-    grid = (n // (16 * warps), -(-m // (8 * blocks)))
-    partial_bytes = 32 * warps * 4 * blocks * 4  # a copy's 4 accumulators a token block per thread
+    warps, slices = LQQ_TILE_WARPS, LQQ16_SLICES if blocks == 2 else 1
+    if n % (16 * warps * slices):
+        raise ValueError(f"liquidquant_w4a8_gemm16 built with {slices} slices a warp and {warps} warps a block "
+                         f"needs N a multiple of {16 * warps * slices}; got N={n}")
+    grid = (n // (16 * warps * slices), -(-m // (8 * blocks)))
+    partial_bytes = 32 * warps * 4 * blocks * slices * 4  # a copy's 4 accumulators a token block and slice a thread
     splits = splits or split_count(grid[0] * grid[1], warps, k // 64, partial_bytes)
     name = {1: "liquidquant_w4a8_gemm8", 2: "liquidquant_w4a8_gemm16", 4: "liquidquant_w4a8_gemm"}[blocks]
     return Launch("liquidquant_w4a8", name, [*args, splits], grid, 32 * warps * splits, out,

@@ -517,7 +517,7 @@ def test_tuning_picks_the_fastest_configuration_per_layout():
 def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     """smallm_tune and build_kernels take --configs as names, "all", or "pending" (the default first, then the
     configurations not yet timed, each a real one whose knobs differ from the default's); an unknown name is an
-    error that names it."""
+    error that names it. The token counts each is checked at reach every kernel its knobs can change."""
     tune = bench_module("smallm_tune")
     assert tune.config_names("all") == list(tune.CONFIGS) and tune.config_names("all", True) == list(tune.LARGE_CONFIGS)
     pending = tune.config_names("pending")
@@ -527,6 +527,12 @@ def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     assert tune.config_names("U8,AP-EARLY") == ["U8", "AP-EARLY"]
     with pytest.raises(ValueError, match="unknown configurations NOPE"):
         tune.config_names("U8,NOPE")
+    # each configuration is checked before it is timed on the kernels of one token block and of two, the second
+    # partial (LQQ-S2 and AP-EARLY change only the latter), and at M = 1024 on two token tiles
+    small = tune.CHECK_MS[False]
+    assert any(m <= kernels.DECODE_MAX_M for m in small)
+    assert any(kernels.DECODE_MAX_M < m < 16 for m in small)
+    assert all(128 < m < 256 for m in tune.CHECK_MS[True])
 
 
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
@@ -727,6 +733,25 @@ def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypat
     assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (128 // (16 * warps), 1)
     assert launch.shared_mem == (splits - 1) * 32 * warps * 8 * 4
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_liquidquant_two_slice_launch_is_sized_for_32_channels_a_warp(monkeypatch):
+    """QK_LQQ16_SLICES = 2 (LQQ-S2): liquidquant_w4a8_gemm16's warps take 32 channels each, so the launch has half
+    the blocks and twice the split-K partials a copy, and refuses an N that its warps do not tile. (The kernel's own
+    slice mapping runs on the device only: bench/smallm_tune.py checks LQQ-S2 against the emulation before timing
+    it; the warp simulator's twin does not depend on it.)"""
+    monkeypatch.setattr(kernels, "LIQUIDQUANT_GEMM16", True)
+    monkeypatch.setattr(kernels, "LQQ16_SLICES", 2)
+    tensors = synthetic("liquidquant", 128, 448, seed=3, group=64)
+    reference = emulate("liquidquant", tensors, activations(12, 448, seed=4))
+    launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=3)
+    assert launch.grid == (128 // 32, 1) and launch.shared_mem == 2 * 32 * 8 * 2 * 4
+    decode = kernels.liquidquant_launch(tensors, reference.x_int8[:1], reference.s_x[:1], splits=3)
+    assert decode.name == "liquidquant_w4a8_gemm8" and decode.grid == (128 // 16, 1)  # one slice up to 8 tokens
+    monkeypatch.setattr(kernels, "LQQ_TILE_WARPS", 4)
+    wide = synthetic("liquidquant", 192, 448, seed=3, group=64)
+    with pytest.raises(ValueError, match="needs N a multiple of 128; got N=192"):
+        kernels.liquidquant_launch(wide, reference.x_int8, reference.s_x)
 
 
 @needs_compiler
