@@ -141,7 +141,7 @@ def main() -> None:
                  env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
-                           str(args.out / "bench.json")], args.out, results, 240, env)
+                           str(args.out / "bench.json")], args.out, results, 360, env)  # 3 rounds
         best = [work / "best.json", work / "best_large.json"]  # each tuning step's fastest configuration
         for path in best:
             path.unlink(missing_ok=True)
@@ -161,7 +161,7 @@ def main() -> None:
                 step("build-tuned", [py, "bench/build_kernels.py", "--defines", tuned["QUANTKIT_NVRTC_DEFINES"]],
                      args.out, results, 90)
                 step("bench-tuned", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
-                                     str(args.out / "bench_tuned.json")], args.out, results, 240, {**env, **tuned})
+                                     str(args.out / "bench_tuned.json")], args.out, results, 360, {**env, **tuned})
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []

@@ -745,9 +745,10 @@ def test_liquidquant_two_slice_launch_is_sized_for_32_channels_a_warp(monkeypatc
     tensors = synthetic("liquidquant", 128, 448, seed=3, group=64)
     reference = emulate("liquidquant", tensors, activations(12, 448, seed=4))
     launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=3)
-    assert launch.grid == (128 // 32, 1) and launch.shared_mem == 2 * 32 * 8 * 2 * 4
+    warps = kernels.LQQ_TILE_WARPS
+    assert launch.grid == (128 // (32 * warps), 1) and launch.shared_mem == 2 * 32 * warps * 8 * 2 * 4
     decode = kernels.liquidquant_launch(tensors, reference.x_int8[:1], reference.s_x[:1], splits=3)
-    assert decode.name == "liquidquant_w4a8_gemm8" and decode.grid == (128 // 16, 1)  # one slice up to 8 tokens
+    assert decode.name == "liquidquant_w4a8_gemm8" and decode.grid == (128 // (16 * warps), 1)  # one slice
     monkeypatch.setattr(kernels, "LQQ_TILE_WARPS", 4)
     wide = synthetic("liquidquant", 192, 448, seed=3, group=64)
     with pytest.raises(ValueError, match="needs N a multiple of 128; got N=192"):
