@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 # (BULK, up to 5.2x); QS-PC10, QS-PC12 and LQQ-A10 came within 0.91-1.05x, too close to call in one run.
 # Run 3 (H100) made 4-warp blocks the default where 8 would leave a warp a single K step (AP-W4 took 0.79-0.90x on
 # 6144 x 4096 and at M = 1 on 28672 x 4096, and 1.05-1.12x at K = 14336; anyprec_tc_warps). LQQ-A10 came within
-# 0.97-1.00x, inside the run's noise: LQQ-4B's rows at M = 1 run the same kernel as U8 and took 0.95-0.97x.
+# 0.96-1.00x, inside the run's noise: LQQ-4B's rows at M = 1 run the same kernel as U8 and took 0.94-0.97x.
 # The built-in defines (8 steps' loads a round: QK_SMALLM_AHEAD) and split budget, which the other configurations
 # vary. No define at all, so that the default configuration runs the default build, the one the tests and the bench
 # load, and not a second build of the same kernels under another cache key.
