@@ -440,7 +440,12 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     bandwidth = kernel_bench.copy_bandwidth()
-    rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters, rounds)
+    reporter = _RichReporter()
+    try:
+        rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters, rounds,
+                                      lambda done, total: reporter.phase(f"timing ({rounds} rounds)", done, total))
+    finally:
+        reporter.stop()
     checks = kernel_bench.bars(rows, bandwidth)
     Console().print(kernel_bench.render(rows, bandwidth, device))
     Console().print(kernel_bench.render_bars(checks, device))

@@ -444,16 +444,19 @@ def artifact_cases(path, layer: int = 0) -> list[Case]:
     return cases
 
 
-def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: int = 50,
-              rounds: int = 1) -> list[Row]:
+def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: int = 50, rounds: int = 1,
+              on_timed: Callable[[int, int], None] | None = None) -> list[Row]:
     """Time every case and, once per (N, K, M), the baselines, side by side in one run; with several `rounds`, the
     whole run again that many times, each row's time the median of its rounds' (its `round_seconds`), so that a
     slow spell of the device or of cuBLAS during one round (on an H100, cuBLAS FP16 once took 101 us where every
-    other run took 80-86) moves neither a bar's kernel nor its baseline."""
+    other run took 80-86) moves neither a bar's kernel nor its baseline. `on_timed(done, total)` follows the
+    kernels' timings (a progress bar)."""
     from quantkit.kernels import upload
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    total = rounds * sum(not (case.variant.fmt == "anyprec" and m > 16) for case in cases for m in ms)
+    done = 0
     made: dict[int, dict[str, torch.Tensor]] = {}  # each case's tensors, made once for all rounds
     samples: dict[tuple, list[Row]] = {}
     for _ in range(rounds):
@@ -477,6 +480,9 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
                 samples.setdefault((case.n, case.k, m, case.label, index), []).append(
                     Row(case.n, case.k, m, case.label, seconds, stored + act + 2 * m * case.n, launch.name,
                         case.variant, single))
+                done += 1
+                if on_timed is not None:
+                    on_timed(done, total)
             if rounds == 1:
                 made.pop(index, None)  # one round: no case's tensors held past its own timing
     return [_median_row(rows) for rows in samples.values()]

@@ -1374,7 +1374,8 @@ def test_bench_bars_apply_the_issue_thresholds():
 def test_bench_rounds_report_each_rows_median_and_make_tensors_once(monkeypatch):
     """`quantkit bench --rounds 3`: kernels and baselines are timed once a round and each row reports the median of
     its rounds, so a slow spell in one round (a baseline 3x slower, a kernel 2x) moves no ratio; every round's time
-    is kept (the JSON's round_seconds), the stored tensors are made once for all rounds, and no round is refused."""
+    is kept (the JSON's round_seconds), the stored tensors are made once for all rounds, a progress callback counts
+    every kernel timing against the total, and no round is refused."""
     from quantkit import kernel_bench as kb
 
     monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
@@ -1395,8 +1396,10 @@ def test_bench_rounds_report_each_rows_median_and_make_tensors_once(monkeypatch)
     cases = kb.shape_cases(((256, 640),), tuple(v for v in kb.VARIANTS if v.fmt in ("qserve", "anyprec")))
     cases = [kb.Case(c.label, c.n, c.k, c.variant,
                      lambda make=c.tensors: made.__setitem__("count", made["count"] + 1) or make()) for c in cases]
-    rows = kb.run_bench(cases, ms=(1, 4), rounds=3)
+    progress = []
+    rows = kb.run_bench(cases, ms=(1, 4), rounds=3, on_timed=lambda done, total: progress.append((done, total)))
     assert round_of["now"] == 2 and made["count"] == len(cases)
+    assert progress == [(i + 1, 3 * 2 * len(cases)) for i in range(3 * 2 * len(cases))]  # every kernel timing
     fp16 = [r for r in rows if r.label == kb.FP16]
     kernels_rows = [r for r in rows if r.variant is not None]
     assert len(fp16) == 2 and len(kernels_rows) == 2 * len(cases)  # one row per (shape, M, kernel), not per round
