@@ -561,6 +561,9 @@ ANYPREC_WARPS, ANYPREC_TOKENS = 8, 8  # kernels/anyprec_gemv.cu: channels per bl
 ANYPREC_TC_CHANNELS, ANYPREC_TC_TOKENS = 16, 16  # anyprec_gemm_tc(8): the m16 tile of channels, two n8 of tokens
 # The warps of a tensor-core block (kernels/anyprec_gemv.cu QK_AP_TC_WARPS: 8; 4 and 2 for bench/smallm_tune.py).
 ANYPREC_TC_WARPS = _define("QK_AP_TC_WARPS", 8)
+# The channel groups (of a lane's 2) whose 3-bit tables the tensor-core kernels hold in registers (QK_AP_REG_GROUPS:
+# 2; 0 and 1 put one or both in shared memory, bench/smallm_tune.py's AP-SMEM and AP-HYBRID).
+ANYPREC_REG_GROUPS = _define("QK_AP_REG_GROUPS", 2)
 # The fast kernels up to 3 bits are also built with blocks of 4 warps (APT_FEW_WARPS, *_fast_w4), which the launch
 # takes where ANYPREC_TC_WARPS would leave a warp under two K steps (anyprec_tc_warps): K = 4096 at up to 4 bits is
 # 8 steps. On an H100 they took 0.79-0.90x the time on 6144 x 4096 and at M = 1 on 28672 x 4096, and 1.07x at
@@ -579,7 +582,7 @@ def anyprec_tc_shared_bytes(bits: int, warps: int | None = None) -> int:
     both channel groups' in registers, the default), 256 bytes an entry (4 copies of 32 bits for each of the block's
     16 channels: fp16 pairs of nibble-pair bytes up to 4 bits, which also hold pair mode's 4^bits, else one fp16 per
     code), and at least the warps' sums [warps, 2, 32, 4] float32 that reuse it at the end."""
-    in_registers = bits <= 3 and _define("QK_AP_REG_GROUPS", 2) >= 2
+    in_registers = bits <= 3 and ANYPREC_REG_GROUPS >= 2
     entries = 0 if in_registers else 17 * ((1 << bits) - 1) + 1 if bits <= 4 else 1 << bits
     return max(entries * 256, (warps or ANYPREC_TC_WARPS) * 2 * 32 * 4 * 4)
 
