@@ -64,8 +64,11 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "U6": ({"QK_SMALLM_AHEAD": 6}, SPLIT),
     # LiquidQuant from 9 to 16 tokens with four token blocks a tile, not two (liquidquant_w4a8_gemm16)
     "LQQ-4B": (U8, {**SPLIT, "LIQUIDQUANT_GEMM16": False}),
-    # QServe's and QQQ's small-M kernels with each tile one block, not split across up to 4 (split_plan)
+    # QServe's and QQQ's small-M kernels with each tile one block, not split across up to 4 (split_plan), or across
+    # up to 2: on an H100 QQQ per channel on 6144 x 4096 took 0.93x the time in one block (runs 1 and 3), where QQQ
+    # g128 took 1.22x; Z2 gives both 8 copies in each of 2 blocks a tile, between Z1's 8 in one and 4 in each of 4
     "Z1": (U8, {**SPLIT, "SPLITK_BLOCKS_MAX": 1}),
+    "Z2": (U8, {**SPLIT, "SPLITK_BLOCKS_MAX": 2}),
     # LiquidQuant's register kernels on four warps a block (one 64-channel weight block), as measured until now
     "LQQ-W4": ({**U8, "QK_LQQ_TILE_WARPS": 4}, SPLIT),
     # the bulk-copy kernels on Hopper (qserve_w4a8_bulk, qqq_w4a8_bulk, liquidquant_w4a8_bulk8), two or three
@@ -113,7 +116,7 @@ W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": (*W4A8, "atom"),
     "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S2": ("liquidquant",),
-    "Z1": ("qserve", "qqq"),
+    "Z1": ("qserve", "qqq"), "Z2": ("qqq",),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
@@ -152,7 +155,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 
 # The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
 # default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU.
-PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2")
+PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2", "Z2")
 LARGE_PENDING: tuple[str, ...] = ()
 
 
