@@ -11,8 +11,8 @@ With --large it tunes the Hopper (wgmma) kernels at M = 1024 instead, over their
 builds the kernels once per process, with QUANTKIT_NVRTC_DEFINES), on synthetic tensors made once for all of them
 (in parallel). It first checks each kernel against the emulation at M = 3 and 13 (--large: 200; bit for bit,
 Any-Precision's within its bound), then times it as `quantkit bench` does (CUDA-graph replays, operands rotating
-past the L2 cache). A configuration
-times only the layouts its knobs change (SCOPES; the default times all), so that a short lease fits more of them.
+past the L2 cache). A configuration times only the layouts its knobs change (SCOPES; the default times all), so
+that a short lease fits more of them.
 Prints one table (microseconds; the fastest configuration of each row marked) and the total per configuration and
 layout; --json keeps it all, and --best writes the fastest per layout, merged (`fastest`); both are written after
 every configuration, so that a run cut short keeps what it timed.
