@@ -388,11 +388,23 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     console.print("every packed linear matches its reference")
 
 
+def _bench_shapes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[tuple[int, int], ...]:
+    """--shapes as (N, K) pairs, refused with the reason before anything runs."""
+    from quantkit.kernel_bench import parse_shapes
+
+    try:
+        return parse_shapes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @main.command(name="bench")
 @click.argument("output", type=click.Path(path_type=Path), required=False)
-@click.option("--shapes", "shape_set", type=click.Choice(["llama3-8b"]), default="llama3-8b", show_default=True,
-              help="Without OUTPUT, the (N, K) shapes to time: Llama-3-8B's fused qkv, o, fused gate_up and down "
-              "projections, on synthetic tensors of every layout.")
+@click.option("--shapes", "shapes", default="llama3-8b", show_default=True, callback=_bench_shapes,
+              help="Without OUTPUT, the (N, K) shapes to time, on synthetic tensors of every layout: a model's fused "
+              "qkv, o, fused gate_up and down projections (llama3-8b, whose shapes issue #6's bars are set on and "
+              "Mistral-7B shares; llama2-7b, llama3-70b, qwen2-7b), or shapes of one's own as NxK,NxK,... (N output "
+              "channels, K input, multiples of 128).")
 @click.option("--layer", type=int, default=0, show_default=True, help="With OUTPUT, the layer whose linears to time.")
 @click.option("--m", "ms", default="1,4,16,1024", show_default=True,
               help="Comma-separated token counts (the GEMM's M); the Any-Precision GEMV runs only for M <= 16.")
@@ -409,8 +421,8 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
               "rounds, so that a slow spell of the device during one round moves no bar. 1 for a quick look.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every row and bar, with the device and its copy bandwidth, to this JSON file.")
-def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats: str | None, paths: str,
-              warmup: int, iters: int, rounds: int, json_path: Path | None) -> None:
+def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: int, ms: str, formats: str | None,
+              paths: str, warmup: int, iters: int, rounds: int, json_path: Path | None) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm and cublasGemmEx; the faster sets the bar) on the same shapes, in one run: CUDA events, warm-up,
     medians (a call under 100 us is timed per call in replayed CUDA graphs, as engines run decode GEMMs, and its
@@ -435,7 +447,7 @@ def bench_cmd(output: Path | None, shape_set: str, layer: int, ms: str, formats:
                                 f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
         if paths == "all":
             variants = kernel_bench.with_paths(variants, hopper=kernels.hopper_available())
-        cases = kernel_bench.shape_cases(kernel_bench.SHAPE_SETS[shape_set], variants)
+        cases = kernel_bench.shape_cases(shapes, variants)
     import cupy
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()

@@ -22,10 +22,34 @@ import torch
 
 from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch, tuning
 
+# (N, K) of a model's linears: fused qkv, o, fused gate_up, down. Issue #6's bars are set on Llama-3-8B's (which
+# Mistral-7B shares); `quantkit bench` applies the same rules to the others.
 SHAPE_SETS: dict[str, tuple[tuple[int, int], ...]] = {
-    # (N, K) of Llama-3-8B's linears: fused qkv, o, fused gate_up, down
     "llama3-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+    "llama2-7b": ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)),
+    "llama3-70b": ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)),
+    "qwen2-7b": ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)),
 }
+SHAPE_MULTIPLE = 128  # of N and K in a shape of one's own: every layout's kernels (wgmma tiles, Atom's groups) fit it
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """The (N, K) shapes `--shapes` names: a set of SHAPE_SETS, or shapes of one's own as "NxK,NxK,..." (N output
+    channels, K input; both multiples of SHAPE_MULTIPLE, so that every layout's kernels take them)."""
+    if text in SHAPE_SETS:
+        return SHAPE_SETS[text]
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        n, sep, k = part.lower().partition("x")
+        if not (sep and n.isdigit() and k.isdigit()):
+            raise ValueError(f"{part!r} is neither a shape set ({', '.join(SHAPE_SETS)}) nor NxK (e.g. 4096x14336)")
+        if int(n) % SHAPE_MULTIPLE or int(k) % SHAPE_MULTIPLE or not int(n) or not int(k):
+            raise ValueError(f"{part}: N and K must be positive multiples of {SHAPE_MULTIPLE}, so that every layout's "
+                             "kernels take the shape")
+        shapes.append((int(n), int(k)))
+    if not shapes:
+        raise ValueError(f"no shapes in {text!r}: name a set ({', '.join(SHAPE_SETS)}) or give NxK,NxK,...")
+    return tuple(shapes)
 
 
 @dataclass(frozen=True)

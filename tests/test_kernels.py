@@ -1329,6 +1329,42 @@ def test_bench_needs_a_gpu_and_says_so():
     assert "needs a CUDA device and CuPy (pip install 'quantkit[cuda]')" in " ".join(result.output.split())
 
 
+def test_bench_shapes_are_named_sets_or_ones_own_and_refused_with_the_reason():
+    """--shapes: a named set (every shape a multiple of 128), or NxK,NxK,... of one's own; anything else is refused
+    before anything runs, even on a machine without a GPU, naming the sets and the rule."""
+    from helpers import cli
+
+    from quantkit.kernel_bench import SHAPE_MULTIPLE, SHAPE_SETS, parse_shapes
+
+    assert parse_shapes("llama3-8b") == ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    assert all(n % SHAPE_MULTIPLE == 0 and k % SHAPE_MULTIPLE == 0 for shapes in SHAPE_SETS.values()
+               for n, k in shapes)
+    assert parse_shapes("4096x14336, 384X640") == ((4096, 14336), (384, 640))
+    for bad, says in (("llama9", "neither a shape set"), ("4096x100", "multiples of 128"), ("0x128", "positive"),
+                      (",", "no shapes")):
+        with pytest.raises(ValueError, match=says):
+            parse_shapes(bad)
+    result = cli("bench", "--shapes", "4096x100")
+    assert result.exit_code == 2 and "multiples of 128" in " ".join(result.output.split())
+
+
+@needs_compiler
+def test_every_bench_variant_takes_a_shape_of_ones_own():
+    """A shape of one's own that is a multiple of 128 but of no power of two (384 x 640): every layout's kernel, as
+    `quantkit bench` launches it, gives the emulation's output in the warp simulator."""
+    from quantkit.kernel_bench import emulated_out, variant_launch
+
+    n, k, m = 384, 640, 5
+    for variant in _bench.VARIANTS:
+        tensors = synthetic(variant.fmt, n, k, seed=2, group=variant.group)
+        launch = variant_launch(variant, tensors, m, k, seed=3)
+        out = kernels.run(launch, "cpu").view(np.float16)
+        if launch.name.startswith("anyprec_gemm_tc"):
+            assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
+        else:
+            np.testing.assert_array_equal(out.view(np.uint16), emulated_out(variant.fmt, tensors, launch, variant.bits))
+
+
 def test_bench_table_computes_rates_and_speedups():
     from rich.console import Console
 
