@@ -452,10 +452,10 @@ def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: i
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     bandwidth = kernel_bench.copy_bandwidth()
-    reporter = _RichReporter()
+    reporter, label = _RichReporter(), f"timing ({rounds} round{'s' if rounds > 1 else ''})"
     try:
         rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters, rounds,
-                                      lambda done, total: reporter.phase(f"timing ({rounds} rounds)", done, total))
+                                      lambda done, total: reporter.phase(label, done, total))
     finally:
         reporter.stop()
     checks = kernel_bench.bars(rows, bandwidth)
