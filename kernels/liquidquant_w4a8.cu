@@ -77,17 +77,19 @@ QK_FN void load_tokens_checked(const LiquidArgs& a, int tb, int kt, int j, int l
 
 // A small-M block covers `warps` (4, or 1) of the four warps of a 64-channel block, each with its 16 channels: its
 // thread `local` is thread t of block nt's 128 (rows 16 (t / 32) + g ..). One warp a block gives N / 16 blocks, so
-// that a narrow N (N = 4096: 64 blocks of 64 channels) still fills every SM.
+// that a narrow N (N = 4096: 64 blocks of 64 channels) still fills every SM. With `slices` 16-channel slices a warp
+// (liquidquant_w4a8_gemm16 under QK_LQQ16_SLICES), the warp's slice s is slice slices w + s among the N / 16, w the
+// warp's index among the N / (16 slices), and t is the thread of that slice.
 // The small-M kernels' warps a block: QK_LQQ_TILE_WARPS, a compile-time knob for tuning on a GPU (4 in every H200
 // run; on an H100 four took 0.98-1.63x one's time, bench/results/kernels_h100_smallm_tune.json). It changes no bit
 // of any output.
 #ifndef QK_LQQ_TILE_WARPS
 #define QK_LQQ_TILE_WARPS 1
 #endif
-QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t) {
-  const int first = block * warps;  // its first warp among the N / 16
+QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t, int slices = 1, int s = 0) {
+  const int first = slices * (block * warps + local / 32);  // the warp's first slice among the N / 16
   nt = first / 4;
-  t = 32 * (first % 4) + local;
+  t = 32 * (first % 4 + s) + local % 32;  // slices divides 4: the warp's slices share block nt
 }
 
 // The lane's accumulators of token block tb: c0, c1 at channel g, tokens 2q, 2q + 1; c2, c3 at channel g + 8.
@@ -243,14 +245,8 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   constexpr int warps = QK_LQQ_TILE_WARPS;
   const int local = threadIdx.x % (32 * warps), copy = threadIdx.x / (32 * warps), tb0 = TB * blockIdx.y;
   int nt, t[SLICES];
-  if constexpr (SLICES == 1) {
-    qk::lqq_tile(blockIdx.x, local, warps, nt, t[0]);
-  } else {  // slices 2 w, 2 w + 1 among the N / 16 (4 a weight block), w the warp's index among the N / 32
-    const int slice = SLICES * (blockIdx.x * warps + local / 32);
-    nt = slice / 4;
 #pragma unroll
-    for (int s = 0; s < SLICES; ++s) t[s] = 32 * (slice % 4 + s) + local % 32;
-  }
+  for (int s = 0; s < SLICES; ++s) qk::lqq_tile(blockIdx.x, local, warps, nt, t[s], SLICES, s);
   struct Stage { uint32_t r[SLICES][4], sa[SLICES][2], b[TB][2][2]; };
   const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
   int32_t acc[SLICES][TB][4] = {};
