@@ -182,12 +182,22 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
     (default SPLITK_MIN_STEPS), the other copies' partial sums (`partial_bytes` each) fitting in
     SPLITK_MAX_SHARED and the block in SPLITK_MAX_THREADS."""
     min_steps = SPLITK_MIN_STEPS if min_steps is None else min_steps
+    most = min(max_splits, block_copies(partial_bytes, warps_per_copy))
     splits = 1
-    while (2 * splits <= max_splits and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
-           and steps // (2 * splits) >= min_steps and (2 * splits - 1) * partial_bytes <= SPLITK_MAX_SHARED
-           and 32 * warps_per_copy * 2 * splits <= SPLITK_MAX_THREADS):
+    while (2 * splits <= most and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
+           and steps // (2 * splits) >= min_steps):
         splits *= 2
     return splits
+
+
+def block_copies(partial_bytes: int, warps_per_copy: int = 1) -> int:
+    """The most copies of a tile's `warps_per_copy` warps one block holds (a power of two): the block within
+    SPLITK_MAX_THREADS, the other copies' partial sums (`partial_bytes` each) within SPLITK_MAX_SHARED."""
+    copies = 1
+    while (32 * warps_per_copy * 2 * copies <= SPLITK_MAX_THREADS
+           and (2 * copies - 1) * partial_bytes <= SPLITK_MAX_SHARED):
+        copies *= 2
+    return copies
 
 
 # Split-K across blocks as well (QServe's and QQQ's small-M kernels): up to SPLITK_BLOCKS_MAX blocks a tile, which
@@ -201,7 +211,6 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
 # the even spread, against 192 of 8 copies, 73%), QQQ per channel at 28672 x 4096 24.4 -> 27.9.
 SPLITK_BLOCKS_MAX = 4
 SPLITK_SMS = 132  # an H100 / H200 SXM
-SPLITK_BLOCK_COPIES = 16  # a block's most copies (SPLITK_MAX_THREADS of one-warp copies)
 
 
 def block_balance(blocks: int) -> float:
@@ -216,9 +225,7 @@ def split_plan(tiles: int, steps: int, partial_bytes: int) -> tuple[int, int]:
     evenly (block_balance; the fewest on a tie), the copies shared among them. A tile stays one block when its copies
     fit one: more blocks for the spread alone were slower (SPLITK_BLOCKS_MAX's note)."""
     splits = split_count(tiles, 1, steps, partial_bytes)
-    held = 1  # the most copies a block holds: threads and the other copies' partial sums
-    while 2 * held <= SPLITK_BLOCK_COPIES and (2 * held - 1) * partial_bytes <= SPLITK_MAX_SHARED:
-        held *= 2
+    held = block_copies(partial_bytes)
     total = splits
     while (2 * total <= held * SPLITK_BLOCKS_MAX and tiles * 2 * total <= SPLITK_WARPS
            and steps // (2 * total) >= SPLITK_MIN_STEPS):
@@ -587,13 +594,20 @@ def anyprec_tc_shared_bytes(bits: int, warps: int | None = None) -> int:
     return max(entries * 256, (warps or ANYPREC_TC_WARPS) * 2 * 32 * 4 * 4)
 
 
+def anyprec_tc_block_sizes(bits: int, fast: bool) -> tuple[int, ...]:
+    """The block sizes (warps) the tensor-core kernels at width `bits` are built with: ANYPREC_TC_WARPS, and
+    ANYPREC_TC_FEW_WARPS too for the fast ones up to 3 bits (*_fast_w4)."""
+    return (ANYPREC_TC_WARPS, ANYPREC_TC_FEW_WARPS) if fast and bits <= 3 else (ANYPREC_TC_WARPS,)
+
+
 def anyprec_tc_warps(k: int, bits: int, fast: bool) -> int:
-    """The warps of a tensor-core block for K at width `bits`: ANYPREC_TC_FEW_WARPS for the fast kernels up to 3
-    bits (built with both sizes) where ANYPREC_TC_WARPS would leave a warp under two of the tile's K steps (512
-    columns a step up to 4 bits, 256 above: tc_steps), so that each warp's next step is in flight during this one's
-    decode and an SM holds twice the blocks; else ANYPREC_TC_WARPS."""
+    """The warps of a tensor-core block for K at width `bits`: ANYPREC_TC_FEW_WARPS where the kernel is built with
+    it and ANYPREC_TC_WARPS would leave a warp under two of the tile's K steps (512 columns a step up to 4 bits, 256
+    above: tc_steps), so that each warp's next step is in flight during this one's decode and an SM holds twice the
+    blocks; else ANYPREC_TC_WARPS."""
     steps = -(-(k // 32) // (16 if bits <= 4 else 8))
-    few = ANYPREC_TC_FEW and fast and bits <= 3 and ANYPREC_TC_FEW_WARPS < ANYPREC_TC_WARPS
+    few = (ANYPREC_TC_FEW and ANYPREC_TC_FEW_WARPS < ANYPREC_TC_WARPS
+           and ANYPREC_TC_FEW_WARPS in anyprec_tc_block_sizes(bits, fast))
     return ANYPREC_TC_FEW_WARPS if few and steps < 2 * ANYPREC_TC_WARPS else ANYPREC_TC_WARPS
 
 
@@ -633,7 +647,7 @@ def anyprec_launch(tensors: dict[str, torch.Tensor], x: np.ndarray, bits: int, t
                              f"got M={m}, N={n}, K={k} at {bits} bits")
         if warps is None:
             warps = anyprec_tc_warps(k, bits, fast)
-        elif warps != ANYPREC_TC_WARPS and not (warps == ANYPREC_TC_FEW_WARPS and fast and bits <= 3):
+        elif warps not in anyprec_tc_block_sizes(bits, fast):
             raise ValueError(f"the tensor-core kernels come in blocks of {ANYPREC_TC_WARPS} warps, and of "
                              f"{ANYPREC_TC_FEW_WARPS} for the fast ones up to 3 bits; got {warps} at {bits} bits")
         # one n8 block up to DECODE_MAX_M tokens, fewer registers
