@@ -1301,22 +1301,29 @@ _bench = __import__("quantkit.kernel_bench", fromlist=["VARIANTS"])
 def test_every_bench_variant_launches_and_matches_the_emulation(variant):
     """What `quantkit bench` times is the kernel the tests check: each variant's launch (each path of `--paths
     all` too), on a small shape, gives the emulation's output in the warp simulator."""
-    from quantkit.kernel_bench import emulated_out, variant_launch
-
     n, k, m = 128, 256, 5
     tensors = synthetic(variant.fmt, n, k, seed=1, group=variant.group)
-    launch = variant_launch(variant, tensors, m, k, seed=2)
+    launch = assert_bench_launch_matches(variant, tensors, m, n, k, seed=2)
     if variant.path in ("tiled", "tensor cores", "wgmma"):
         ending = {"tiled": "_tiled", "tensor cores": f"_tc8_{variant.bits}", "wgmma": "_wgmma"}[variant.path]  # m 5
         assert launch.name.endswith(ending)
     elif variant.path is not None:
         assert not launch.name.endswith(("_tiled", "_tc", "_wgmma"))
+
+
+def assert_bench_launch_matches(variant, tensors, m, n, k, seed):
+    """`quantkit bench`'s launch of `variant` at M tokens, run in the warp simulator, against the emulation from the
+    launch's own inputs (Atom: the same reordered codes and scales; Any-Precision's tensor cores within the bound)."""
+    from quantkit.kernel_bench import emulated_out, variant_launch
+
+    launch = variant_launch(variant, tensors, m, k, seed=seed)
     out = kernels.run(launch, "cpu").view(np.float16)
     assert out.shape == (m, n) and np.isfinite(out).all()
     if launch.name.startswith("anyprec_gemm_tc"):
         assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
-    else:  # the emulation from the launch's own inputs (Atom: the same reordered codes and scales)
+    else:
         np.testing.assert_array_equal(out.view(np.uint16), emulated_out(variant.fmt, tensors, launch, variant.bits))
+    return launch
 
 
 def test_bench_needs_a_gpu_and_says_so():
@@ -1352,17 +1359,10 @@ def test_bench_shapes_are_named_sets_or_ones_own_and_refused_with_the_reason():
 def test_every_bench_variant_takes_a_shape_of_ones_own():
     """A shape of one's own that is a multiple of 128 but of no power of two (384 x 640): every layout's kernel, as
     `quantkit bench` launches it, gives the emulation's output in the warp simulator."""
-    from quantkit.kernel_bench import emulated_out, variant_launch
-
     n, k, m = 384, 640, 5
     for variant in _bench.VARIANTS:
         tensors = synthetic(variant.fmt, n, k, seed=2, group=variant.group)
-        launch = variant_launch(variant, tensors, m, k, seed=3)
-        out = kernels.run(launch, "cpu").view(np.float16)
-        if launch.name.startswith("anyprec_gemm_tc"):
-            assert_within_tc_bound(tensors, launch.args[0].view(np.float16), variant.bits, out)
-        else:
-            np.testing.assert_array_equal(out.view(np.uint16), emulated_out(variant.fmt, tensors, launch, variant.bits))
+        assert_bench_launch_matches(variant, tensors, m, n, k, seed=3)
 
 
 def test_bench_table_computes_rates_and_speedups():
