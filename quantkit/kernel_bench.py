@@ -479,7 +479,9 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    total = rounds * sum(not (case.variant.fmt == "anyprec" and m > 16) for case in cases for m in ms)
+    # decode batches only for Any-Precision: above a few tokens, dequantize and call cuBLAS (the paper)
+    timed_ms = [tuple(m for m in ms if case.variant.fmt != "anyprec" or m <= 16) for case in cases]
+    total = rounds * sum(len(kernel_ms) for kernel_ms in timed_ms)
     done = 0
     made: dict[int, dict[str, torch.Tensor]] = {}  # each case's tensors, made once for all rounds
     samples: dict[tuple, list[Row]] = {}
@@ -491,8 +493,8 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
                     for row in baselines(m, case.n, case.k, warmup, iters):
                         samples.setdefault((row.n, row.k, row.m, row.label, None), []).append(row)
                     timed.add((case.n, case.k, m))
-                if case.variant.fmt == "anyprec" and m > 16:
-                    continue  # decode batches only: above a few tokens, dequantize and call cuBLAS (the paper)
+                if m not in timed_ms[index]:
+                    continue
                 if index not in made:
                     made[index] = case.tensors()
                 tensors = made[index]
