@@ -9,6 +9,9 @@
    instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
+2a. bench/timeline.py: the decode kernels built with their phase stamps (kernels/qk_timeline.cuh), where the time
+   between launch and the last store goes: the first loads' latency, the stream, the split-K meetings, the stores
+   (GPU only; --skip-timeline leaves it out).
 2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; with
    --bench-tuned, `quantkit bench` once more under the fastest configuration of each tuning step (bench_tuned.json,
    whose report names the defines and settings it ran); then bench/profile_smallm.py under Nsight Compute (ncu),
@@ -20,9 +23,9 @@
 4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
-The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, tune.json, tune_large.json,
-bench_tuned.json and sweep.json, six files: the tool brings back at most eight); a table of the steps' exit codes
-is printed last.
+The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, timeline.json, tune.json,
+tune_large.json, bench_tuned.json and sweep.json, seven files: the tool brings back at most eight); a table of the
+steps' exit codes is printed last.
 Each step has a time limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
@@ -33,8 +36,9 @@ bench/build_kernels.py, which builds every module the run will load, on all core
 without a GPU and carried to the device with QUANTKIT_CACHE pointing at them, they are found there and cost nothing.
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
-        [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned] [--skip-profile]
-        [--profile-formats F,...] [--profile-large] [--skip-validate] [--skip-sweep] [--recipes NAME,...]
+        [--skip-timeline] [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned]
+        [--skip-profile] [--profile-formats F,...] [--profile-large] [--skip-validate] [--skip-sweep]
+        [--recipes NAME,...]
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true", help="leave out the device tests (a second run on a "
                         "machine whose first run passed them; with --kernel sim, the simulator's kernel tests)")
     parser.add_argument("--skip-bench", action="store_true", help="leave out `quantkit bench`")
+    parser.add_argument("--skip-timeline", action="store_true", help="leave out bench/timeline.py")
     parser.add_argument("--skip-tune", action="store_true", help="leave out bench/smallm_tune.py")
     parser.add_argument("--skip-profile", action="store_true", help="leave out the Nsight Compute profile")
     parser.add_argument("--skip-validate", action="store_true", help="leave out the quantize + validate steps")
@@ -130,7 +135,8 @@ def main() -> None:
         # carried), not one module at a time inside each timed step
         step("build", [py, "bench/build_kernels.py",
                        "--configs", "" if args.skip_tune else configs_named(args.tune_args),
-                       "--large-configs", "" if args.tune_large is None else configs_named(args.tune_large)],
+                       "--large-configs", "" if args.tune_large is None else configs_named(args.tune_large),
+                       "--defines", "" if args.skip_timeline else "QK_TIMELINE=1"],
              args.out, results, 180)
         if not args.skip_tests:
             if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk"], args.out, results, 120) != 0:
@@ -142,6 +148,9 @@ def main() -> None:
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 360, env)  # 3 rounds
+        if not args.skip_timeline:  # where the decode kernels' time goes, phase by phase
+            step("timeline", [py, "bench/timeline.py", "--json", str(args.out / "timeline.json")], args.out, results,
+                 120, env)
         best = [work / "best.json", work / "best_large.json"]  # each tuning step's fastest configuration
         for path in best:
             path.unlink(missing_ok=True)

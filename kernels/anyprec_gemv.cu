@@ -558,6 +558,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
   const int blocks_n = a.m - m0 > 8 ? NB : 1, token0 = m0 + frag_group(lane);
   uint32_t w[2][BITS][W], run[4][4];
   TcRegTables rt;
+  QK_STAMP(QK_T_START);
   if (warp < steps) {  // in flight while the tables fill
     tc_load_step<BITS, FAST>(a, n0, warp, lane, w);
     tc_load_runs<BITS, FAST>(a, warp, lane, 0, token0, run);
@@ -601,6 +602,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 #pragma unroll
         for (int s = 0; s < 8; ++s) mma_f16(acc[1], fa[s], fb[s]);
       }
+      if (i == 0 && step == warp) QK_STAMP(QK_T_FIRST);
     }
     if constexpr (tc_prefetch<BITS, NB>()) {
 #pragma unroll
@@ -611,6 +613,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
           for (int i = 0; i < W; ++i) w[h][p][i] = next[h][p][i];
     }
   }
+  QK_STAMP(QK_T_LOOP);
   if constexpr (tc_shared_tables<BITS>()) __syncthreads();  // the tables' last reader done: the sums take their place
   float* sums = reinterpret_cast<float*>(smem);
 #pragma unroll
@@ -618,7 +621,9 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 #pragma unroll
     for (int i = 0; i < 4; ++i) sums[((warp * 2 + nb) * 32 + lane) * 4 + i] = acc[nb][i];
   __syncthreads();
+  QK_STAMP(QK_T_REDUCED);
   tc_finish<WARPS>(a, sums, n0, m0, tid);
+  QK_STAMP(QK_T_STORED);
 }
 
 // One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and

@@ -285,6 +285,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
     for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);
+  QK_STAMP(QK_T_STORED);
 }
 
 // warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory

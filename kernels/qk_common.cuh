@@ -22,6 +22,7 @@ typedef signed char int8_t;
 typedef unsigned char uint8_t;
 typedef unsigned long long uint64_t;
 #endif
+#include "qk_timeline.cuh"
 
 namespace qk {
 
@@ -617,7 +618,10 @@ struct WgmmaTiles {
 // true for the threads of copy 0, which then hold the block's sums; every thread of the block must call it.
 template <int COUNT>
 __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int threads, int splits) {
-  if (splits == 1) return true;
+  if (splits == 1) {
+    QK_STAMP(QK_T_REDUCED);
+    return true;
+  }
   extern __shared__ int32_t qk_partials[];
   if (copy > 0) {
 #pragma unroll
@@ -626,6 +630,7 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
   __syncthreads();
   if (copy > 0) return false;
   qk::splitk_add(acc, qk_partials, t, COUNT, threads, splits);
+  QK_STAMP(QK_T_REDUCED);
   return true;
 }
 
@@ -636,7 +641,10 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
 // with copy 0's warp only.
 template <int COUNT>
 __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit, int32_t* sums, int32_t* arrived) {
-  if (zsplit == 1) return true;
+  if (zsplit == 1) {
+    QK_STAMP(QK_T_MET);
+    return true;
+  }
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   int32_t* mine = sums + (size_t)tile * COUNT * 32;
 #pragma unroll
@@ -650,6 +658,7 @@ __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit
 #pragma unroll
   for (int j = 0; j < COUNT; ++j) acc[j] = atomicExch(&mine[j * 32 + lane], 0);
   if (lane == 0) arrived[tile] = 0;
+  QK_STAMP(QK_T_MET);
   return true;
 }
 
@@ -672,13 +681,17 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // needs), the last round's too when fewer than U steps are left.
 template <int U, typename Stage, typename Load, typename Compute>
 __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
+  QK_STAMP(QK_T_START);
   int step = first;
   for (; step + (U - 1) * stride < steps; step += U * stride) {
     Stage stage[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) load(step + u * stride, stage[u]);
 #pragma unroll
-    for (int u = 0; u < U; ++u) compute(step + u * stride, stage[u]);
+    for (int u = 0; u < U; ++u) {
+      compute(step + u * stride, stage[u]);
+      if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
+    }
   }
   if (step < steps) {  // the rest, fewer than U steps, still all in flight together
     Stage stage[U];
@@ -687,8 +700,12 @@ __device__ __forceinline__ void pipelined_steps(int first, int stride, int steps
       if (step + u * stride < steps) load(step + u * stride, stage[u]);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (step + u * stride < steps) compute(step + u * stride, stage[u]);
+      if (step + u * stride < steps) {
+        compute(step + u * stride, stage[u]);
+        if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
+      }
   }
+  QK_STAMP(QK_T_LOOP);
 }
 
 // ldmatrix.x4 of b16 8 x 8 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives, of each

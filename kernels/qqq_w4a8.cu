@@ -349,6 +349,7 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
   if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+  QK_STAMP(QK_T_STORED);
 }
 
 // Per group (s_group given).

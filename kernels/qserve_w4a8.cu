@@ -299,6 +299,7 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+  QK_STAMP(QK_T_STORED);
 }
 
 // Per group (s2, z2 given; s1_szeros and t_x unused).

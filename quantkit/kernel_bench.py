@@ -331,9 +331,14 @@ def copy_bandwidth(size: int = 1 << 30, warmup: int = 3, iters: int = 20) -> flo
 
 # A streaming read of B bytes (four 16-byte loads in flight per thread, a grid-stride loop), the floor of any
 # kernel that must read B bytes of weights: at the few MB of a decode GEMM's weights, launch and ramp cost more than
-# at the 1 GiB of `copy_bandwidth`, and this row shows how much.
+# at the 1 GiB of `copy_bandwidth`, and this row shows how much. Its stamps are nothing here; bench/timeline.py
+# builds it after kernels/qk_timeline.cuh, which makes them the kernels' phase stamps.
 STREAM_READ = r"""
+#ifndef QK_STAMP
+#define QK_STAMP(phase)
+#endif
 extern "C" __global__ void stream_read(const uint4* src, unsigned long long n16, unsigned* sink) {
+  QK_STAMP(QK_T_START);
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
   unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
   unsigned acc = 0;
@@ -345,7 +350,9 @@ extern "C" __global__ void stream_read(const uint4* src, unsigned long long n16,
     const uint4 a = src[i];
     acc ^= a.x ^ a.y ^ a.z ^ a.w;
   }
+  QK_STAMP(QK_T_LOOP);
   if (acc == 0x9E3779B9u) sink[0] = acc;  // almost never: it keeps the loads
+  QK_STAMP(QK_T_STORED);
 }
 """
 

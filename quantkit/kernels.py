@@ -144,6 +144,11 @@ def hopper_kernel(name: str) -> bool:
     return "_wgmma" in name or "_bulk" in name
 
 
+def launch_module(launch: Launch) -> Any:
+    """The loaded CuPy RawModule that holds `launch`'s kernel (its globals too: bench/timeline.py's qk_timeline)."""
+    return _module(launch.module, hopper=hopper_kernel(launch.name))
+
+
 def upload(launch: Launch) -> GpuCall:
     """Copy `launch`'s arrays to the GPU once (for timing, repeated calls then touch only the kernel)."""
     import cupy
@@ -155,7 +160,7 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    function = _module(launch.module, hopper=hopper_kernel(launch.name)).get_function(launch.name)
+    function = launch_module(launch).get_function(launch.name)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
         function.max_dynamic_shared_size_bytes = launch.shared_mem
         # and asks for the largest shared-memory share of the SM's L1, so that as many blocks as its registers allow
@@ -811,19 +816,25 @@ def compile_module(name: str, arch: str, defines: tuple[str, ...] = ()) -> bytes
     with the tuning knobs `defines` (NAME=VALUE). The options are those CuPy gives its own RawModule builds: its
     include directories (cuda_fp16.h from the CUDA toolkit or its wheels) and device code by default, without which
     NVRTC 13.0 refuses the kernels' generic lambdas. NVRTC needs no GPU, so bench/build_kernels.py can build ahead."""
+    return compile_source((source_dir() / f"{name}.cu").read_text(), f"{name}.cu", arch,
+                          module_defines(name, defines))
+
+
+def compile_source(code: str, filename: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+    """NVRTC's cubin of CUDA source `code` (named `filename` in its messages) as compile_module builds a module:
+    kernels/ on the include path, QK_WGMMA for sm_90a, the knobs `defines` (NAME=VALUE)."""
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
-    src = source_dir()
     options = core.assemble_cupy_compiler_options((
-        *NVRTC_OPTIONS, f"-I{src}", f"--gpu-architecture={arch}", *(("-DQK_WGMMA",) if arch == HOPPER_ARCH else ()),
-        *(f"-D{d}" for d in module_defines(name, defines))))
-    prog = nvrtc.createProgram((src / f"{name}.cu").read_text(), f"{name}.cu", [], [])
+        *NVRTC_OPTIONS, f"-I{source_dir()}", f"--gpu-architecture={arch}",
+        *(("-DQK_WGMMA",) if arch == HOPPER_ARCH else ()), *(f"-D{d}" for d in defines)))
+    prog = nvrtc.createProgram(code, filename, [], [])
     try:
         nvrtc.compileProgram(prog, list(options))
         return nvrtc.getCUBIN(prog)
     except nvrtc.NVRTCError as e:
-        raise KernelUnavailable(f"NVRTC could not build {name}.cu for {arch}: {e}\n"
+        raise KernelUnavailable(f"NVRTC could not build {filename} for {arch}: {e}\n"
                                 f"{nvrtc.getProgramLog(prog)[-3000:]}") from e
     finally:
         nvrtc.destroyProgram(prog)

@@ -1120,6 +1120,58 @@ def test_nvrtc_builds_every_module(name):
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
+def test_timeline_stamps_are_built_only_under_their_knob():
+    """QK_TIMELINE compiles the phase stamps (kernels/qk_timeline.cuh) and their qk_timeline pointer, which
+    bench/timeline.py sets, into the small-M kernels and the stamped read floor; every other build has neither
+    (its stamps are nothing), and the floor quantkit bench builds still compiles without the header."""
+    from quantkit.kernel_bench import STREAM_READ
+
+    timeline = bench_module("timeline")
+    for name in ("qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8", "anyprec_gemv"):
+        assert kernels.module_defines(name, (timeline.DEFINE,)) == (timeline.DEFINE,), name
+    assert b"qk_timeline" in kernels.compile_module("qserve_w4a8", "sm_90", (timeline.DEFINE,))
+    assert b"qk_timeline" not in kernels.compile_module("qserve_w4a8", "sm_90")
+    floor = kernels.compile_source(timeline.floor_source(), "stream_read.cu", "sm_90", (timeline.DEFINE,))
+    assert b"qk_timeline" in floor and b"stream_read" in floor
+    plain = kernels.compile_source(STREAM_READ, "stream_read.cu", "sm_90")
+    assert b"stream_read" in plain and b"qk_timeline" not in plain
+
+
+def test_timeline_summary_reads_the_stamps():
+    """bench/timeline.py's summary of one launch: each phase's median and latest warp in us from the earliest
+    start, phases no warp reached as None, the SMs and the most warps on one, the cycles from a warp's start, and
+    the median over launches."""
+    timeline = bench_module("timeline")
+    stamps = np.zeros((3, timeline.WARPS, timeline.SLOTS), np.uint64)
+    t0 = 10**12
+    for block in range(2):  # block 2 never ran its warps' stamps (as a kernel whose warps returned early)
+        for warp in range(4):
+            slot = stamps[block, warp]
+            start = t0 + 100 * block + 10 * warp
+            slot[0], slot[1], slot[2] = start, start + 1000, start + 3000  # start, first, loop
+            if warp == 0:  # copy 0 alone adds the block's sums and stores
+                slot[3], slot[5] = start + 3500, start + 4000
+            slot[timeline.SM_SLOT] = 7 * block
+            slot[timeline.CLOCK_SLOT], slot[timeline.CLOCK_SLOT + 1] = 5000, 5000 + 1700 + warp
+            slot[timeline.CLOCK_SLOT + 2] = 5000 + 5100
+    s = timeline.summarize(stamps)
+    assert s["warps"] == 8 and s["sms"] == 2 and s["warps_per_sm"] == 4
+    assert s["start"] == [0.065, 0.13] and s["first"] == [1.065, 1.13] and s["loop"] == [3.065, 3.13]
+    assert s["reduced"] == [3.55, 3.6] and s["stored"] == [4.05, 4.1] and s["met"] is None
+    assert s["first_cycles"] == 1701.5 and s["loop_cycles"] == 5100 and s["resolution_ns"] == 10
+    later = timeline.summarize(np.where(stamps > t0, stamps + 1000, stamps))  # the same launch, the stores later
+    later["stored"] = None
+    both = timeline.combine([s, later, s])
+    assert both["first"] == s["first"] and both["stored"] == s["stored"] and both["warps"] == 8
+    assert timeline.combine([later])["stored"] is None and timeline.combine([later, s])["stored"] == s["stored"]
+    row = {"kernel": "k", "n": 1, "k": 2, "m": 1, "grid": "(2, 1, 1)", "block": 128, "event_us": 9.5, "summary": s}
+    text = timeline.table([row])
+    assert "| 3.55 / 3.60 |" in text and "| - |" in text and "1702, 5100" in text
+    with pytest.raises(ValueError, match="QK_TIMELINE"):
+        timeline.summarize(np.zeros_like(stamps))
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs CuPy with NVRTC (pip install 'quantkit[cuda]'); no GPU")
 def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
     """bench/build_kernels.py puts each build where quantkit.kernels looks for it (module_cubin's cubin_path): once
     for the knobs that several configurations share, a module's build keeping only the knobs it reads (QServe's and
