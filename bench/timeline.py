@@ -9,7 +9,8 @@ QServe per channel's 7.5 on an H100) go to the launch, the first loads' latency,
 or the epilogue. Each case runs `--reps` single launches, each after a write of twice the L2 cache (so the weights
 come from device memory); its row is the median, over the launches, of each phase's median and latest warp, in us
 from the earliest warp's start. The read floor (`quantkit bench`'s stream_read, stamped the same way) comes first.
-Every instrumented launch is also checked against the emulation, as bench/smallm_tune.py checks its configurations.
+The instrumented kernels' outputs are checked against the emulation at the first shape, as bench/smallm_tune.py
+checks its configurations.
 
     PYTHONPATH=. python3 bench/timeline.py [--shapes 4096x4096,28672x4096] [--ms 1,16] [--formats F,...]
                                            [--reps 20] [--json FILE]
@@ -32,6 +33,7 @@ DEFINE = "QK_TIMELINE=1"
 WARPS, SLOTS = 16, 16  # qk_timeline.cuh: QK_TIMELINE_WARPS, QK_TIMELINE_SLOTS
 PHASES = ("start", "first", "loop", "reduced", "met", "stored")  # slots 0 .. 5 (QK_T_START ..)
 SM_SLOT, CLOCK_SLOT = 7, 8  # QK_T_SM, QK_T_CLOCK
+STAMPED = ("qserve", "liquidquant", "qqq", "anyprec")  # the layouts whose small-M kernels stamp (not Atom's)
 
 
 def floor_source() -> str:
@@ -99,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="4096x4096,28672x4096", help="NxK,... (default 4096x4096,28672x4096)")
     parser.add_argument("--ms", default="1,16", help="token counts (default 1,16)")
-    parser.add_argument("--formats", help="comma-separated layouts (qserve, qqq, liquidquant, anyprec; default all)")
+    parser.add_argument("--formats", help=f"comma-separated layouts (default all that stamp: {', '.join(STAMPED)})")
     parser.add_argument("--reps", type=int, default=20, help="launches per case (default 20)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -149,13 +151,13 @@ def main() -> None:
         return lambda: read((read_blocks,), (512,), (src, cupy.uint64(size // 16), sink))
 
     rows, failed = [], 0
-    formats = set(args.formats.split(",")) if args.formats else None
-    for n, k in parse_shapes(args.shapes):
+    formats = set(args.formats.split(",")) if args.formats else set(STAMPED)
+    for index, (n, k) in enumerate(parse_shapes(args.shapes)):
         summary, event = run(floor, read_call(n * k // 2), read_blocks)
         rows.append({"kernel": "stream_read (floor)", "n": n, "k": k, "m": 0, "grid": f"({read_blocks},)",
                      "block": 512, "event_us": event, "summary": summary})
         for v in variants():
-            if formats and v.fmt not in formats:
+            if v.fmt not in formats & set(STAMPED):
                 continue
             tensors = synthetic(v.fmt, n, k, group=v.group)
             for m in (int(x) for x in args.ms.split(",")):
@@ -163,14 +165,15 @@ def main() -> None:
                 call = kernels.upload(launch)
                 module = kernels.launch_module(launch)
                 summary, event = run(module, call, int(np.prod(launch.grid)))
-                ok = matches(v, tensors, launch, call.result())
-                failed += not ok
+                # the emulation on the CPU takes seconds a case at 28672 x 4096: the first shape's cases alone
+                ok = matches(v, tensors, launch, call.result()) if index == 0 else None
+                failed += ok is False
                 rows.append({"kernel": launch.name, "label": v.label, "n": n, "k": k, "m": m,
                              "grid": str(tuple(launch.grid)), "block": launch.block, "event_us": event,
                              "summary": summary, "matches": ok})
                 print(f"{v.label}: {launch.name} {n} x {k} M = {m}: {event:.1f} us, stored by "
                       f"{summary['stored'][1] if summary['stored'] else float('nan'):.2f} us"
-                      f"{'' if ok else ', OUTPUT DIFFERS FROM THE EMULATION'}", flush=True)
+                      f"{', OUTPUT DIFFERS FROM THE EMULATION' if ok is False else ''}", flush=True)
     print(f"\n{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: phases as median / latest warp, us from "
           "the earliest warp's start (first: the first step's MMAs issued; reduced: the block's split-K sums; met: "
           "the tile's blocks)\n")

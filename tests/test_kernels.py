@@ -886,6 +886,35 @@ def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits, m):
 
 
 @needs_gpu
+def test_timeline_runs_on_the_device(tmp_path):
+    """bench/timeline.py on the device: every warp of each stamped kernel stamps its start, the phases come in
+    order (a warp's first MMAs after its start, its loop's end after them, the last store after the last loop), the
+    instrumented kernels still give the emulation's output, and the read floor is stamped too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(repo / "bench" / "timeline.py"), "--shapes", "1024x2048", "--ms",
+                           "1,9", "--reps", "3", "--json", str(tmp_path / "t.json")],
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    floor, stamped = rows[0], rows[1:]
+    assert floor["kernel"] == "stream_read (floor)" and floor["summary"]["loop"] is not None
+    assert {r["label"] for r in stamped} == {v.label for v in bench_module("smallm_tune").variants()
+                                            if v.fmt != "atom"} and len(stamped) == 12
+    for r in stamped:
+        s = r["summary"]
+        blocks = np.prod([int(d) for d in r["grid"].strip("()").split(",") if d.strip()])
+        assert r["matches"] is True and s["warps"] == blocks * r["block"] // 32, r
+        assert s["start"][0] <= s["first"][0] <= s["loop"][0] and s["stored"][1] >= s["loop"][1], r
+        assert s["first_cycles"] > 0 and s["sms"] >= 1, r
+    assert "| stream_read (floor) | 1024 x 2048 |" in done.stdout
+
+
+@needs_gpu
 @pytest.mark.parametrize("group", [None, 128])
 def test_qserve_gpu_kernel_matches_the_emulation(group):
     tensors = synthetic("qserve", 256, 512, seed=11, group=group)
