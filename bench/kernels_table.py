@@ -6,10 +6,12 @@ sweep.json to its --out folder), as Markdown:
 2. with --against OTHER.json (another run or configuration of the same bars), the bars whose verdict differs;
 3. with --grid M,...: per M, every row against the shapes (times, speedups, bandwidth shares);
 4. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
-   what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from.
+   what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from;
+5. with --fit M,...: per kernel and M, the line time = fixed + bytes / rate through its shapes (stream_fit), beside
+   the read floor's: whether a kernel loses to the floor by its stream or by its fixed cost.
 
     PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--against OUT/bench_tuned.json] [--grid 1,16,1024]
-        [--sweep OUT/sweep.json]
+        [--sweep OUT/sweep.json] [--fit 1,16]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from quantkit.kernel_bench import (
     markdown_bar_changes,
     markdown_bar_counts,
     markdown_bars,
+    markdown_fit,
     markdown_grid,
     markdown_sweep,
 )
@@ -34,6 +37,7 @@ def main() -> None:
                         "differs from this one's (e.g. bench_tuned.json against bench.json)")
     parser.add_argument("--grid", help="token counts to tabulate against the shapes, e.g. 1,16,1024")
     parser.add_argument("--sweep", type=Path, help="quantkit bench --paths all --json output")
+    parser.add_argument("--fit", help="token counts at which to fit each kernel's time to its bytes, e.g. 1,16")
     args = parser.parse_args()
     report = json.loads(args.bench.read_text())
     print(markdown_bars(report))
@@ -45,6 +49,9 @@ def main() -> None:
     for m in (int(v) for v in args.grid.split(",")) if args.grid else ():
         print()
         print(markdown_grid(report, m))
+    for m in (int(v) for v in args.fit.split(",")) if args.fit else ():
+        print()
+        print(markdown_fit(report, m))
     if args.sweep:
         print()
         print(markdown_sweep(json.loads(args.sweep.read_text())))

@@ -684,6 +684,37 @@ def markdown_grid(report: dict, m: int) -> str:
     return "\n".join(lines)
 
 
+def stream_fit(report: dict, m: int) -> list[dict]:
+    """Per kernel (label and function) at one M, the line time = fixed + bytes / rate through its rows' (bytes
+    moved, seconds) over the shapes, least squares: the rate it streams at and the time it spends whatever the
+    shape (launch, first loads, meetings, stores), with the largest residual. Kernels with fewer than 3 shapes of
+    distinct sizes are left out (a line through two points says nothing of its fit); the read floor is one of them."""
+    points: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+    for r in report["rows"]:
+        if r["m"] == m and r["bytes_moved"] and (r["format"] is not None or r["label"] == READ_FLOOR):
+            points[(r["label"], r["function"])].append((r["bytes_moved"], r["seconds"]))
+    fits = []
+    for (label, function), pts in points.items():
+        x, y = (np.array(v, dtype=np.float64) for v in zip(*pts, strict=True))
+        if len(np.unique(x)) < 3:
+            continue
+        slope, fixed = np.polyfit(x, y, 1)
+        fits.append({"label": label, "function": function, "shapes": len(pts), "rate_tbps": 1 / slope / 1e12,
+                     "fixed_us": fixed * 1e6, "residual_us": float(np.abs(y - (fixed + slope * x)).max()) * 1e6})
+    return fits
+
+
+def markdown_fit(report: dict, m: int) -> str:
+    """stream_fit's lines as a Markdown table: where a kernel stands against the read floor, by rate and by the
+    fixed time that small shapes feel most."""
+    lines = [f"| M = {m} | function | shapes | streams at (TB/s) | fixed (us) | largest residual (us) |",
+             "|---|---|---|---|---|---|"]
+    for f in stream_fit(report, m):
+        lines.append(f"| {f['label']} | `{f['function']}` | {f['shapes']} | {f['rate_tbps']:.2f} | "
+                     f"{f['fixed_us']:.2f} | {f['residual_us']:.2f} |")
+    return "\n".join(lines)
+
+
 def markdown_sweep(report: dict) -> str:
     """From a `--paths all` report: per kernel variant and M, each path's time summed over the shapes, and the
     fastest path (what the M thresholds between the paths are set from)."""

@@ -1580,6 +1580,32 @@ def test_bench_times_every_path_and_names_the_function_that_ran(monkeypatch):
     assert len(grid) == 2 + 1 + len({r.label for r in rows if r.m == 4 and r.variant is not None})
 
 
+def test_stream_fit_splits_a_kernels_time_into_rate_and_fixed_cost():
+    """bench/kernels_table.py --fit: per kernel at one M, the least-squares line time = fixed + bytes / rate over its
+    shapes (the read floor's too, the baselines' not), its largest residual, and no line through fewer than three
+    distinct sizes."""
+    from quantkit import kernel_bench as kb
+
+    def row(label, function, fmt, m, size, seconds):
+        return {"label": label, "function": function, "format": fmt, "m": m, "bytes_moved": size, "seconds": seconds}
+
+    sizes = [8e6, 12e6, 28e6, 56e6]
+    rows = [*(row("QServe", "q_pc", "qserve", 1, b, 4.5e-6 + b / 2.8e12) for b in sizes),
+            *(row(kb.READ_FLOOR, "stream_read", None, 1, b, 1.9e-6 + b / 3e12) for b in sizes),
+            *(row(kb.FP16, "cuBLAS", None, 1, 4 * b, 1e-6 + b / 1e12) for b in sizes),
+            *(row("QQQ", "qqq", "qqq", 1, b, t) for b, t in zip(sizes, [9e-6, 10e-6, 16e-6, 25e-6], strict=True)),
+            *(row("LQQ", "lqq", "liquidquant", 1, b, 5e-6) for b in sizes[:2]),  # two shapes: no line
+            row("QServe", "q_pc", "qserve", 16, 8e6, 9e-6)]
+    fits = {f["label"]: f for f in kb.stream_fit({"rows": rows}, 1)}
+    assert set(fits) == {"QServe", kb.READ_FLOOR, "QQQ"}
+    assert fits["QServe"]["rate_tbps"] == pytest.approx(2.8) and fits["QServe"]["fixed_us"] == pytest.approx(4.5)
+    assert fits["QServe"]["residual_us"] < 1e-6 and fits["QServe"]["shapes"] == 4
+    assert fits[kb.READ_FLOOR]["fixed_us"] == pytest.approx(1.9) and fits["QQQ"]["residual_us"] > 0.1
+    table = kb.markdown_fit({"rows": rows}, 1).splitlines()
+    assert table[0].startswith("| M = 1 |") and "| QServe | `q_pc` | 4 | 2.80 | 4.50 | 0.00 |" in table
+    assert kb.stream_fit({"rows": rows}, 16) == []
+
+
 def test_bar_counts_and_changes_between_two_reports():
     """bench/kernels_table.py's summaries: per kernel and requirement the bars met of those it has, and between two
     reports the bars whose verdict flipped (both ways), with the two totals."""
