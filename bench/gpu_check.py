@@ -175,7 +175,7 @@ def main() -> None:
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
             # the decode kernels (Any-Precision's at 3 bits)
-            kernels = "regex:_gemm(8|_pc)?$|_bulk8?$|_gemv$|_tc8?_3(_fast)?(_w4)?$"
+            kernels = "regex:_gemm(8|16|_pc)?(_z[24])?$|_bulk8?$|_gemv$|_tc8?_3(_fast)?(_w4)?$"
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats], args.out, results, 100, env)
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes

@@ -4,7 +4,7 @@ Every small-M kernel of quantkit bench's variants (and both Any-Precision 3-bit 
 tensor-core one) at M = 1 on (4096, 4096) and (28672, 4096), once each, on synthetic tensors; --formats keeps some
 layouts only; --large the Hopper (wgmma) kernels at M = 1024 instead. Without a profiler it only launches them.
 
-    ncu --kernel-name regex:'_gemm(8|_pc)?$|_gemv$|_tc8?_3(_fast)?(_w4)?$' --section SpeedOfLight \\
+    ncu --kernel-name regex:'_gemm(8|16|_pc)?(_z[24])?$|_gemv$|_tc8?_3(_fast)?(_w4)?$' --section SpeedOfLight \\
         --section WarpStateStats python3 bench/profile_smallm.py [--formats anyprec,...] [--large]
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
                 call = kernels.upload(launch)
                 call()
                 call.result()
-                print(f"{v.label} ({path}): {launch.name} grid {launch.grid} block {launch.block} on {n} x {k}, "
+                print(f"{v.label} ({path}): {launch.kernel} grid {launch.grid} block {launch.block} on {n} x {k}, "
                       f"M = {m}", flush=True)
 
 

@@ -109,6 +109,12 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # LiquidQuant from 9 to 16 tokens with 32 channels a warp (two 16-channel slices, one load of the activations),
     # 4 steps a round, not 16 channels and 6
     "LQQ-S2": ({**U8, "QK_LQQ16_SLICES": 2}, SPLIT),
+    # the W4A8 register kernels' split-K meeting by shared-memory atomics as each copy finishes, not copy 0 adding
+    # every copy's stored sums after the block's barrier (QServe's 16 copies: 16 shared loads a lane, not 240)
+    "RED": ({**U8, "QK_SPLITK_RED": 1}, SPLIT),
+    # QServe's and QQQ's tiles split over 2 or 4 blocks as one thread-block cluster, meeting in the first block's
+    # shared memory, not in device memory by atomics, a fence and a count (SPLITK_CLUSTER; QQQ at N = 4096 and 6144)
+    "CLUSTER": (U8, {**SPLIT, "SPLITK_CLUSTER": True}),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -116,7 +122,7 @@ W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": (*W4A8, "atom"),
     "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S2": ("liquidquant",),
-    "Z1": ("qserve", "qqq"), "Z2": ("qqq",),
+    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "RED": W4A8, "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
@@ -155,7 +161,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 
 # The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
 # default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU.
-PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2", "Z2")
+PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2", "Z2", "RED", "CLUSTER")
 LARGE_PENDING: tuple[str, ...] = ()
 
 
@@ -302,9 +308,9 @@ def worker(name: str, ms: tuple[int, ...], cache: Path, formats: tuple[str, ...]
                 seconds, _ = timing(call, 10, 50)
                 results[f"{v.label}|{n}x{k}|{m}"] = seconds
                 threads[f"{v.label}|{n}x{k}|{m}"] = launch.block  # 32 x warps: the split count shows here
-                if launch.name not in registers:  # spills show as local memory
+                if launch.kernel not in registers:  # spills show as local memory
                     function = kernels.upload(launch).function
-                    registers[launch.name] = (function.num_regs, function.local_size_bytes)
+                    registers[launch.kernel] = (function.num_regs, function.local_size_bytes)
     return {"config": name, "checked": checked, "seconds": results, "threads": threads, "registers": registers}
 
 

@@ -168,10 +168,10 @@ def main() -> None:
                 # the emulation on the CPU takes seconds a case at 28672 x 4096: the first shape's cases alone
                 ok = matches(v, tensors, launch, call.result()) if index == 0 else None
                 failed += ok is False
-                rows.append({"kernel": launch.name, "label": v.label, "n": n, "k": k, "m": m,
+                rows.append({"kernel": launch.kernel, "label": v.label, "n": n, "k": k, "m": m,
                              "grid": str(tuple(launch.grid)), "block": launch.block, "event_us": event,
                              "summary": summary, "matches": ok})
-                print(f"{v.label}: {launch.name} {n} x {k} M = {m}: {event:.1f} us, stored by "
+                print(f"{v.label}: {launch.kernel} {n} x {k} M = {m}: {event:.1f} us, stored by "
                       f"{summary['stored'][1] if summary['stored'] else float('nan'):.2f} us"
                       f"{', OUTPUT DIFFERS FROM THE EMULATION' if ok is False else ''}", flush=True)
     print(f"\n{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: phases as median / latest warp, us from "

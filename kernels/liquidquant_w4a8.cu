@@ -255,6 +255,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   const uint8_t* rows[TB];
 #pragma unroll
   for (int tb = 0; tb < TB; ++tb) rows[tb] = TB <= 2 ? qk::token_row(args, tb0 + tb, t[0] % 32) : nullptr;
+  splitk_begin<4 * TB * SLICES, QK_SPLITK_RED>(local, copy, 32 * warps, splits);
   pipelined_steps<AHEAD, Stage>(
       copy, splits, args.k / 64,
       [&](int kt, Stage& st) {
@@ -281,7 +282,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
               for (int j = 0; j < 2; ++j) mma_s8(acc[s][tb], fa[j], st.b[tb][j]);
         }
       });
-  if (!splitk_reduce<4 * TB * SLICES>(&acc[0][0][0], local, copy, 32 * warps, splits)) return;
+  if (!splitk_reduce<4 * TB * SLICES, QK_SPLITK_RED>(&acc[0][0][0], local, copy, 32 * warps, splits)) return;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
     for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);

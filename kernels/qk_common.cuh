@@ -614,15 +614,52 @@ struct WgmmaTiles {
 }  // namespace qk
 
 #ifndef QK_HOST
-// The split-K meeting point (see splitk_slot): dynamic shared memory of (splits - 1) * COUNT * threads int32. Returns
-// true for the threads of copy 0, which then hold the block's sums; every thread of the block must call it.
-template <int COUNT>
+// How the copies of a block meet (the register kernels; the bulk ones always store): QK_SPLITK_RED = 1 has each copy
+// s > 0 add its sums into copy 0's slot (COUNT * threads int32, zeroed before the K loop: splitk_begin) by
+// shared-memory atomics as soon as it is done, so that after the block's barrier copy 0 reads COUNT words, where
+// by default the copies store theirs and copy 0 alone then adds (splits - 1) * COUNT of them one after another (240
+// shared loads a lane for QServe's 16 copies, 224 for QQQ's 8) while the rest of the block waits. Integer sums, in
+// any order: the same bits. bench/smallm_tune.py's RED.
+#ifndef QK_SPLITK_RED
+#define QK_SPLITK_RED 0
+#endif
+
+// Before the K loop, every thread of the block: under RED, copy 0 zeroes the slot the others will add into, and a
+// barrier orders the zeros before any add.
+template <int COUNT, bool RED>
+__device__ __forceinline__ void splitk_begin(int t, int copy, int threads, int splits) {
+  if (!RED || splits == 1) return;
+  extern __shared__ int32_t qk_partials[];
+  if (copy == 0) {
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j) qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)] = 0;
+  }
+  __syncthreads();
+}
+
+// The split-K meeting point (see splitk_slot): dynamic shared memory of (splits - 1) * COUNT * threads int32 (RED:
+// COUNT * threads, after splitk_begin). Returns true for the threads of copy 0, which then hold the block's sums;
+// every thread of the block must call it.
+template <int COUNT, bool RED = false>
 __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int threads, int splits) {
   if (splits == 1) {
     QK_STAMP(QK_T_REDUCED);
     return true;
   }
   extern __shared__ int32_t qk_partials[];
+  if (RED) {
+    if (copy > 0) {
+#pragma unroll
+      for (int j = 0; j < COUNT; ++j) atomicAdd(&qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)], acc[j]);
+    }
+    __syncthreads();
+    if (copy > 0) return false;
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j)
+      acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)]);
+    QK_STAMP(QK_T_REDUCED);
+    return true;
+  }
   if (copy > 0) {
 #pragma unroll
     for (int j = 0; j < COUNT; ++j) qk_partials[qk::splitk_slot(copy, j, t, COUNT, threads)] = acc[j];
@@ -660,6 +697,45 @@ __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit
   if (lane == 0) arrived[tile] = 0;
   QK_STAMP(QK_T_MET);
   return true;
+}
+
+// Split-K across the Z blocks of a thread-block cluster (the *_z2 and *_z4 kernels, built with __cluster_dims__(1, 1,
+// Z), which quantkit.kernels launches for a tile split over Z blocks when SPLITK_CLUSTER is set), after each block's
+// splitk_reduce, with copy 0's warp: the blocks of rank 1 .. Z - 1 write their COUNT sums a lane into slot rank - 1
+// of the leader's (rank 0) inbox, `offset` int32 into its dynamic shared memory ((Z - 1) x COUNT x 32 int32), by
+// distributed shared memory, and arrive at the cluster's barrier (release); the leader arrives, waits (acquire) and
+// adds the slots in rank order. No global workspace, atomics or fences, where splitk_blocks meets in device memory
+// (its adds and its count, a fence, and the last block's exchanges: round trips to L2). The other warps have exited,
+// which the cluster barrier counts as arrived. Integer sums: the same bits. Returns true in the leader.
+template <int COUNT, int Z>
+__device__ __forceinline__ bool splitk_cluster(int32_t* acc, int lane, int offset) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters are sm_90's: no _z kernel is built for an older device
+  return false;
+#else
+  extern __shared__ int32_t qk_partials[];
+  int32_t* inbox = qk_partials + offset;
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  if (rank != 0) {
+    const unsigned mine = (unsigned)__cvta_generic_to_shared(inbox + (rank - 1) * COUNT * 32 + lane);
+    unsigned leader;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(leader) : "r"(mine));
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j)
+      asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(leader + 128 * j), "r"(acc[j]) : "memory");
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    return false;
+  }
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");  // the leader has nothing to publish
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int z = 0; z < Z - 1; ++z)
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j) acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)inbox[(z * COUNT + j) * 32 + lane]);
+  QK_STAMP(QK_T_MET);
+  return true;
+#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -323,7 +323,7 @@ struct QQQWgmma {
 // in `sums` and `arrived` (splitk_blocks; null when zsplit is 1). One kernel per layout variant, s_group null at
 // compile time per channel, so that neither carries the other's code (per channel: 265 instructions a round where
 // one kernel for both took 709).
-template <bool GROUPED>
+template <bool GROUPED, int Z = 1>
 __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, const uint32_t* b,
                                             const float* s_channel, const qk_half* s_group, qk_half* out, int m, int n,
                                             int k, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
@@ -345,9 +345,14 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
     for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
+  splitk_begin<32, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
-  if (!splitk_reduce<32>(&acc[0][0], lane, copy, 32, splits)) return;
-  if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) return;
+  if (!splitk_reduce<32, QK_SPLITK_RED>(&acc[0][0], lane, copy, 32, splits)) return;
+  if constexpr (Z > 1) {  // the tile's Z blocks a cluster (the _z kernels)
+    if (!splitk_cluster<32, Z>(&acc[0][0], lane, (splits - 1) * 32 * 32)) return;
+  } else if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) {
+    return;
+  }
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
   QK_STAMP(QK_T_STORED);
 }
@@ -366,6 +371,21 @@ extern "C" __global__ void __launch_bounds__(512)
                      int32_t* arrived) {
   qqq_gemm_at<false>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
+// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 4 KiB.
+#define QK_QQQ_CLUSTER(NAME, GROUPED, Z)                                                                            \
+  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                        \
+      NAME(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel, const qk_half* s_group,       \
+           qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums, int32_t* arrived) {               \
+    qqq_gemm_at<GROUPED, Z>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);              \
+  }
+QK_QQQ_CLUSTER(qqq_w4a8_gemm_z2, true, 2)
+QK_QQQ_CLUSTER(qqq_w4a8_gemm_z4, true, 4)
+QK_QQQ_CLUSTER(qqq_w4a8_gemm_pc_z2, false, 2)
+QK_QQQ_CLUSTER(qqq_w4a8_gemm_pc_z4, false, 4)
+#endif
 
 #if defined(QK_WGMMA)
 // The bulk decode kernel (Hopper): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, as qqq_w4a8_gemm, but

@@ -272,7 +272,7 @@ struct QServeWgmma {
 #ifndef QK_QSERVE_PC_AHEAD
 #define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
 #endif
-template <bool GROUPED, int AHEAD>
+template <bool GROUPED, int AHEAD, int Z = 1>
 __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x, const float* t_x,
                                                const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                                const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
@@ -295,9 +295,14 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) mma_s8(acc[nb], st.a, fb[nb]);
   };
+  splitk_begin<16, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<AHEAD, Stage>(first, copies, k / 32, load, compute);
-  if (!splitk_reduce<16>(&acc[0][0], lane, copy, 32, splits)) return;
-  if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) return;
+  if (!splitk_reduce<16, QK_SPLITK_RED>(&acc[0][0], lane, copy, 32, splits)) return;
+  if constexpr (Z > 1) {  // the tile's Z blocks a cluster (the _z kernels)
+    if (!splitk_cluster<16, Z>(&acc[0][0], lane, (splits - 1) * 16 * 32)) return;
+  } else if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) {
+    return;
+  }
   for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
   QK_STAMP(QK_T_STORED);
 }
@@ -318,6 +323,23 @@ extern "C" __global__ void __launch_bounds__(512)
   qserve_gemm_at<false, QK_QSERVE_PC_AHEAD>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits,
                                             zsplit, sums, arrived);
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
+// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 2 KiB.
+#define QK_QSERVE_CLUSTER(NAME, GROUPED, AHEAD, Z)                                                                  \
+  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                        \
+      NAME(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,             \
+           const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,      \
+           int splits, int zsplit, int32_t* sums, int32_t* arrived) {                                                  \
+    qserve_gemm_at<GROUPED, AHEAD, Z>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit,    \
+                                      sums, arrived);                                                                  \
+  }
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z2, true, QK_SMALLM_AHEAD, 2)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z4, true, QK_SMALLM_AHEAD, 4)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z2, false, QK_QSERVE_PC_AHEAD, 2)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z4, false, QK_QSERVE_PC_AHEAD, 4)
+#endif
 
 #if defined(QK_WGMMA)
 // The bulk decode kernel (Hopper): grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, as qserve_w4a8_gemm, but

@@ -511,7 +511,7 @@ def run_bench(cases: list[Case], ms: tuple[int, ...], warmup: int = 10, iters: i
                 act = m * case.k * (2 if case.variant.fmt == "anyprec" else 1)
                 seconds, single = timing(call, warmup, iters)
                 samples.setdefault((case.n, case.k, m, case.label, index), []).append(
-                    Row(case.n, case.k, m, case.label, seconds, stored + act + 2 * m * case.n, launch.name,
+                    Row(case.n, case.k, m, case.label, seconds, stored + act + 2 * m * case.n, launch.kernel,
                         case.variant, single))
                 done += 1
                 if on_timed is not None:

@@ -102,6 +102,12 @@ class Launch:
     block: int
     out: np.ndarray
     shared_mem: int = 0  # bytes of dynamic shared memory (the split-K partial sums)
+    cluster: int = 1  # blocks a thread-block cluster: the GPU runs `name`_z{cluster} (splitk_cluster), same bits
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the GPU runs: `name`, or its cluster build `name`_zC (the host twin is `name`'s either way)."""
+        return self.name if self.cluster == 1 else f"{self.name}_z{self.cluster}"
 
 
 def run(launch: Launch, device: str = "cpu") -> np.ndarray:
@@ -160,7 +166,7 @@ def upload(launch: Launch) -> GpuCall:
 
     args = tuple(d_arg(a) for a in launch.args)
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
-    function = launch_module(launch).get_function(launch.name)
+    function = launch_module(launch).get_function(launch.kernel)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
         function.max_dynamic_shared_size_bytes = launch.shared_mem
         # and asks for the largest shared-memory share of the SM's L1, so that as many blocks as its registers allow
@@ -216,6 +222,14 @@ def block_copies(partial_bytes: int, warps_per_copy: int = 1) -> int:
 # the even spread, against 192 of 8 copies, 73%), QQQ per channel at 28672 x 4096 24.4 -> 27.9.
 SPLITK_BLOCKS_MAX = 4
 SPLITK_SMS = 132  # an H100 / H200 SXM
+
+# The tile's blocks one thread-block cluster (Hopper), meeting in the first one's shared memory (qk_common.cuh
+# splitk_cluster: the *_z2 / *_z4 builds of QServe's and QQQ's register kernels) where by default they meet in
+# device memory (splitk_blocks: atomics, a fence, a count and the last block's exchanges, round trips to L2, on the
+# path of every tile that QQQ splits over 4 blocks at N = 4096 and 6144). bench/smallm_tune.py's CLUSTER; not yet
+# timed, so off.
+SPLITK_CLUSTER = False
+CLUSTER_SIZES = (2, 4)  # the _z kernels built
 
 
 def block_balance(blocks: int) -> float:
@@ -412,19 +426,25 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
     """The small-M launch of a layout whose warp computes a 16-token x `width`-channel tile with `count` int32 sums
     a lane over `steps` K steps (QServe: 32 channels, 16 sums; QQQ: 64, 32): `module`_`gemm`, or `module`_bulk per
     use_bulk (chunks of 8 steps, 4 KiB of weights, up to 4 tokens, else 4, for their activation rows); `splits`
-    copies a block and `zsplit` blocks a tile, default split_plan's (`zsplit` 1 when `splits` is given)."""
+    copies a block and `zsplit` blocks a tile, default split_plan's (`zsplit` 1 when `splits` is given), those blocks
+    one cluster under SPLITK_CLUSTER (the inbox in the leader's shared memory, no workspace in device memory)."""
     tiles = (n // width) * -(-m // 16)
     partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
     if splits is None:
         splits, zsplit = split_plan(tiles, steps, partial_bytes)
     zsplit = zsplit or 1
-    grid, meet = (n // width, -(-m // 16), zsplit), meeting_point(tiles, count, zsplit)
+    grid = (n // width, -(-m // 16), zsplit)
     if use_bulk(bulk):
         chunk, slots, shared = bulk_plan(splits, partial_bytes, slot_bytes, 8 if m <= 4 else 4)
-        return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meet, chunk, slots], grid, 32 * splits, out,
-                      shared)
-    return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, *meet], grid, 32 * splits, out,
-                  (splits - 1) * partial_bytes)
+        return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meeting_point(tiles, count, zsplit), chunk,
+                                                 slots], grid, 32 * splits, out, shared)
+    shared = (splits - 1) * partial_bytes
+    cluster = zsplit if SPLITK_CLUSTER and zsplit in CLUSTER_SIZES else 1
+    if cluster > 1 and shared + (cluster - 1) * partial_bytes <= SPLITK_MAX_SHARED:  # the leader's inbox after
+        return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, None, None], grid, 32 * splits, out,
+                      shared + (cluster - 1) * partial_bytes, cluster)
+    return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, *meeting_point(tiles, count, zsplit)], grid,
+                  32 * splits, out, shared)
 
 
 def check_group_division(k: int, group: int) -> None:
@@ -876,8 +896,8 @@ def _module(name: str, hopper: bool = False) -> Any:
 # The run-time switches a tuning run varies (bench/smallm_tune.py's configurations). $QUANTKIT_KERNEL_SETTINGS, a
 # JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
 # fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
-TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "BULK_DECODE", "BULK_SLOTS", "WGMMA_WIDE",
-           "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
+TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "BULK_DECODE", "BULK_SLOTS",
+           "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

@@ -160,6 +160,37 @@ def test_block_split_matches_the_emulation(fmt, group, m, k, splits, zsplit, bul
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
+CLUSTER_CASES = [("qqq", None, 1, 512, 3, 2), ("qqq", 128, 5, 768, 2, 4), ("qqq", None, 20, 1024, 4, 4),
+                 ("qserve", None, 1, 416, 3, 2), ("qserve", 128, 20, 768, 2, 4)]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("fmt", "group", "m", "k", "splits", "zsplit"), CLUSTER_CASES)
+def test_cluster_launch_meets_in_shared_memory(fmt, group, m, k, splits, zsplit, monkeypatch):
+    """SPLITK_CLUSTER: a tile split over 2 or 4 blocks runs their cluster build (`name`_zC, its Z blocks one
+    thread-block cluster), with no workspace in device memory and the leader's inbox ((Z - 1) warps' sums) after the
+    partial sums in shared memory; the host twin is the same one, so the same bits. Other block counts, the bulk
+    kernels and an inbox past 48 KiB keep splitk_blocks' meeting in device memory."""
+    monkeypatch.setattr(kernels, "SPLITK_CLUSTER", True)
+    n, count = 128, 32 if fmt == "qqq" else 16  # a lane's sums of its tile
+    tensors = synthetic(fmt, n, k, seed=m + k + zsplit, group=group)
+    x = activations(m, k, seed=zsplit)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, zsplit=zsplit, bulk=False)
+    assert launch.cluster == zsplit and launch.kernel == f"{launch.name}_z{zsplit}" and launch.args[-2:] == [None, None]
+    assert launch.shared_mem == (splits - 1 + zsplit - 1) * 32 * count * 4
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    for other in (dict(zsplit=3), dict(zsplit=zsplit, bulk=True), dict(zsplit=1)):
+        kept = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                     splits=splits, **{"bulk": False, **other})
+        assert kept.cluster == 1 and kept.kernel == kept.name, other
+    monkeypatch.setattr(kernels, "SPLITK_MAX_SHARED", (splits - 1) * 32 * count * 4)  # no room for the inbox
+    kept = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                 splits=splits, zsplit=zsplit, bulk=False)
+    assert kept.cluster == 1 and kept.args[-1] is not None
+
+
 def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
     """split_plan: a tile is one block of split_count's copies where they are all SPLITK_WARPS asks for; where a block
     cannot hold them (the partial sums' shared memory), the blocks a tile that spread the grid most evenly over the
@@ -882,6 +913,23 @@ def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits, m):
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits)
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.skipif(not kernels.hopper_available(), reason="needs a CUDA device of compute capability 9.0 "
+                    "(thread-block clusters) and CuPy")
+@pytest.mark.parametrize(("fmt", "group", "m", "k", "splits", "zsplit"), CLUSTER_CASES)
+def test_cluster_gpu_kernels_match_the_emulation(fmt, group, m, k, splits, zsplit, monkeypatch):
+    """The *_z2 / *_z4 kernels on the device: the tile's blocks one cluster, the others' sums written into the
+    leader's shared memory before the cluster barrier, the emulation's bits (bench/smallm_tune.py's CLUSTER)."""
+    monkeypatch.setattr(kernels, "SPLITK_CLUSTER", True)
+    tensors = synthetic(fmt, 128, k, seed=m + k + zsplit, group=group)
+    x = activations(m, k, seed=zsplit)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, zsplit=zsplit, bulk=False)
+    assert launch.cluster == zsplit
     np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
 
 
