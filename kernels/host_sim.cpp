@@ -431,7 +431,12 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
             for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 16, 32)] = at(copy, nb, lane)[i];
         for (int nb = 0; nb < 4; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
         qk::splitk_add(&mine[0][0], partials.data(), lane, 16, 32, splits);
-        for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, mine[nb]);
+        const bool early = QK_EPILOGUE_EARLY && args.szero != nullptr;  // the per-channel kernel's, as it builds
+        const qk::QServeEpilogue epi = early ? qk::epilogue_params(args, mt, nt, lane) : qk::QServeEpilogue{};
+        for (int nb = 0; nb < 4; ++nb) {
+          if (early) qk::store_with(args, epi, mt, nt, nb, lane, mine[nb]);
+          else qk::store(args, mt, nt, nb, lane, mine[nb]);
+        }
       }
     }
   }
@@ -550,6 +555,10 @@ void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk wa
         for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, local, tb), sizeof(mine[tb]));
         qk::splitk_add(&mine[0][0], partials.data(), local, 4 * TB, threads, splits);
         qk::lqq_tile(block, local, warps, nt, t);
+        if (QK_EPILOGUE_EARLY && TB == 1) {  // the one-token-block kernel's, as it builds (the same bits either way)
+          qk::store_with(args, qk::epilogue_params(args, nt, by, t), nt, by, t, mine[0]);
+          continue;
+        }
         for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, TB * by + tb, t, mine[tb]);
       }
     }

@@ -101,6 +101,30 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
   }
 }
 
+// The same lane's epilogue parameters, loaded ahead (QK_EPILOGUE_EARLY, the one-token-block kernel): s1 of its
+// channels g (low half) and g + 8, s_x of its tokens 2q and 2q + 1 (past M, the last token's: never stored).
+struct LiquidEpilogue {
+  uint32_t s1;
+  float s_x[2];
+};
+QK_FN LiquidEpilogue epilogue_params(const LiquidArgs& a, int nt, int tb, int t) {
+  const int lane = t % 32, channel = 64 * nt + 16 * (t / 32) + frag_group(lane), token = 8 * tb + 2 * frag_quad(lane);
+  LiquidEpilogue e{};
+  e.s1 = (uint32_t)load_u16(a.s1 + channel) | ((uint32_t)load_u16(a.s1 + channel + 8) << 16);
+  for (int i = 0; i < 2; ++i) e.s_x[i] = load_f32(a.s_x + imin(token + i, a.m - 1));
+  return e;
+}
+// store's outputs from them: the same arithmetic, so the same bits.
+QK_FN void store_with(const LiquidArgs& a, const LiquidEpilogue& e, int nt, int tb, int t, const int32_t acc[4]) {
+  const int lane = t % 32, g = frag_group(lane), q = frag_quad(lane);
+  for (int i = 0; i < 4; ++i) {
+    const int channel = 64 * nt + 16 * (t / 32) + g + 8 * (i >> 1), token = 8 * tb + 2 * q + (i & 1);
+    if (token < a.m)
+      a.out[(size_t)token * a.n + channel] =
+          epilogue(acc[i], half_to_float((qk_half)(e.s1 >> (16 * (i >> 1)))), e.s_x[i & 1]);
+  }
+}
+
 // The bulk decode kernel's slot (liquidquant_w4a8_bulk8, Hopper, up to 8 tokens): a chunk of up to `chunk` K steps
 // of one warp's 16 channels (n16: rows 16 (n16 % 4) .. of 64-channel block n16 / 4), from the stored tensors: per
 // step the warp's 512 bytes of the weight block and its 32 bytes of step and offset bytes, and each token's
@@ -250,6 +274,9 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   struct Stage { uint32_t r[SLICES][4], sa[SLICES][2], b[TB][2][2]; };
   const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
   int32_t acc[SLICES][TB][4] = {};
+  constexpr bool early = QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1;
+  qk::LiquidEpilogue epi{};
+  if (early && copy == 0) epi = qk::epilogue_params(args, nt, tb0, t[0]);
   // up to 2 token blocks each lane's rows made once (4 blocks: checked per load; 4 row pointers, or 32-bit offsets,
   // held across the loop spilled)
   const uint8_t* rows[TB];
@@ -285,7 +312,10 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   if (!splitk_reduce<4 * TB * SLICES, QK_SPLITK_RED>(&acc[0][0][0], local, copy, 32 * warps, splits)) return;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
-    for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);
+    for (int tb = 0; tb < TB; ++tb) {
+      if (early) qk::store_with(args, epi, nt, tb0 + tb, t[s], acc[s][tb]);
+      else qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);
+    }
   QK_STAMP(QK_T_STORED);
 }
 

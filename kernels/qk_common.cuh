@@ -24,6 +24,16 @@ typedef unsigned long long uint64_t;
 #endif
 #include "qk_timeline.cuh"
 
+// QK_EPILOGUE_EARLY = 1 (bench/smallm_tune.py's EPI-EARLY): the decode kernels that have the registers (QServe per
+// channel, LiquidQuant up to 8 tokens) have copy 0 load its epilogue's scales (and zero points and token sums) into
+// registers before the K loop, in flight with the weights, not after the split-K meeting, where each is a round trip
+// to device memory that every tile of a small grid waits on at its end. An H200 run found them prefetched to L2 no
+// faster; bench/timeline.py shows what the epilogue costs. The same arithmetic in the same order: the same bits
+// (the warp simulator's twins take the same path when built with the knob).
+#ifndef QK_EPILOGUE_EARLY
+#define QK_EPILOGUE_EARLY 0
+#endif
+
 namespace qk {
 
 // The smaller of two ints, written out: NVRTC's headers need not declare min().

@@ -108,6 +108,46 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   }
 }
 
+// Under QK_EPILOGUE_EARLY (qk_common.cuh) the per-channel decode kernel loads these 12 a lane before its K loop
+// (110 -> 122 registers, no spills); the per-group one has no registers to spare. The epilogue's parameters of a lane of tile (mt, nt), loaded ahead: s1 (and s1_szeros per channel) of columns 2q,
+// 2q + 1 of n8 block nb as one word each, s_x (and t_x) of rows g and g + 8 (past M, the last row's: never stored).
+struct QServeEpilogue {
+  uint32_t s1[4], szero[4];
+  float s_x[2], t_x[2];
+};
+QK_FN QServeEpilogue epilogue_params(const QServeArgs& a, int mt, int nt, int lane) {
+  QServeEpilogue e{};
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int nb = 0; nb < 4; ++nb) {
+    e.s1[nb] = load_u32(a.s1 + 32 * nt + 8 * nb + 2 * q);
+    if (a.szero != nullptr) e.szero[nb] = load_u32(a.szero + 32 * nt + 8 * nb + 2 * q);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int row = imin(16 * mt + g + 8 * h, a.m - 1);
+    e.s_x[h] = load_f32(a.s_x + row);
+    if (a.szero != nullptr) e.t_x[h] = load_f32(a.t_x + row);
+  }
+  return e;
+}
+// store's outputs from those parameters: the same arithmetic in the same order, so the same bits.
+QK_FN void store_with(const QServeArgs& a, const QServeEpilogue& e, int mt, int nt, int nb, int lane,
+                      const int32_t acc[4]) {
+  const int g = frag_group(lane), q = frag_quad(lane), col = 32 * nt + 8 * nb + 2 * q;
+  for (int h = 0; h < 2; ++h) {
+    const int row = 16 * mt + g + 8 * h;
+    if (row >= a.m) continue;
+    qk_half y[2];
+    for (int i = 0; i < 2; ++i) {
+      const float s_w = half_to_float((qk_half)(e.s1[nb] >> (16 * i)));
+      y[i] = a.szero != nullptr
+                 ? epilogue_zero(acc[2 * h + i], s_w, e.s_x[h], half_to_float((qk_half)(e.szero[nb] >> (16 * i))),
+                                 e.t_x[h])
+                 : epilogue(acc[2 * h + i], s_w, e.s_x[h]);
+    }
+    store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y[0] | ((uint32_t)y[1] << 16));
+  }
+}
+
 // The bulk decode kernel's slot (qserve_w4a8_bulk, Hopper): a chunk of up to `chunk` K steps of a 32-channel tile
 // (nt) for its 16-token tile (mt), each part copied as one contiguous run of the stored tensors: the weights (512
 // bytes a step, consecutive steps adjacent in the compute-aware order), each token's activations (32 bytes a step; a
@@ -284,6 +324,9 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   struct Stage { uint32_t w[4], s, z, a[4]; };
   int32_t acc[4][4] = {};
   const qk::ActRows rows = qk::act_rows(args, mt, lane);
+  constexpr bool early = QK_EPILOGUE_EARLY && !GROUPED;
+  qk::QServeEpilogue epi{};
+  if (early && copy == 0) epi = qk::epilogue_params(args, mt, nt, lane);
   auto load = [&](int kt, Stage& st) {
     qk::load_a(rows, kt, st.a);
     qk::load_b_raw(args, nt, kt, lane, st.w);
@@ -303,7 +346,10 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   } else if (!splitk_blocks<16>(&acc[0][0], lane, zsplit, sums, arrived)) {
     return;
   }
-  for (int nb = 0; nb < 4; ++nb) qk::store(args, mt, nt, nb, lane, acc[nb]);
+  for (int nb = 0; nb < 4; ++nb) {
+    if (early) qk::store_with(args, epi, mt, nt, nb, lane, acc[nb]);
+    else qk::store(args, mt, nt, nb, lane, acc[nb]);
+  }
   QK_STAMP(QK_T_STORED);
 }
 

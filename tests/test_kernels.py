@@ -1290,7 +1290,8 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
 @pytest.mark.parametrize(("defines", "tests"), [
     *((knobs, "hopper_path_matches or mirror_the_kernels") for knobs in RING_KNOBS),
     ("QK_LQQ_TILE_WARPS=4", "liquidquant and not bulk or split_k"),  # four warps a LiquidQuant block, as before
-], ids=["ring-8-7", "ring-4-1", "lqq-four-warps"])
+    ("QK_EPILOGUE_EARLY=1", "split_k_matches or qserve_kernel_matches or liquidquant_kernel_matches or block_split"),
+], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-early"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
