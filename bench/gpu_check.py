@@ -37,8 +37,8 @@ without a GPU and carried to the device with QUANTKIT_CACHE pointing at them, th
 
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-timeline] [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned]
-        [--skip-profile] [--profile-formats F,...] [--profile-large] [--skip-validate] [--skip-sweep]
-        [--recipes NAME,...]
+        [--skip-profile] [--profile-formats F,...] [--profile-args ARGS] [--profile-large] [--skip-validate]
+        [--skip-sweep] [--recipes NAME,...]
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def main() -> None:
                         "anyprec --ms 1,4,16\")")
     parser.add_argument("--profile-formats", default="", help="the layouts to profile (default all; "
                         "bench/profile_smallm.py --formats)")
+    parser.add_argument("--profile-args", default="", help="more arguments for bench/profile_smallm.py (e.g. "
+                        "\"--shapes 4096x4096,4096x14336 --ms 1,16\")")
     parser.add_argument("--tune-seconds", type=float, default=200, help="the limit of each tuning step (default "
                         "200; its JSON keeps every configuration finished in time)")
     parser.add_argument("--tune-large", metavar="ARGS", help="also run bench/smallm_tune.py --large with these "
@@ -177,7 +179,8 @@ def main() -> None:
             # the decode kernels (Any-Precision's at 3 bits)
             kernels = "regex:_gemm(8|16|_pc)?(_z[24])?$|_bulk8?$|_gemv$|_tc8?_3(_fast)?(_w4)?$"
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
-                             "bench/profile_smallm.py", *formats], args.out, results, 100, env)
+                             "bench/profile_smallm.py", *formats, *shlex.split(args.profile_args)], args.out, results,
+                 100, env)
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes
             step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
                                    *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
