@@ -375,11 +375,11 @@ extern "C" __global__ void __launch_bounds__(512)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
 // (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 4 KiB.
-#define QK_QQQ_CLUSTER(NAME, GROUPED, Z)                                                                            \
-  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                        \
+#define QK_QQQ_CLUSTER(NAME, GROUPED, Z)                                                                               \
+  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                          \
       NAME(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel, const qk_half* s_group,       \
            qk_half* out, int m, int n, int k, int splits, int zsplit, int32_t* sums, int32_t* arrived) {               \
-    qqq_gemm_at<GROUPED, Z>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);              \
+    qqq_gemm_at<GROUPED, Z>(x, s_x, b, s_channel, s_group, out, m, n, k, splits, zsplit, sums, arrived);               \
   }
 QK_QQQ_CLUSTER(qqq_w4a8_gemm_z2, true, 2)
 QK_QQQ_CLUSTER(qqq_w4a8_gemm_z4, true, 4)

@@ -108,9 +108,10 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   }
 }
 
-// Under QK_EPILOGUE_EARLY (qk_common.cuh) the per-channel decode kernel loads these 12 a lane before its K loop
-// (110 -> 122 registers, no spills); the per-group one has no registers to spare. The epilogue's parameters of a lane of tile (mt, nt), loaded ahead: s1 (and s1_szeros per channel) of columns 2q,
-// 2q + 1 of n8 block nb as one word each, s_x (and t_x) of rows g and g + 8 (past M, the last row's: never stored).
+// The epilogue's parameters of a lane of tile (mt, nt), loaded ahead (by the per-channel decode kernel before its K
+// loop under QK_EPILOGUE_EARLY, qk_common.cuh: 12 a lane, 110 -> 126 registers, no spills; the per-group kernel has
+// no registers to spare): s1 (and s1_szeros per channel) of columns 2q, 2q + 1 of n8 block nb as one word each, s_x
+// (and t_x) of rows g and g + 8 (past M, the last row's: never stored).
 struct QServeEpilogue {
   uint32_t s1[4], szero[4];
   float s_x[2], t_x[2];
@@ -373,10 +374,10 @@ extern "C" __global__ void __launch_bounds__(512)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
 // (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 2 KiB.
-#define QK_QSERVE_CLUSTER(NAME, GROUPED, AHEAD, Z)                                                                  \
-  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                        \
+#define QK_QSERVE_CLUSTER(NAME, GROUPED, AHEAD, Z)                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                          \
       NAME(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,             \
-           const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,      \
+           const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,     \
            int splits, int zsplit, int32_t* sums, int32_t* arrived) {                                                  \
     qserve_gemm_at<GROUPED, AHEAD, Z>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit,    \
                                       sums, arrived);                                                                  \
