@@ -688,7 +688,8 @@ def stream_fit(report: dict, m: int) -> list[dict]:
     """Per kernel (label and function) at one M, the line time = fixed + bytes / rate through its rows' (bytes
     moved, seconds) over the shapes, least squares: the rate it streams at and the time it spends whatever the
     shape (launch, first loads, meetings, stores), with the largest residual. Kernels with fewer than 3 shapes of
-    distinct sizes are left out (a line through two points says nothing of its fit); the read floor is one of them."""
+    distinct sizes are left out (a line through two points says nothing of its fit); the read floor is fitted too,
+    the baselines are not."""
     points: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for r in report["rows"]:
         if r["m"] == m and r["bytes_moved"] and (r["format"] is not None or r["label"] == READ_FLOOR):
