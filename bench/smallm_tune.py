@@ -118,6 +118,9 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # QServe per channel's and LiquidQuant's decode kernels with the epilogue's scales (and zero points, token sums)
     # in registers from before the K loop, not loaded after the split-K meeting (QK_EPILOGUE_EARLY)
     "EPI-EARLY": ({**U8, "QK_EPILOGUE_EARLY": 1}, SPLIT),
+    # QServe from 9 to 16 tokens with two 32-channel tiles a warp, one load of the activations for both
+    # (QSERVE_GEMM16: qserve_w4a8_gemm16, _pc16), as LQQ-S2 for LiquidQuant
+    "QS-S2": (U8, {**SPLIT, "QSERVE_GEMM16": True}),
 }
 # The layouts whose kernels a configuration's knobs change: it times only those (the first, the default, times
 # them all), so that a short device lease fits more configurations; --best then picks the fastest per layout.
@@ -126,7 +129,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "U6": (*W4A8, "atom"),
     "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S2": ("liquidquant",),
     "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "RED": W4A8, "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
-    "EPI-EARLY": ("qserve", "liquidquant"),
+    "EPI-EARLY": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
@@ -165,7 +168,8 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 
 # The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
 # default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU.
-PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2", "Z2", "RED", "CLUSTER", "EPI-EARLY")
+PENDING: tuple[str, ...] = ("AP-EARLY", "AP-SHF16", "AP-W8", "LQQ-S2", "Z2", "RED", "CLUSTER", "EPI-EARLY",
+                             "QS-S2")
 LARGE_PENDING: tuple[str, ...] = ()
 
 

@@ -459,6 +459,22 @@ extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, cons
   if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
   qserve_gemm_host(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0}, splits, zsplit);
 }
+// The two-tile kernels (qserve_w4a8_gemm16, _pc16: a warp's two 32-channel tiles from one load of the activations)
+// compute each tile as these do: the same twins. Only the device runs their mapping of tiles to warps, which
+// bench/smallm_tune.py and a GPU test check.
+extern "C" void qserve_w4a8_gemm16_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
+                                        qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
+                                        int32_t* sums, int32_t* arrived) {
+  qserve_w4a8_gemm_host(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums, arrived);
+}
+extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, const float* t_x,
+                                           const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                           const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                                           int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  qserve_w4a8_gemm_pc_host(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums,
+                           arrived);
+}
 static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit) {
   const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order

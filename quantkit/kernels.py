@@ -422,12 +422,13 @@ def use_bulk(bulk: bool | None) -> bool:
 
 def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, width: int, count: int, steps: int,
                      splits: int | None, zsplit: int | None, bulk: bool | None,
-                     slot_bytes: Callable[[int], int], gemm: str = "gemm") -> Launch:
+                     slot_bytes: Callable[[int], int], gemm: str = "gemm", clusters: bool = True) -> Launch:
     """The small-M launch of a layout whose warp computes a 16-token x `width`-channel tile with `count` int32 sums
     a lane over `steps` K steps (QServe: 32 channels, 16 sums; QQQ: 64, 32): `module`_`gemm`, or `module`_bulk per
     use_bulk (chunks of 8 steps, 4 KiB of weights, up to 4 tokens, else 4, for their activation rows); `splits`
     copies a block and `zsplit` blocks a tile, default split_plan's (`zsplit` 1 when `splits` is given), those blocks
-    one cluster under SPLITK_CLUSTER (the inbox in the leader's shared memory, no workspace in device memory)."""
+    one cluster under SPLITK_CLUSTER where the kernel has cluster builds (`clusters`; the inbox in the leader's
+    shared memory, no workspace in device memory)."""
     tiles = (n // width) * -(-m // 16)
     partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
     if splits is None:
@@ -439,7 +440,7 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
         return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meeting_point(tiles, count, zsplit), chunk,
                                                  slots], grid, 32 * splits, out, shared)
     shared = (splits - 1) * partial_bytes
-    cluster = zsplit if SPLITK_CLUSTER and zsplit in CLUSTER_SIZES else 1
+    cluster = zsplit if clusters and SPLITK_CLUSTER and zsplit in CLUSTER_SIZES else 1
     if cluster > 1 and shared + (cluster - 1) * partial_bytes <= SPLITK_MAX_SHARED:  # the leader's inbox after
         return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, None, None], grid, 32 * splits, out,
                       shared + (cluster - 1) * partial_bytes, cluster)
@@ -453,6 +454,10 @@ def check_group_division(k: int, group: int) -> None:
     if k * group >= 1 << 32:
         raise ValueError(f"K={k} with groups of {group} is past the kernels' group arithmetic (K * group < 2^32)")
 
+
+# QServe from 9 to 16 tokens (more than DECODE_MAX_M) with two 32-channel tiles a warp (qserve_w4a8_gemm16, _pc16),
+# one load of the activations for both: bench/smallm_tune.py's QS-S2; not yet timed, so off. N a multiple of 64.
+QSERVE_GEMM16 = False
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
@@ -478,9 +483,14 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             out, m, n, k, group]
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
-    # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers
+    # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers;
+    # from 9 tokens on under QSERVE_GEMM16 their two-tile kernels (*16: 64 channels a warp, 32 sums a lane)
+    gemm = "gemm" if grouped else "gemm_pc"
+    if QSERVE_GEMM16 and m > DECODE_MAX_M and n % 64 == 0 and not use_bulk(bulk):
+        return warp_tile_launch("qserve_w4a8", args, out, m, n, 64, 32, k // 32, splits, zsplit, False,
+                                lambda c: 0, gemm + "16", clusters=False)
     return warp_tile_launch("qserve_w4a8", args, out, m, n, 32, 16, k // 32, splits, zsplit, bulk,
-                            lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), "gemm" if grouped else "gemm_pc")
+                            lambda c: qserve_bulk_slot_bytes(c, min(16, m), grouped), gemm)
 
 
 # Up to this many tokens (one n8 block of the MMAs) the launches take the decode kernels (liquidquant_w4a8_gemm8,
@@ -897,7 +907,7 @@ def _module(name: str, hopper: bool = False) -> Any:
 # JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
 # fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
 TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "BULK_DECODE", "BULK_SLOTS",
-           "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
+           "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

@@ -191,6 +191,34 @@ def test_cluster_launch_meets_in_shared_memory(fmt, group, m, k, splits, zsplit,
     assert kept.cluster == 1 and kept.args[-1] is not None
 
 
+QSERVE16_CASES = [(None, 9, 512, None), (128, 16, 1024, None), (None, 13, 768, 3), (128, 12, 512, 5)]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("group", "m", "k", "splits"), QSERVE16_CASES)
+def test_qserve_two_tile_launch(group, m, k, splits, monkeypatch):
+    """QSERVE_GEMM16: from 9 tokens on, QServe's decode kernels with two 32-channel tiles a warp (*16: grid N / 64,
+    32 sums a lane, 4 KiB of partial sums a copy), the emulation's bits in the simulator (whose twin is the
+    one-tile kernel's: only the device runs the two-tile mapping, test_qserve_two_tile_gpu_kernel); up to 8 tokens,
+    an N that 64 does not divide, or the bulk kernel, the one-tile launch."""
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", True)
+    n = 192
+    tensors = synthetic("qserve", n, k, seed=m + k, group=group)
+    x = activations(m, k, seed=m)
+    reference = emulate("qserve", tensors, x)
+    t_x = x.sum(axis=1, dtype=np.float32)
+    launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, t_x, splits=splits, tiled=False)
+    assert launch.name == ("qserve_w4a8_gemm16" if group else "qserve_w4a8_gemm_pc16")
+    assert launch.grid[0] == n // 64 and launch.shared_mem == (launch.block // 32 - 1) * 4096
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    few = emulate("qserve", tensors, x[:8])
+    one_tile = [kernels.qserve_launch(tensors, few.x_int8, few.s_x, t_x[:8], tiled=False),
+                kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, t_x, tiled=False, bulk=True)]
+    narrow = synthetic("qserve", 96, k, seed=1, group=group)
+    one_tile.append(kernels.qserve_launch(narrow, reference.x_int8, reference.s_x, t_x, tiled=False))
+    assert all(not launch.name.endswith("16") for launch in one_tile), [launch.name for launch in one_tile]
+
+
 def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
     """split_plan: a tile is one block of split_count's copies where they are all SPLITK_WARPS asks for; where a block
     cannot hold them (the partial sums' shared memory), the blocks a tile that spread the grid most evenly over the
@@ -930,6 +958,20 @@ def test_cluster_gpu_kernels_match_the_emulation(fmt, group, m, k, splits, zspli
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits, zsplit=zsplit, bulk=False)
     assert launch.cluster == zsplit
+    np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize(("group", "m", "k", "splits"), QSERVE16_CASES)
+def test_qserve_two_tile_gpu_kernel(group, m, k, splits, monkeypatch):
+    """qserve_w4a8_gemm16 / _pc16 on the device: each warp's two tiles, the emulation's bits (QS-S2)."""
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", True)
+    tensors = synthetic("qserve", 192, k, seed=m + k, group=group)
+    x = activations(m, k, seed=m)
+    reference = emulate("qserve", tensors, x)
+    launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=splits, tiled=False)
+    assert launch.name.endswith("16")
     np.testing.assert_array_equal(kernels.run(launch, "cuda"), reference.out.view(np.uint16))
 
 
