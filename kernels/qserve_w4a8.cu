@@ -328,6 +328,7 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
                                                int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
   const qk::QServeArgs args{x, s_x, GROUPED ? nullptr : t_x, qweight, s1, GROUPED ? nullptr : szero,
                             GROUPED ? s2 : nullptr, GROUPED ? z2 : nullptr, out, m, n, k, GROUPED ? group : 0};
+  if (GROUPED) __builtin_assume(s2 != nullptr);  // the launch's; so no step tests it (load_group_params, unpack_b)
   const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = SLICES * blockIdx.x, mt = blockIdx.y;
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   constexpr int COUNT = 16 * SLICES;  // int32 sums a lane
