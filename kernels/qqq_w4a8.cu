@@ -421,10 +421,20 @@ extern "C" __global__ void __maxnreg__(80)
 
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // QQQTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0).
-extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_tiled(const int8_t* x, const float* s_x, const uint32_t* b,
-                                                                 const float* s_channel, const qk_half* s_group,
-                                                                 qk_half* out, int m, int n, int k) {
-  tiled_gemm<qk::QQQTiled>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+// The large-M kernels serve both variants: one branch at entry, so that each path is compiled with s_group known to
+// be there or known null, where every step of one path for both tested it.
+template <class Run>
+__device__ __forceinline__ void qqq_variant(const qk::QQQArgs& a, Run run) {
+  if (a.s_group != nullptr) run(a);
+  else run(qk::QQQArgs{a.x, a.s_x, a.b, a.s_channel, nullptr, a.out, a.m, a.n, a.k});
+}
+
+// Two blocks an SM: at most 128 registers (one path for both variants took 121; the two paths, 129 unbounded).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    qqq_w4a8_tiled(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                   const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k},
+              [](const qk::QQQArgs& args) { tiled_gemm<qk::QQQTiled>(args); });
 }
 
 #if defined(QK_WGMMA)
@@ -433,14 +443,16 @@ extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_tiled(const int8_t* x
 extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_wgmma(const int8_t* x, const float* s_x, const uint32_t* b,
                                                                  const float* s_channel, const qk_half* s_group,
                                                                  qk_half* out, int m, int n, int k) {
-  wgmma_gemm<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+  qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k},
+              [](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma>(args); });
 }
 // The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
 // WgmmaTiles<QQQWgmma, 2>::STAGE_BYTES (N % 256 == 0).
 extern "C" __global__ void __launch_bounds__(512) qqq_w4a8_wgmma2(const int8_t* x, const float* s_x, const uint32_t* b,
                                                                   const float* s_channel, const qk_half* s_group,
                                                                   qk_half* out, int m, int n, int k) {
-  wgmma_gemm<qk::QQQWgmma, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+  qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k},
+              [](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma, 2>(args); });
 }
 #endif
 #endif

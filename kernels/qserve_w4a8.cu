@@ -457,10 +457,28 @@ extern "C" __global__ void __launch_bounds__(512)
 // The large-M path: grid (N / 128, ceil(M / 128)), block 256, dynamic shared memory 4 stages of
 // QServeTiled::STAGE_BYTES (N % 128 == 0, K % 64 == 0; groups of 32, 64 or 128). Two blocks an SM: 128 registers at
 // most, which the kernel fits with no spill (left to itself, ptxas took 140, one block an SM).
+// The large-M kernels serve both variants. One branch at entry, on which the arguments are, so that each path is
+// compiled with its group tensors known to be there or known null (and t_x, s1_szeros the other way round), where
+// every step of one path for both tested them.
+template <class Run>
+__device__ __forceinline__ void qserve_variant(const int8_t* x, const float* s_x, const float* t_x,
+                                               const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                               const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                                               int group, Run run) {
+  if (s2 != nullptr) {
+    __builtin_assume(z2 != nullptr);
+    run(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group});
+  } else {
+    __builtin_assume(szero != nullptr && t_x != nullptr);
+    run(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0});
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2) qserve_w4a8_tiled(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
-  tiled_gemm<qk::QServeTiled>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group,
+                 [](const qk::QServeArgs& args) { tiled_gemm<qk::QServeTiled>(args); });
 }
 
 #if defined(QK_WGMMA)
@@ -469,14 +487,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) qserve_w4a8_tiled(
 extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_wgmma(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
-  wgmma_gemm<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group,
+                 [](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma>(args); });
 }
 // The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
 // WgmmaTiles<QServeWgmma, 2>::STAGE_BYTES (N % 256 == 0).
 extern "C" __global__ void __launch_bounds__(512) qserve_w4a8_wgmma2(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
     const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
-  wgmma_gemm<qk::QServeWgmma, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group,
+                 [](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma, 2>(args); });
 }
 #endif
 #endif
