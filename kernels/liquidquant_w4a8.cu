@@ -272,7 +272,9 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) qk::lqq_tile(blockIdx.x, local, warps, nt, t[s], SLICES, s);
   struct Stage { uint32_t r[SLICES][4], sa[SLICES][2], b[TB][2][2]; };
-  const int blocks = (args.m - 8 * tb0 + 7) / 8;  // token blocks of this tile with a token below M (1 for decode)
+  // token blocks of this tile with a token below M (1 for decode): at least the first, as the grid has no tile without
+  // one, so that block is never tested (a test made each K step of the one-block kernel a branch of its own)
+  const int blocks = (args.m - 8 * tb0 + 7) / 8;
   int32_t acc[SLICES][TB][4] = {};
   constexpr bool early = QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1;
   qk::LiquidEpilogue epi{};
@@ -290,7 +292,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
         for (int s = 0; s < SLICES; ++s) qk::load_weights_raw(args, nt, kt, t[s], st.r[s], st.sa[s]);
 #pragma unroll
         for (int tb = 0; tb < TB; ++tb)
-          if (tb < blocks)
+          if (tb == 0 || tb < blocks)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               if (TB <= 2) qk::load_tokens(rows[tb], kt, j, st.b[tb][j]);
@@ -304,7 +306,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
           qk::unpack_weights(st.r[s], st.sa[s], fa);
 #pragma unroll
           for (int tb = 0; tb < TB; ++tb)  // blocks past M would only multiply zeros into sums never stored
-            if (tb < blocks)
+            if (tb == 0 || tb < blocks)
 #pragma unroll
               for (int j = 0; j < 2; ++j) mma_s8(acc[s][tb], fa[j], st.b[tb][j]);
         }
