@@ -216,6 +216,22 @@ QK_FN void thread_partials_at(const AnyPrecArgs& a, const float* table, int n, i
 constexpr int APT_WARPS = QK_AP_TC_WARPS, APT_FEW_WARPS = 4, APT_CHANNELS = 16, APT_TOKENS = 16;
 static_assert(APT_WARPS == 2 || APT_WARPS == 4 || APT_WARPS == 8, "QK_AP_TC_WARPS: 2, 4 or 8");
 
+// Every tensor-core kernel, listed once for the device build and the warp simulator's twins: X(NAME, width, token
+// blocks, FAST, warps) for anyprec_gemm_tc_B (any M) and anyprec_gemm_tc8_B (M <= 8), each also *_fast, at every
+// width, and up to 3 bits the fast ones again in blocks of APT_FEW_WARPS (*_fast_w4).
+#define QK_AP_TC_WIDTH(X, B)                                                                                       \
+  X(anyprec_gemm_tc_##B, B, 2, false, qk::APT_WARPS)                                                                \
+  X(anyprec_gemm_tc8_##B, B, 1, false, qk::APT_WARPS)                                                               \
+  X(anyprec_gemm_tc_##B##_fast, B, 2, true, qk::APT_WARPS)                                                          \
+  X(anyprec_gemm_tc8_##B##_fast, B, 1, true, qk::APT_WARPS)
+#define QK_AP_TC_FEW(X, B)                                                                                         \
+  X(anyprec_gemm_tc_##B##_fast_w4, B, 2, true, qk::APT_FEW_WARPS)                                                   \
+  X(anyprec_gemm_tc8_##B##_fast_w4, B, 1, true, qk::APT_FEW_WARPS)
+#define QK_AP_TC_ALL(X)                                                                                            \
+  QK_AP_TC_WIDTH(X, 1) QK_AP_TC_WIDTH(X, 2) QK_AP_TC_WIDTH(X, 3) QK_AP_TC_WIDTH(X, 4) QK_AP_TC_WIDTH(X, 5)          \
+  QK_AP_TC_WIDTH(X, 6) QK_AP_TC_WIDTH(X, 7) QK_AP_TC_WIDTH(X, 8) QK_AP_TC_FEW(X, 1) QK_AP_TC_FEW(X, 2)             \
+  QK_AP_TC_FEW(X, 3)
+
 // Plane words a lane holds per channel and step, and the step's words per channel (its four quads').
 template <int BITS>
 QK_FN constexpr int tc_lane_words() { return BITS <= 4 ? 4 : 2; }
@@ -629,8 +645,9 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
 // One kernel per width and token blocks, anyprec_gemm_tc_1 .. _8 (any M) and anyprec_gemm_tc8_1 .. _8 (M <= 8), and
 // each again as *_fast for K % AP_CHUNK == 0 (tc_fast), so that each has its own register budget (one kernel
 // for all widths takes the widest's): at most 128 registers, for 16 warps an SM (2 blocks of 8), where that needs no
-// spills (all but 8 bits); the fast ones up to 3 bits also as *_fast_w4, blocks of APT_FEW_WARPS for short K. grid
-// (ceil(N / 16), 1, ceil(M / 16)), block 32 WARPS, dynamic shared memory tc_shared_bytes<B, WARPS>().
+// spills (all but 8 bits); the fast ones up to 3 bits also as *_fast_w4, blocks of APT_FEW_WARPS for short K
+// (QK_AP_TC_ALL). grid (ceil(N / 16), 1, ceil(M / 16)), block 32 WARPS, dynamic shared memory
+// tc_shared_bytes<B, WARPS>().
 #define QK_AP_TC_KERNEL(NAME, B, NB, FAST, WARPS)                                                                  \
   extern "C" __global__ void __launch_bounds__(32 * (WARPS), (B <= 7 ? 16 : 8) / (WARPS)) NAME(                   \
       const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m, int n, int k) {            \
@@ -638,16 +655,7 @@ __device__ __forceinline__ void anyprec_gemm_tc_at(const qk::AnyPrecArgs& a, uin
     anyprec_gemm_tc_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B},                       \
                                            reinterpret_cast<uint8_t*>(qk_apt_smem));                                \
   }
-#define QK_AP_TC(B)                                                                                                \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B, B, 2, false, qk::APT_WARPS)                                                  \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B, B, 1, false, qk::APT_WARPS)                                                 \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast, B, 2, true, qk::APT_WARPS)                                            \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast, B, 1, true, qk::APT_WARPS)
-#define QK_AP_TC_FEW(B)                                                                                            \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc_##B##_fast_w4, B, 2, true, qk::APT_FEW_WARPS)                                     \
-  QK_AP_TC_KERNEL(anyprec_gemm_tc8_##B##_fast_w4, B, 1, true, qk::APT_FEW_WARPS)
-QK_AP_TC(1) QK_AP_TC(2) QK_AP_TC(3) QK_AP_TC(4) QK_AP_TC(5) QK_AP_TC(6) QK_AP_TC(7) QK_AP_TC(8)
-QK_AP_TC_FEW(1) QK_AP_TC_FEW(2) QK_AP_TC_FEW(3)
+QK_AP_TC_ALL(QK_AP_TC_KERNEL)
 
 template <int BITS>
 __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, float (*tables)[qk::AP_TABLE_WORDS]) {

@@ -962,21 +962,10 @@ extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {
   return fast;
 }
 
-// One kernel per width, token blocks and loads (anyprec_gemm_tc_1 .. _8, anyprec_gemm_tc8_1 .. _8, each also
-// *_fast; up to 3 bits *_fast_w4 too), and their host twins.
+// The host twin of each tensor-core kernel (kernels/anyprec_gemv.cu QK_AP_TC_ALL, the device build's list).
 #define QK_AP_TC_HOST_ONE(NAME, B, NB, FAST, WARPS)                                                                \
   extern "C" void NAME##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,   \
                               int n, int k) {                                                                       \
     anyprec_gemm_tc_host_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                  \
   }
-#define QK_AP_TC_HOST(B)                                                                                           \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B, B, 2, false, qk::APT_WARPS)                                                \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B, B, 1, false, qk::APT_WARPS)                                               \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast, B, 2, true, qk::APT_WARPS)                                          \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast, B, 1, true, qk::APT_WARPS)
-#define QK_AP_TC_HOST_FEW(B)                                                                                       \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc_##B##_fast_w4, B, 2, true, qk::APT_FEW_WARPS)                                   \
-  QK_AP_TC_HOST_ONE(anyprec_gemm_tc8_##B##_fast_w4, B, 1, true, qk::APT_FEW_WARPS)
-QK_AP_TC_HOST(1) QK_AP_TC_HOST(2) QK_AP_TC_HOST(3) QK_AP_TC_HOST(4)
-QK_AP_TC_HOST(5) QK_AP_TC_HOST(6) QK_AP_TC_HOST(7) QK_AP_TC_HOST(8)
-QK_AP_TC_HOST_FEW(1) QK_AP_TC_HOST_FEW(2) QK_AP_TC_HOST_FEW(3)
+QK_AP_TC_ALL(QK_AP_TC_HOST_ONE)

@@ -748,6 +748,17 @@ __device__ __forceinline__ bool splitk_cluster(int32_t* acc, int lane, int offse
 #endif
 }
 
+// Split-K across a tile's blocks, after each block's splitk_reduce (copy 0's warp): in the leader's shared memory
+// where the kernel is a cluster build of Z blocks (splitk_cluster, the inbox after the (splits - 1) copies' partial
+// sums), else in device memory (splitk_blocks; nothing to meet when zsplit is 1). Returns true where the tile's sums
+// are whole.
+template <int COUNT, int Z>
+__device__ __forceinline__ bool splitk_meet(int32_t* acc, int lane, int splits, int zsplit, int32_t* sums,
+                                            int32_t* arrived) {
+  if constexpr (Z > 1) return splitk_cluster<COUNT, Z>(acc, lane, (splits - 1) * COUNT * 32);
+  return splitk_blocks<COUNT>(acc, lane, zsplit, sums, arrived);
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -348,11 +348,7 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
   splitk_begin<32, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
   if (!splitk_reduce<32, QK_SPLITK_RED>(&acc[0][0], lane, copy, 32, splits)) return;
-  if constexpr (Z > 1) {  // the tile's Z blocks a cluster (the _z kernels)
-    if (!splitk_cluster<32, Z>(&acc[0][0], lane, (splits - 1) * 32 * 32)) return;
-  } else if (!splitk_blocks<32>(&acc[0][0], lane, zsplit, sums, arrived)) {
-    return;
-  }
+  if (!splitk_meet<32, Z>(&acc[0][0], lane, splits, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
   QK_STAMP(QK_T_STORED);
 }

@@ -358,11 +358,7 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   splitk_begin<COUNT, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<AHEAD, Stage>(first, copies, k / 32, load, compute);
   if (!splitk_reduce<COUNT, QK_SPLITK_RED>(&acc[0][0][0], lane, copy, 32, splits)) return;
-  if constexpr (Z > 1) {  // the tile's Z blocks a cluster (the _z kernels)
-    if (!splitk_cluster<COUNT, Z>(&acc[0][0][0], lane, (splits - 1) * COUNT * 32)) return;
-  } else if (!splitk_blocks<COUNT>(&acc[0][0][0], lane, zsplit, sums, arrived)) {
-    return;
-  }
+  if (!splitk_meet<COUNT, Z>(&acc[0][0][0], lane, splits, zsplit, sums, arrived)) return;
 #pragma unroll
   for (int sl = 0; sl < SLICES; ++sl)
     for (int nb = 0; nb < 4; ++nb) {
