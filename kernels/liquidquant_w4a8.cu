@@ -92,13 +92,21 @@ QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t, int slices
   t = 32 * (first % 4 + s) + local % 32;  // slices divides 4: the warp's slices share block nt
 }
 
-// The lane's accumulators of token block tb: c0, c1 at channel g, tokens 2q, 2q + 1; c2, c3 at channel g + 8.
-QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4]) {
+// The lane's accumulators of token block tb: c0, c1 at channel g, tokens 2q, 2q + 1; c2, c3 at channel g + 8, each
+// output value(acc, i, token, channel) for its accumulator i.
+template <class Value>
+QK_FN void store_by(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4], Value value) {
   const int lane = t % 32, g = frag_group(lane), q = frag_quad(lane);
   for (int i = 0; i < 4; ++i) {
     const int channel = 64 * nt + 16 * (t / 32) + g + 8 * (i >> 1), token = 8 * tb + 2 * q + (i & 1);
-    if (token < a.m) a.out[(size_t)token * a.n + channel] = epilogue(acc[i], half_to_float(a.s1[channel]), a.s_x[token]);
+    if (token < a.m) a.out[(size_t)token * a.n + channel] = value(acc[i], i, token, channel);
   }
+}
+// ... with the epilogue's parameters loaded where they are used.
+QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4]) {
+  store_by(a, nt, tb, t, acc, [&](int32_t v, int, int token, int channel) {
+    return epilogue(v, half_to_float(a.s1[channel]), a.s_x[token]);
+  });
 }
 
 // The same lane's epilogue parameters, loaded ahead (QK_EPILOGUE_EARLY, the one-token-block kernel): s1 of its
@@ -116,13 +124,9 @@ QK_FN LiquidEpilogue epilogue_params(const LiquidArgs& a, int nt, int tb, int t)
 }
 // store's outputs from them: the same arithmetic, so the same bits.
 QK_FN void store_with(const LiquidArgs& a, const LiquidEpilogue& e, int nt, int tb, int t, const int32_t acc[4]) {
-  const int lane = t % 32, g = frag_group(lane), q = frag_quad(lane);
-  for (int i = 0; i < 4; ++i) {
-    const int channel = 64 * nt + 16 * (t / 32) + g + 8 * (i >> 1), token = 8 * tb + 2 * q + (i & 1);
-    if (token < a.m)
-      a.out[(size_t)token * a.n + channel] =
-          epilogue(acc[i], half_to_float((qk_half)(e.s1 >> (16 * (i >> 1)))), e.s_x[i & 1]);
-  }
+  store_by(a, nt, tb, t, acc, [&](int32_t v, int i, int, int) {
+    return epilogue(v, half_to_float((qk_half)(e.s1 >> (16 * (i >> 1)))), e.s_x[i & 1]);
+  });
 }
 
 // The bulk decode kernel's slot (liquidquant_w4a8_bulk8, Hopper, up to 8 tokens): a chunk of up to `chunk` K steps

@@ -96,16 +96,22 @@ QK_FN qk_half out_value(const QServeArgs& a, int32_t acc, int row, int col) {
                             : epilogue(acc, s_w, a.s_x[row]);
 }
 
-// Write the lane's accumulators of n8 block nb: c0, c1 at row g, columns 2q, 2q + 1; c2, c3 at row g + 8.
-// The two adjacent outputs of a row go out as one 32-bit store.
-QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const int32_t acc[4]) {
+// Write the lane's accumulators of n8 block nb: c0, c1 at row g, columns 2q, 2q + 1; c2, c3 at row g + 8, each
+// output value(acc, h, i, row, col) for its accumulator 2 h + i. The two adjacent outputs of a row go out as one
+// 32-bit store.
+template <class Value>
+QK_FN void store_by(const QServeArgs& a, int mt, int nt, int nb, int lane, const int32_t acc[4], Value value) {
   const int g = frag_group(lane), q = frag_quad(lane), col = 32 * nt + 8 * nb + 2 * q;
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
     if (row >= a.m) continue;
-    const qk_half y[2] = {out_value(a, acc[2 * h], row, col), out_value(a, acc[2 * h + 1], row, col + 1)};
+    const qk_half y[2] = {value(acc[2 * h], h, 0, row, col), value(acc[2 * h + 1], h, 1, row, col + 1)};
     store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y[0] | ((uint32_t)y[1] << 16));
   }
+}
+// ... with the epilogue's parameters loaded where they are used (out_value).
+QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const int32_t acc[4]) {
+  store_by(a, mt, nt, nb, lane, acc, [&](int32_t v, int, int, int row, int col) { return out_value(a, v, row, col); });
 }
 
 // The epilogue's parameters of a lane of tile (mt, nt), loaded ahead (by the per-channel decode kernel before its K
@@ -133,20 +139,12 @@ QK_FN QServeEpilogue epilogue_params(const QServeArgs& a, int mt, int nt, int la
 // store's outputs from those parameters: the same arithmetic in the same order, so the same bits.
 QK_FN void store_with(const QServeArgs& a, const QServeEpilogue& e, int mt, int nt, int nb, int lane,
                       const int32_t acc[4]) {
-  const int g = frag_group(lane), q = frag_quad(lane), col = 32 * nt + 8 * nb + 2 * q;
-  for (int h = 0; h < 2; ++h) {
-    const int row = 16 * mt + g + 8 * h;
-    if (row >= a.m) continue;
-    qk_half y[2];
-    for (int i = 0; i < 2; ++i) {
-      const float s_w = half_to_float((qk_half)(e.s1[nb] >> (16 * i)));
-      y[i] = a.szero != nullptr
-                 ? epilogue_zero(acc[2 * h + i], s_w, e.s_x[h], half_to_float((qk_half)(e.szero[nb] >> (16 * i))),
-                                 e.t_x[h])
-                 : epilogue(acc[2 * h + i], s_w, e.s_x[h]);
-    }
-    store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y[0] | ((uint32_t)y[1] << 16));
-  }
+  store_by(a, mt, nt, nb, lane, acc, [&](int32_t v, int h, int i, int, int) {
+    const float s_w = half_to_float((qk_half)(e.s1[nb] >> (16 * i)));
+    return a.szero != nullptr
+               ? epilogue_zero(v, s_w, e.s_x[h], half_to_float((qk_half)(e.szero[nb] >> (16 * i))), e.t_x[h])
+               : epilogue(v, s_w, e.s_x[h]);
+  });
 }
 
 // The bulk decode kernel's slot (qserve_w4a8_bulk, Hopper): a chunk of up to `chunk` K steps of a 32-channel tile
