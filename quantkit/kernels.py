@@ -459,6 +459,7 @@ def check_group_division(k: int, group: int) -> None:
 # one load of the activations for both: bench/smallm_tune.py's QS-S2; not yet timed, so off. N a multiple of 64.
 QSERVE_GEMM16 = False
 
+
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
                   t_x: np.ndarray | None = None, splits: int | None = None, tiled: bool | None = None,
                   wgmma: bool | None = None, bulk: bool | None = None, zsplit: int | None = None) -> Launch:
