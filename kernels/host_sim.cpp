@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -783,54 +784,72 @@ extern "C" void qqq_w4a8_tiled_host(const int8_t* x, const float* s_x, const uin
   });
 }
 
-// One warp's int32 products of Atom group gi (16 tokens x 16 channels), from its lanes' loads and fragments.
-void atom_group_products_host(const qk::AtomArgs& a, int mt, int nt, int gi, int32_t partial[2][32][4]) {
-  static thread_local qk::AtomLane r[32];
-  for (int lane = 0; lane < 32; ++lane) qk::load_group(a, mt, nt, gi, lane, r[lane]);
-  const bool int4 = gi < (a.k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
-  for (int s = 0; s < (int4 ? 2 : 4); ++s) {
+// One warp's int32 products of an Atom step (the lanes' registers in `st`): INT4 or INT8 MMAs, as the kernel's.
+static void atom_step_products_host(const qk::AtomStep st[32], bool int4, int32_t partial[2][32][4]) {
+  for (int u = 0; u < 2; ++u) {
     uint32_t fa[32][4], fb[2][32][2], b[2][2];
     for (int lane = 0; lane < 32; ++lane) {
-      qk::step_fragments(r[lane], s, fa[lane], b);
+      qk::atom_fragments(st[lane], u, fa[lane], b);
       for (int nb = 0; nb < 2; ++nb) std::memcpy(fb[nb][lane], b[nb], sizeof(b[nb]));
     }
     for (int nb = 0; nb < 2; ++nb) {
-      if (int4) mma_warp_int4(partial[nb], fa, fb[nb]); else mma_warp(partial[nb], fa, fb[nb]);
+      if (int4) mma_warp_int4(partial[nb], fa, fb[nb]);
+      else mma_warp(partial[nb], fa, fb[nb]);
     }
   }
 }
 
-// The host twin of atom_w4a4_gemm: per round, each copy of the warp its group's products, the others' handed to
-// copy 0 through the partial-sum slots, which it folds in group order.
+// The host twin of atom_w4a4_gemm, copy by copy in the kernel's assignment: the outlier halves, then per round every
+// copy's groups put in the slots (filled with NaN first, so that a slot the round does not write shows), then each
+// thread's sums of its outputs in group order.
 extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
                                     const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
-                                    qk_half* out, int m, int n, int k, int splits) {
+                                    qk_half* out, int m, int n, int k, int splits, int per_round) {
   const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
-  const int groups = (k - qk::ATOM_OUTLIERS) / qk::ATOM_GROUP;
-  std::vector<int32_t> slots((size_t)splits * 8 * 32), products((size_t)splits * 2 * 32 * 4);
-  auto of = [&](int copy) { return reinterpret_cast<int32_t(*)[32][4]>(&products[(size_t)copy * 2 * 32 * 4]); };
+  const int groups = qk::atom_groups(args);
+  std::vector<float> smem((size_t)(per_round + qk::ATOM_EXTRA_SLOTS) * std::min(m, 16) * 16);
+  static thread_local qk::AtomStep st[32];
+  int32_t partial[2][32][4];
+  auto put = [&](const int32_t(*p)[32][4], int lane, int32_t mine[2][4]) {
+    for (int nb = 0; nb < 2; ++nb) std::memcpy(mine[nb], p[nb][lane], sizeof(mine[nb]));
+  };
   for (int nt = 0; nt < n / 16; ++nt) {
     for (int mt = 0; mt < (m + 15) / 16; ++mt) {
-      float acc_f[2][32][4] = {};
-      for (int g0 = 0; g0 <= groups; g0 += splits) {
-        std::fill(products.begin(), products.end(), 0);
-        for (int copy = 0; copy < splits; ++copy) {
-          if (g0 + copy <= groups) atom_group_products_host(args, mt, nt, g0 + copy, of(copy));
-          if (copy > 0)
-            for (int lane = 0; lane < 32; ++lane)
-              for (int j = 0; j < 8; ++j) slots[qk::splitk_slot(copy, j, lane, 8, 32)] = of(copy)[j / 4][lane][j % 4];
-        }
-        for (int c = 0; c < splits && g0 + c <= groups; ++c) {
+      const int rows = std::min(16, m - 16 * mt);
+      float* sums = smem.data() + qk::atom_slot(per_round + qk::ATOM_SUM, 0, 0, rows);
+      std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
+      for (int copy = 0; copy < splits; ++copy)
+        for (int half = ((copy - groups) % splits + splits) % splits; half < 2; half += splits) {
+          for (int lane = 0; lane < 32; ++lane) qk::atom_load_outliers(args, mt, nt, half, lane, st[lane]);
+          std::memset(partial, 0, sizeof(partial));
+          atom_step_products_host(st, false, partial);
           for (int lane = 0; lane < 32; ++lane) {
             int32_t mine[2][4];
-            for (int j = 0; j < 8; ++j)
-              mine[j / 4][j % 4] = c == 0 ? of(0)[j / 4][lane][j % 4] : slots[qk::splitk_slot(c, j, lane, 8, 32)];
-            for (int nb = 0; nb < 2; ++nb) qk::fold(args, mt, nt, nb, g0 + c, lane, mine[nb], acc_f[nb][lane]);
+            put(partial, lane, mine);
+            qk::atom_put_outliers(st[lane], half, rows, per_round, lane, mine, smem.data());
           }
         }
+      for (int s0 = 0;; s0 += per_round) {
+        const int end = std::min(s0 + per_round, groups);
+        std::fill(smem.begin(), smem.begin() + qk::atom_slot(per_round, 0, 0, rows),
+                  std::numeric_limits<float>::quiet_NaN());
+        for (int copy = 0; copy < splits; ++copy)
+          for (int s = s0 + copy; s < end; s += splits) {
+            for (int lane = 0; lane < 32; ++lane)
+              qk::atom_load_group(args, qk::atom_rows(args, mt, nt, lane), s, st[lane]);
+            std::memset(partial, 0, sizeof(partial));
+            atom_step_products_host(st, true, partial);
+            for (int lane = 0; lane < 32; ++lane) {
+              int32_t mine[2][4];
+              put(partial, lane, mine);
+              qk::atom_put_terms(st[lane], s, s0, rows, lane, mine, smem.data());
+            }
+          }
+        for (int t = 0; t < 32 * splits; ++t)
+          qk::atom_sum(args, mt, nt, smem.data(), end - s0, rows, per_round, s0 == 0, end == groups, t, 32 * splits,
+                       sums);
+        if (end == groups) break;
       }
-      for (int nb = 0; nb < 2; ++nb)
-        for (int lane = 0; lane < 32; ++lane) qk::store(args, mt, nt, nb, lane, acc_f[nb][lane]);
     }
   }
 }

@@ -698,19 +698,56 @@ def test_atom_kernel_matches_the_emulation(m, n, groups):
 @needs_compiler
 @pytest.mark.parametrize("groups", [1, 4, 6])
 @pytest.mark.parametrize("splits", [2, 3, 5])
-def test_atom_split_groups_match_the_emulation(groups, splits):
-    """Copies of the small-M warp taking turns at the groups (16-byte loads of columns 32 q .. of each group, in an
-    order the MMAs' A and B share), copy 0 folding each round's products in group order: the emulation's bits,
-    with rounds that end part-way (group counts plus the outliers that no split count divides)."""
+@pytest.mark.parametrize("per_round", [None, 1, 4])
+def test_atom_split_groups_match_the_emulation(groups, splits, per_round):
+    """Copies of the small-M warp taking turns at the steps (a group of 128 INT4 columns or half the outliers, 16
+    bytes a row a lane, in an order the MMAs' A and B share), their terms added in group order at each round's end:
+    the emulation's bits, with rounds of one group, rounds that end part-way and step counts no split count divides,
+    over two token tiles, the second of 3 rows."""
     from quantkit.emulate import emulate_atom
 
-    m, n, k = 7, 32, 128 * groups + 128
+    m, n, k = 19, 32, 128 * groups + 128
     tensors = synthetic("atom", n, k, seed=groups + splits)
     x = activations(m, k, seed=splits)
     reference = emulate_atom(tensors, x, 4, 0.9)
-    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=False, splits=splits)
-    assert launch.block == 32 * splits and launch.shared_mem == (splits - 1) * 1024
+    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=False, splits=splits,
+                                 per_round=per_round)
+    assert launch.block == 32 * splits and launch.args[-2:] == [splits, per_round or groups]
+    assert launch.shared_mem == ((per_round or groups) + kernels.ATOM_EXTRA_SLOTS) * 16 * 16 * 4
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("m", [1, 5])
+def test_atom_small_m_kernel_writes_every_output_once_per_round(m):
+    """The shared memory of a round holds exactly min(M, 16) x 16 outputs a step: at M = 1 and 5 each of 4 rounds
+    of one group, over 2 copies, gives the emulation's bits (the twin fills every slot with NaN before a round, so an
+    output summed from a slot that no lane wrote would show)."""
+    from quantkit.emulate import emulate_atom
+
+    n, k = 48, 128 * 4 + 128
+    tensors = synthetic("atom", n, k, seed=m)
+    x = activations(m, k, seed=m + 1)
+    reference = emulate_atom(tensors, x, 4, 0.9)
+    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=False, splits=2, per_round=1)
+    assert launch.shared_mem == (1 + kernels.ATOM_EXTRA_SLOTS) * 16 * m * 4
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@pytest.mark.parametrize(("groups", "m", "per_round"), [(31, 1, 31), (31, 16, 31), (111, 6, 111), (111, 7, 56),
+                                                       (111, 16, 37), (0, 16, 1)])
+def test_atom_rounds_fit_the_shared_memory_in_equal_parts(groups, m, per_round):
+    assert kernels.atom_rounds(groups, m) == per_round
+    assert (per_round + kernels.ATOM_EXTRA_SLOTS) * kernels.atom_step_bytes(m) <= kernels.ATOM_MAX_SHARED
+
+
+@pytest.mark.parametrize("per_round", [0, 45])
+def test_atom_rounds_past_the_shared_memory_are_refused(per_round):
+    """A round of no group would never end, and one of 45 at M = 16 would need more than 48 KiB of slots."""
+    tensors = synthetic("atom", 16, 256, seed=0)
+    with pytest.raises(ValueError, match="holds 1 to 44 groups at M=16"):
+        kernels.atom_launch(tensors, np.zeros((16, 256), dtype=np.int64), np.ones((16, 2), dtype=np.float32),
+                            tiled=False, per_round=per_round)
 
 
 @needs_compiler
@@ -728,8 +765,8 @@ def test_int4_mma_as_two_int8_mmas_gives_the_same_sums():
 @needs_compiler
 def test_atom_split_groups_fold_in_group_order():
     """Groups 0 and 1 contribute +H and -H exactly, group 2 a small t: in group order the sum is t, in any other
-    order of the round t is lost against H. Copies 0-2 of the warp take one group each, so only copy 0 folding
-    them in order gives the emulation's output."""
+    order t is lost against H. Copies 0-2 of the warp take one group each, so only terms added in group order give
+    the emulation's output, within a round and across rounds."""
     from quantkit.emulate import emulate_atom_quantized
 
     m, n, k = 5, 16, 128 * 3 + 128
@@ -748,13 +785,15 @@ def test_atom_split_groups_fold_in_group_order():
     s_x = np.array([[4096.0, 4096.0, 1e-3, 1.0]] * m, dtype=np.float32)
     reference = emulate_atom_quantized(tensors, codes, s_x)
     assert np.abs(reference.out.astype(np.float32)).max() < 1.0  # t survived: H cancelled before it was added
-    launch = kernels.atom_launch(tensors, codes, s_x, tiled=False, splits=3)
-    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    for per_round in (None, 1):  # the three groups' terms in one round, and in three
+        launch = kernels.atom_launch(tensors, codes, s_x, tiled=False, splits=3, per_round=per_round)
+        np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
 def test_atom_splits_fill_the_gpu_for_decode():
     """A decode launch of an Llama-3-8B-sized Atom linear gets enough warps to keep the memory system busy: about
-    SPLITK_WARPS, each copy taking at least two groups."""
+    SPLITK_WARPS, each copy taking at least ATOM_MIN_STEPS steps (33: 31 groups and the outliers' two halves), and a
+    block holds every group's terms of its one token in one round."""
     n, k = 4096, 4096
     tensors = {"weight_int4": torch.zeros((n, (k - 128) // 2), dtype=torch.uint8),
                "weight_int8": torch.zeros((n, 128), dtype=torch.int8),
@@ -763,6 +802,7 @@ def test_atom_splits_fill_the_gpu_for_decode():
     launch = kernels.atom_launch(tensors, np.zeros((1, k), dtype=np.int64), np.ones((1, 32), dtype=np.float32))
     assert launch.name == "atom_w4a4_gemm" and launch.grid == (256, 1) and launch.block == 32 * 8
     assert launch.grid[0] * launch.block // 32 == kernels.SPLITK_WARPS
+    assert launch.args[-1] == 31 and launch.shared_mem == (31 + kernels.ATOM_EXTRA_SLOTS) * 16 * 4
 
 
 @needs_compiler
