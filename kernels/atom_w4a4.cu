@@ -39,8 +39,8 @@ QK_FN int atom_scale_slot(int r) { return (r / 16) * 64 + (r % 8) * 8 + (r / 8) 
 // ---- The small-M path (atom_w4a4_gemm) ----
 // A K step is one INT4 group (its 128 columns) or one half of the 128 INT8 outliers (64 columns), 64 bytes of a row
 // either way. Lane (g, q) loads bytes 16 q .. 16 q + 15 of the step's run in each of its rows: tokens 16 mt + g and
-// + 8 (x[0], x[1]) and channels 16 nt + g and + 8 (w[0], w[1]); on an INT4 step and on the outliers' first half also
-// the scales: s_x of its two tokens, and the fp16 pairs of the weight scales of channels (2 q, 8 + 2 q) and
+// + 8 (x[0], x[1]) and channels 16 nt + g and + 8 (w[0], w[1]), and the step's scales (the outliers' for both
+// halves): s_x of its two tokens, and the fp16 pairs of the weight scales of channels (2 q, 8 + 2 q) and
 // (2 q + 1, 9 + 2 q), adjacent in Atom's fragment layout (atom_scale_slot): one 32-bit load each. A token past M
 // loads the last token's row: an MMA's rows are independent, and no row past M is put in shared memory.
 struct AtomStep {

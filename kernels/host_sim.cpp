@@ -809,9 +809,17 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
   const int groups = qk::atom_groups(args);
   std::vector<float> smem((size_t)(per_round + qk::ATOM_EXTRA_SLOTS) * std::min(m, 16) * 16);
   static thread_local qk::AtomStep st[32];
-  int32_t partial[2][32][4];
-  auto put = [&](const int32_t(*p)[32][4], int lane, int32_t mine[2][4]) {
-    for (int nb = 0; nb < 2; ++nb) std::memcpy(mine[nb], p[nb][lane], sizeof(mine[nb]));
+  // One step of one copy: every lane's loads, the warp's MMAs, every lane's put of its products.
+  auto step = [&](bool int4, auto load, auto put) {
+    static thread_local int32_t partial[2][32][4];
+    for (int lane = 0; lane < 32; ++lane) load(lane, st[lane]);
+    std::memset(partial, 0, sizeof(partial));
+    atom_step_products_host(st, int4, partial);
+    for (int lane = 0; lane < 32; ++lane) {
+      int32_t mine[2][4];
+      for (int nb = 0; nb < 2; ++nb) std::memcpy(mine[nb], partial[nb][lane], sizeof(mine[nb]));
+      put(lane, st[lane], mine);
+    }
   };
   for (int nt = 0; nt < n / 16; ++nt) {
     for (int mt = 0; mt < (m + 15) / 16; ++mt) {
@@ -819,32 +827,24 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
       float* sums = smem.data() + qk::atom_slot(per_round + qk::ATOM_SUM, 0, 0, rows);
       std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
       for (int copy = 0; copy < splits; ++copy)
-        for (int half = ((copy - groups) % splits + splits) % splits; half < 2; half += splits) {
-          for (int lane = 0; lane < 32; ++lane) qk::atom_load_outliers(args, mt, nt, half, lane, st[lane]);
-          std::memset(partial, 0, sizeof(partial));
-          atom_step_products_host(st, false, partial);
-          for (int lane = 0; lane < 32; ++lane) {
-            int32_t mine[2][4];
-            put(partial, lane, mine);
-            qk::atom_put_outliers(st[lane], half, rows, per_round, lane, mine, smem.data());
-          }
-        }
+        for (int half = ((copy - groups) % splits + splits) % splits; half < 2; half += splits)
+          step(
+              false, [&](int lane, qk::AtomStep& r) { qk::atom_load_outliers(args, mt, nt, half, lane, r); },
+              [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
+                qk::atom_put_outliers(r, half, rows, per_round, lane, mine, smem.data());
+              });
       for (int s0 = 0;; s0 += per_round) {
         const int end = std::min(s0 + per_round, groups);
         std::fill(smem.begin(), smem.begin() + qk::atom_slot(per_round, 0, 0, rows),
                   std::numeric_limits<float>::quiet_NaN());
         for (int copy = 0; copy < splits; ++copy)
-          for (int s = s0 + copy; s < end; s += splits) {
-            for (int lane = 0; lane < 32; ++lane)
-              qk::atom_load_group(args, qk::atom_rows(args, mt, nt, lane), s, st[lane]);
-            std::memset(partial, 0, sizeof(partial));
-            atom_step_products_host(st, true, partial);
-            for (int lane = 0; lane < 32; ++lane) {
-              int32_t mine[2][4];
-              put(partial, lane, mine);
-              qk::atom_put_terms(st[lane], s, s0, rows, lane, mine, smem.data());
-            }
-          }
+          for (int s = s0 + copy; s < end; s += splits)
+            step(
+                true,
+                [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, qk::atom_rows(args, mt, nt, lane), s, r); },
+                [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
+                  qk::atom_put_terms(r, s, s0, rows, lane, mine, smem.data());
+                });
         for (int t = 0; t < 32 * splits; ++t)
           qk::atom_sum(args, mt, nt, smem.data(), end - s0, rows, per_round, s0 == 0, end == groups, t, 32 * splits,
                        sums);
