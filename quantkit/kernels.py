@@ -567,6 +567,33 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
                             lambda c: qqq_bulk_slot_bytes(c, min(16, m), grouped), "gemm" if grouped else "gemm_pc")
 
 
+# Atom's small-M kernel: the K steps each copy of a tile's warp should have at least (its look-ahead, QK_ATOM_AHEAD,
+# is 3), and the shared memory a block may take: slots of 4 bytes an output of the tile's min(M, 16) x 16, one for
+# each INT4 group of a round and ATOM_EXTRA_SLOTS more (the outlier halves' products, their scale and the running
+# sums; kernels/atom_w4a4.cu atom_slot).
+ATOM_MIN_STEPS = 3
+ATOM_MAX_SHARED = 48 * 1024
+ATOM_EXTRA_SLOTS = 4
+
+
+def atom_step_bytes(m: int) -> int:
+    """Shared memory one K step's terms take in Atom's small-M kernel: a float32 an output of the tile."""
+    return 4 * 16 * min(m, 16)
+
+
+def atom_round_limit(m: int) -> int:
+    """The most INT4 groups a round of Atom's small-M kernel can hold: their slots and the ATOM_EXTRA_SLOTS within
+    ATOM_MAX_SHARED."""
+    return ATOM_MAX_SHARED // atom_step_bytes(m) - ATOM_EXTRA_SLOTS
+
+
+def atom_rounds(groups: int, m: int) -> int:
+    """INT4 groups a round of Atom's small-M kernel holds: all of them where they fit (K = 14336 up to M = 6), else
+    rounds of equal size within atom_round_limit."""
+    rounds = max(1, -(-groups // atom_round_limit(m)))
+    return max(1, -(-groups // rounds))
+
+
 def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, tiled: bool | None = None,
                 splits: int | None = None, per_round: int | None = None) -> Launch:
     """kernels/atom_w4a4.cu on one linear's stored tensors, from the activations as the producing kernel leaves
@@ -587,40 +614,18 @@ def atom_launch(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.n
             _half_bits(tensors["scale_int8"]), out, m, n, k]
     if use_tiles("atom", m, n, k, tiled):
         return TILES["atom"].launch("atom_w4a4", args, m, n, out)
-    grid, groups = (n // 16, -(-m // 16)), (k - OUTLIERS) // 128
-    # a K step is a group of 128 INT4 columns or half the outliers; a copy's look-ahead wants a few of its own
-    splits = splits or split_count(grid[0] * grid[1], 1, groups + 2, 0, min_steps=ATOM_MIN_STEPS)
     if max(m, n) * (k // 2) >= 1 << 32:
         raise ValueError(f"Atom's small-M kernel takes 32-bit offsets into its operands (M, N times K / 2 below 2^32), "
                          f"got M={m}, N={n}, K={k}")
+    grid, groups = (n // 16, -(-m // 16)), (k - OUTLIERS) // 128
+    # a K step is a group of 128 INT4 columns or half the outliers; a copy's look-ahead wants a few of its own
+    splits = splits or split_count(grid[0] * grid[1], 1, groups + 2, 0, min_steps=ATOM_MIN_STEPS)
     per_round = atom_rounds(groups, m) if per_round is None else per_round
-    if not 1 <= per_round <= ATOM_MAX_SHARED // atom_step_bytes(m) - ATOM_EXTRA_SLOTS:
+    if not 1 <= per_round <= atom_round_limit(m):
         raise ValueError(f"per_round={per_round}: a round of Atom's small-M kernel holds 1 to "
-                         f"{ATOM_MAX_SHARED // atom_step_bytes(m) - ATOM_EXTRA_SLOTS} groups at M={m}")
+                         f"{atom_round_limit(m)} groups at M={m}")
     return Launch("atom_w4a4", "atom_w4a4_gemm", [*args, splits, per_round], grid, 32 * splits, out,
                   (per_round + ATOM_EXTRA_SLOTS) * atom_step_bytes(m))
-
-
-# Atom's small-M kernel: the K steps each copy of a tile's warp should have at least (its look-ahead, QK_ATOM_AHEAD,
-# is 3), and the shared memory a block may take: slots of 4 bytes an output of the tile's min(M, 16) x 16, one for
-# each INT4 group of a round and ATOM_EXTRA_SLOTS more (the outlier halves' products, their scale and the running
-# sums; kernels/atom_w4a4.cu atom_slot).
-ATOM_MIN_STEPS = 3
-ATOM_MAX_SHARED = 48 * 1024
-ATOM_EXTRA_SLOTS = 4
-
-
-def atom_step_bytes(m: int) -> int:
-    """Shared memory one K step's terms take in Atom's small-M kernel: a float32 an output of the tile."""
-    return 4 * 16 * min(m, 16)
-
-
-def atom_rounds(groups: int, m: int) -> int:
-    """INT4 groups a round of Atom's small-M kernel holds (beside the ATOM_EXTRA_SLOTS) in ATOM_MAX_SHARED: all of
-    them where they fit (K = 14336 up to M = 6), else rounds of equal size."""
-    most = ATOM_MAX_SHARED // atom_step_bytes(m) - ATOM_EXTRA_SLOTS
-    rounds = max(1, -(-groups // most))
-    return max(1, -(-groups // rounds))
 
 
 def atom_gemm(tensors: dict[str, torch.Tensor], x_codes: np.ndarray, s_x: np.ndarray, device: str = "cpu",
