@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
@@ -45,8 +45,13 @@ def sha256_file(path: Path) -> str:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(path, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    """Every tensor of the safetensors file at `path`; a file safetensors cannot read is an ArtifactError that
+    names it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"{path}: cannot read this safetensors file, corrupt or truncated ({exc})") from None
 
 
 def shard_name(index: int, total: int) -> str:
@@ -104,10 +109,26 @@ class OutputDir:
 
 
 def load_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of a finished artifact, or an error saying what `path` is instead."""
+    """The manifest of a finished artifact, or an error saying what `path` is instead. Every file the manifest
+    lists must be there with the size it records (a stat each, no hashing): a missing or truncated shard is an
+    error that names it before anything reads the artifact."""
     manifest = Path(path) / MANIFEST
     if not manifest.is_file():
         partial = Path(str(path) + ".partial")
         extra = f"; {partial} holds an unfinished run (quantkit quantize ... --resume)" if partial.exists() else ""
         raise ArtifactError(f"{path} is not a quantkit artifact (no {MANIFEST}){extra}")
-    return json.loads(manifest.read_text())
+    try:
+        content = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{manifest}: not a readable manifest ({exc})") from None
+    bad = []
+    for name, entry in content.get("files", {}).items():
+        file = Path(path) / name
+        if not file.is_file():
+            bad.append(f"{name} is missing")
+        elif file.stat().st_size != entry["bytes"]:
+            bad.append(f"{name} has {file.stat().st_size} bytes where {entry['bytes']} were written")
+    if bad:
+        raise ArtifactError(f"{path}: the artifact is incomplete or damaged: {'; '.join(bad)} "
+                            f"(copy it again, or quantize again)")
+    return content

@@ -362,3 +362,31 @@ def test_eval_missing_data_names_file(stories260k, tmp_path):
     assert result.exit_code == 2
     assert str(tmp_path / "wikitext-2-raw-v1" / "test.jsonl") in " ".join(result.output.split()).replace(" ", "") or \
         "test.jsonl" in result.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "corrupt"])
+def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystories_txt, tmp_path, damage):
+    """A shard cut short or gone (a copy that did not finish) is caught from the manifest's recorded sizes before
+    anything reads the artifact; one of the right size that safetensors cannot read is named when it is read. Each
+    as a short error (exit 2), not a traceback, by eval, validate and inspect alike."""
+    out = tmp_path / "art"
+    cli_ok("quantize", stories260k, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", tinystories_txt, *FAST,
+           "--set", "weights.indivisible=per_channel")
+    shard = out / "model-00002-of-00006.safetensors"
+    data = shard.read_bytes()
+    if damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+        match = f"{shard.name} has {len(data) // 2} bytes where {len(data)} were written"
+    elif damage == "missing":
+        shard.unlink()
+        match = f"{shard.name} is missing"
+    else:
+        shard.write_bytes(data[:8] + b"@" * 16 + data[24:])  # the header's JSON, same size
+        match = f"{shard.name}: cannot read this safetensors file"
+    for args in (["eval", out, "--tasks", "wikitext", "--data-dir", tmp_path], ["validate", out], ["inspect", out]):
+        if damage == "corrupt" and args[0] != "eval":
+            continue  # inspect reads the manifest alone, and validate has no kernel for compressed-tensors
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert match in " ".join(result.output.split()), (args, result.output)
+        assert "Traceback" not in result.output
