@@ -54,6 +54,12 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ArtifactError(f"{path}: cannot read this safetensors file, corrupt or truncated ({exc})") from None
 
 
+def verify_files(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """The files of artifact `path` whose sha256 differs from the one its manifest recorded (every byte read)."""
+    return [name for name, entry in manifest.get("files", {}).items()
+            if sha256_file(Path(path) / name) != entry["sha256"]]
+
+
 def shard_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 

@@ -271,11 +271,20 @@ def recipes() -> None:
 
 @main.command()
 @click.argument("output", type=click.Path(path_type=Path))
-def inspect(output: Path) -> None:
+@click.option("--verify", is_flag=True,
+              help="Also hash every file and compare it with the sha256 the manifest recorded (reads every byte); "
+              "exit 1 naming the files that differ.")
+def inspect(output: Path, verify: bool) -> None:
     """Summarize an artifact: format, bits, groups, layers, bytes, recipe, calibration hash, per-layer error."""
-    from quantkit.artifact import load_manifest
+    from quantkit.artifact import load_manifest, verify_files
 
     m = load_manifest(output)
+    if verify:
+        if changed := verify_files(output, m):
+            console.print(f"[bold red]{output}: {len(changed)} file(s) differ from what was written:[/] "
+                          f"{escape(', '.join(changed))}", highlight=False, soft_wrap=True)
+            sys.exit(1)
+        click.echo(f"verified: {len(m['files'])} files match their recorded sha256")
     table = Table(title=str(output), show_header=False)
     table.add_row("model", f"{m['model']} ({m['architecture']}, {m['num_layers']} layers)")
     table.add_row("recipe", m["recipe"])

@@ -390,3 +390,18 @@ def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystorie
         assert result.exit_code == 2, (args, result.output)
         assert match in " ".join(result.output.split()), (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_inspect_verify_hashes_every_file(stories260k, tinystories_txt, tmp_path):
+    """--verify reads every file against its recorded sha256: a shard changed in place, at its size (which the size
+    check cannot see), fails with exit 1 and its name; the untouched artifact verifies."""
+    out = tmp_path / "art"
+    cli_ok("quantize", stories260k, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", tinystories_txt, *FAST,
+           "--set", "weights.indivisible=per_channel")
+    assert "files match their recorded sha256" in cli_ok("inspect", out, "--verify").output
+    shard = out / "model-00003-of-00006.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    result = cli("inspect", out, "--verify")
+    assert result.exit_code == 1 and "1 file(s) differ" in result.output and shard.name in result.output
