@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import cli, cli_ok
+from helpers import cli, cli_ok, record_rewritten_file
 from safetensors.torch import load_file, save_file
 
 from quantkit.emulate import INT32, check_against_reference, emulate, int8_gemm, quantize_tokens
@@ -83,6 +83,7 @@ def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path
     s2a[..., 1] = 250
     shard[key] = s2a
     save_file(shard, str(shard_path))
+    record_rewritten_file(broken, shard_path)  # a well-formed artifact with these parameters, not a damaged one
     result = cli("validate", broken)
     assert result.exit_code == 1 and "NO" in result.output
 
