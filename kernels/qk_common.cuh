@@ -609,14 +609,24 @@ struct WgmmaTiles {
     }
   }
 
-  // Phase 2 (after a barrier): the staged rows below M to `out`, 16 bytes a thread, a row's 256 bytes contiguous.
+  // Phase 2 (after a barrier): the staged rows below M to `out`, 16 bytes a thread, a row's 2 BN bytes contiguous.
+  // A thread keeps its 16-byte column of the tile and takes every PASS_ROWS-th row from its first: one pointer of
+  // each side, advanced by a constant stride, where a loop over chunk indices made each pass's row and 64-bit
+  // address anew (about 100 instructions a pass, 8 passes: as many as 4 K steps of the per-channel main loop).
+  static constexpr int CHUNKS = BN / 8, PASS_ROWS = THREADS / CHUNKS;
+  static_assert(THREADS % CHUNKS == 0 && BM % PASS_ROWS == 0, "whole rows a pass, whole passes a tile");
   QK_FN static void write_out(const Args& a, const uint8_t* smem, int m0, int n0, int tid) {
-    for (int c = tid; c < BM * (BN / 8); c += THREADS) {
-      const int row = c / (BN / 8), chunk = c % (BN / 8);
-      if (m0 + row >= a.m) continue;
+    const int row = tid / CHUNKS, rows = a.m - m0;  // rows of the tile below M: at least 1
+    const uint8_t* src = smem + row * OUT_STRIDE + 16 * (tid % CHUNKS);
+    qk_half* dst = a.out + (size_t)(m0 + row) * a.n + n0 + 8 * (tid % CHUNKS);
+    const size_t stride = (size_t)PASS_ROWS * a.n;
+#pragma unroll
+    for (int p = 0; p < BM / PASS_ROWS; ++p) {
+      if (row + p * PASS_ROWS >= rows) break;  // the rows only grow
       uint32_t w[4];
-      load_u128(smem + row * OUT_STRIDE + 16 * chunk, w);
-      store_u128(a.out + (size_t)(m0 + row) * a.n + n0 + 8 * chunk, w);
+      load_u128(src + p * PASS_ROWS * OUT_STRIDE, w);
+      store_u128(dst, w);
+      dst += stride;
     }
   }
 };
