@@ -961,22 +961,27 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
     cp_async_commit();
   }
+  // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
+  // from kt by a division.
+  uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
   for (int kt = 0; kt < steps; ++kt) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
-    if (next < steps) T::copy_stage(args, smem + (next % T::STAGES) * T::STAGE_BYTES, m0, n0, next, tid);
+    if (next < steps) T::copy_stage(args, smem + next_slot, m0, n0, next, tid);
     cp_async_commit();
-    const int slot = kt % T::STAGES;
     // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
     uint32_t fa[T::BK / 32][4];
-    T::load_a(args, smem + slot * T::STAGE_BYTES, warp, lane, fa);
+    T::load_a(args, smem + slot, warp, lane, fa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < T::BK / 32; ++kk)
-      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot * T::STAGE_BYTES, kk), kt > 0 || kk > 0);
+      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot, kk), kt > 0 || kk > 0);
     wgmma_commit();
+    constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
+    slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
+    next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
     // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
     // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
     // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
