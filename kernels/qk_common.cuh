@@ -979,9 +979,6 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     for (int kk = 0; kk < T::BK / 32; ++kk)
       wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot, kk), kt > 0 || kk > 0);
     wgmma_commit();
-    constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
-    slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
-    next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
     // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
     // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
     // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
@@ -991,6 +988,9 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     // (bench/results/kernels_h200_wgmma_overlap.json against the same run's kernels_h200_bench.json, as of commit
     // f5689c5), so it was removed.
     wgmma_wait<0>();
+    constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
+    slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
+    next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
