@@ -110,6 +110,10 @@ QK_FN void atom_load_outliers(const AtomArgs& a, int mt, int nt, int half, int l
   for (int p = 0; p < 2; ++p) st.s_w[p] = load_u32(a.scale_int8 + 64 * nt + 16 * q + 8 * p);
 }
 
+// The first outlier half copy `copy` of `splits` takes (2 or more: none): the halves are the turns' steps G and G + 1,
+// so copy (G + h) % splits takes half h.
+QK_FN int atom_first_half(int copy, int groups, int splits) { return ((copy - groups) % splits + splits) % splits; }
+
 // MMA u (0, 1) of a step from its registers: A {x0[2u], x1[2u], x0[2u+1], x1[2u+1]} (tokens g, g + 8), B of n8 block
 // nb {w[nb][2u], w[nb][2u+1]}. The step's product is an exact integer sum, so the MMAs may take its columns in any
 // order that A and B share: these registers are the same columns on both sides (INT4 m16n8k64, INT8 m16n8k32).
@@ -348,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(512)
   const int groups = qk::atom_groups(args), rows = qk::imin(16, m - 16 * mt);
   extern __shared__ float qk_atom_smem[];
   pipelined_steps<2, qk::AtomStep>(
-      ((copy - groups) % splits + splits) % splits, splits, 2,
+      qk::atom_first_half(copy, groups, splits), splits, 2,
       [&](int half, qk::AtomStep& st) { qk::atom_load_outliers(args, mt, nt, half, lane, st); },
       [&](int half, const qk::AtomStep& st) {
         int32_t partial[2][4] = {};

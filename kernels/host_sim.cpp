@@ -825,9 +825,11 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
     for (int mt = 0; mt < (m + 15) / 16; ++mt) {
       const int rows = std::min(16, m - 16 * mt);
       float* sums = smem.data() + qk::atom_slot(per_round + qk::ATOM_SUM, 0, 0, rows);
+      qk::AtomRows lane_rows[32];  // made once a tile, as the kernel makes them once a thread
+      for (int lane = 0; lane < 32; ++lane) lane_rows[lane] = qk::atom_rows(args, mt, nt, lane);
       std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
       for (int copy = 0; copy < splits; ++copy)
-        for (int half = ((copy - groups) % splits + splits) % splits; half < 2; half += splits)
+        for (int half = qk::atom_first_half(copy, groups, splits); half < 2; half += splits)
           step(
               false, [&](int lane, qk::AtomStep& r) { qk::atom_load_outliers(args, mt, nt, half, lane, r); },
               [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
@@ -841,7 +843,7 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
           for (int s = s0 + copy; s < end; s += splits)
             step(
                 true,
-                [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, qk::atom_rows(args, mt, nt, lane), s, r); },
+                [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, lane_rows[lane], s, r); },
                 [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
                   qk::atom_put_terms(r, s, s0, rows, lane, mine, smem.data());
                 });

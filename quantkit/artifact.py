@@ -132,8 +132,8 @@ def load_manifest(path: Path) -> dict[str, Any]:
         file = Path(path) / name
         if not file.is_file():
             bad.append(f"{name} is missing")
-        elif file.stat().st_size != entry["bytes"]:
-            bad.append(f"{name} has {file.stat().st_size} bytes where {entry['bytes']} were written")
+        elif (size := file.stat().st_size) != entry["bytes"]:
+            bad.append(f"{name} has {size} bytes where {entry['bytes']} were written")
     if bad:
         raise ArtifactError(f"{path}: the artifact is incomplete or damaged: {'; '.join(bad)} "
                             f"(copy it again, or quantize again)")
