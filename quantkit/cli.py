@@ -97,7 +97,7 @@ class _RichReporter:
         if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
             per_layer = self.spent / self.fresh if self.fresh else self.recorded / self.done
             eta = per_layer * (self.total - self.done)
-            console.print(f"layer {report.index + 1}/{self.total}: rel. err {error}, "
+            console.print(f"layer {report.index} ({self.done}/{self.total}): rel. err {error}, "
                           f"{report.seconds:.0f} s{tag}, ETA {eta / 60:.0f} min", highlight=False)
         for note in report.notes:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
@@ -349,8 +349,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
 
     fmt = load_manifest(output)["format"]
     if fmt not in EMULATED:
-        raise QuantkitError(f"validate: no kernel emulation for format {fmt!r} yet (emulated: "
-                            f"{', '.join(sorted(EMULATED))})")
+        raise QuantkitError(f"validate: no kernel emulation for format {fmt!r}: validate checks the layouts "
+                            f"quantkit's kernels read ({', '.join(sorted(EMULATED))}); a 'quantkit' artifact is "
+                            "simulation only, and a 'compressed-tensors' one runs in its engine's kernels")
     recipe = artifact_recipe(output)
     rng = np.random.default_rng(seed)
     device = kernels.resolve_device(kernel)
