@@ -5,53 +5,117 @@ Builds one module of kernels/ with nvcc (sm_90a; with --hopper, QK_WGMMA too, fo
 disassembles it with cuobjdump and prints, per kernel, its instruction count and its main loop's: the span of the
 longest backward branch, with the loop's opcodes by count, how many of them are integer-ALU opcodes (ALU) and
 integer multiply-adds (IMAD), and which of issue, ALU and IMAD bounds it by a pipe model (`pipe_bound`). The counts
-are static: a loop that holds two paths (per channel and per group) counts both.
+are static: a loop that holds two paths (per channel and per group) counts both. For the wgmma kernels it also lists
+every instruction that writes a register of a wgmma still in flight (`wgmma_hazards`): there should be none.
 
     python bench/sass_loops.py MODULE [--hopper] [-D NAME=VALUE ...] [--kernels REGEX] [--cuobjdump PATH]
 
 e.g. `python bench/sass_loops.py qserve_w4a8 --hopper --kernels 'wgmma$|gemm'`. cuobjdump ships with the CUDA
-toolkit, or as the pip package nvidia-cuda-cuobjdump (its nvidia/cu13/bin/cuobjdump).
+toolkit, or as the pip package nvidia-cuda-cuobjdump (its nvidia/cu13/bin/cuobjdump, which the dev extra installs
+and this script finds).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(?:\.\S*)?\s*([^;]*);")
+INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\.\S*)?\s*([^;]*);")
 
 
-def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
-    """cuobjdump -sass output as {kernel: [(address, opcode, operands)]}."""
-    kernels: dict[str, list[tuple[int, str, str]]] = {}
+class Instruction(NamedTuple):
+    address: int
+    opcode: str  # without its modifiers: IMAD for IMAD.WIDE.U32
+    modifiers: str  # ".WIDE.U32"
+    operands: str
+
+
+def parse(sass: str) -> dict[str, list[Instruction]]:
+    """cuobjdump -sass output as {kernel: [Instruction]}."""
+    kernels: dict[str, list[Instruction]] = {}
     name = None
     for line in sass.splitlines():
         if match := re.search(r"Function : (\S+)", line):
             name = match.group(1)
             kernels[name] = []
         elif name and (match := INSTRUCTION.match(line)):
-            kernels[name].append((int(match.group(1), 16), match.group(2), match.group(3)))
+            kernels[name].append(Instruction(int(match.group(1), 16), match.group(2), match.group(3) or "",
+                                             match.group(4)))
     return kernels
 
 
-def main_loop(instructions: list[tuple[int, str, str]]) -> collections.Counter | None:
+def branch_target(instruction: Instruction) -> int | None:
+    """Where a BRA goes (None for any other instruction)."""
+    target = re.search(r"0x([0-9a-f]+)", instruction.operands) if instruction.opcode == "BRA" else None
+    return int(target.group(1), 16) if target else None
+
+
+def main_loop(instructions: list[Instruction]) -> collections.Counter | None:
     """The opcodes of the span of the longest backward branch (None without a loop)."""
-    spans = []
-    for address, opcode, operands in instructions:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
-        if target and int(target.group(1), 16) < address:
-            spans.append((int(target.group(1), 16), address))
+    spans = [(target, i.address) for i in instructions if (target := branch_target(i)) is not None
+             and target < i.address]
     if not spans:
         return None
     first, last = max(spans, key=lambda span: span[1] - span[0])
-    return collections.Counter(opcode for address, opcode, _ in instructions if first <= address <= last)
+    return collections.Counter(i.opcode for i in instructions if first <= i.address <= last)
+
+
+# Opcodes whose first operand is not a register they write.
+NO_DESTINATION = frozenset({"ST", "STS", "STG", "STL", "BRA", "BAR", "WARPGROUP", "IGMMA", "LDGSTS", "DEPBAR",
+                            "MEMBAR", "FENCE", "EXIT", "BSYNC", "BSSY", "RED", "NOP", "LDGDEPBAR", "CCTL", "RET"})
+
+
+def written(instruction: Instruction) -> set[int]:
+    """The general registers an instruction writes: its first operand, two wide for .64 and .WIDE forms, four for
+    .128 (predicates and uniform registers are not general registers)."""
+    first = re.match(r"R(\d+)\b", instruction.operands.strip())
+    if instruction.opcode in NO_DESTINATION or not first:
+        return set()
+    width = 4 if ".128" in instruction.modifiers else 2 if re.search(r"\.64|\.WIDE", instruction.modifiers) else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def wgmma_hazards(instructions: list[Instruction]) -> list[str]:
+    """Instructions that write a register of a wgmma still in flight (IGMMA, whose A fragments are its second
+    operand's four registers and its accumulators its first operand's N / 2 for m64nNk32), before the
+    WARPGROUP.DEPBAR that retires it: the PTX ISA leaves a wgmma's registers undefined while it runs, so any such
+    write is a wrong result. A wgmma's group closes at the first IGMMA carrying gsb0; DEPBAR.LE gsb0, n retires it
+    once n groups have closed after it. The walk follows each backward branch once (the loop's next step)."""
+    at = {i.address: k for k, i in enumerate(instructions)}
+    found = []
+    for k, wgmma in enumerate(instructions):
+        shape = re.match(r"\.64x(\d+)x", wgmma.modifiers) if wgmma.opcode == "IGMMA" else None
+        if not shape:
+            continue
+        acc, a = (int(r) for r in re.findall(r"\bR(\d+)\b", wgmma.operands)[:2])
+        held = set(range(a, a + 4)) | set(range(acc, acc + int(shape.group(1)) // 2))
+        closed, after, taken, j = "gsb0" in wgmma.operands, 0, set(), k + 1
+        while j < len(instructions):
+            i = instructions[j]
+            if i.opcode == "IGMMA" and "gsb0" in i.operands:
+                after, closed = after + closed, True
+            depth = re.search(r"gsb0, 0x([0-9a-f]+)", i.operands) if i.modifiers.startswith(".DEPBAR") else None
+            if depth and closed and after >= int(depth.group(1), 16):
+                break
+            if i.opcode != "IGMMA" and (clash := written(i) & held):
+                found.append(f"{i.address:#06x} {i.opcode}{i.modifiers} writes R{min(clash)} of the wgmma at "
+                             f"{wgmma.address:#06x}")
+            target = branch_target(i)
+            if target is not None and target < i.address and i.address not in taken:
+                taken.add(i.address)
+                j = at[target]
+                continue
+            j += 1
+    return found
 
 
 # Integer-ALU opcodes. A Hopper SM sub-partition has 16 INT32 lanes beside its 32 FP32 ones (the H100 whitepaper's SM:
@@ -75,28 +139,53 @@ def pipe_bound(loop: collections.Counter) -> str:
     return max(cycles, key=cycles.get)
 
 
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, else from the nvidia-cuda-cuobjdump wheel (the dev extra installs it and, for its -sass,
+    nvidia-cuda-nvdisasm); None without."""
+    if found := shutil.which("cuobjdump"):
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    return next((str(p) for root in nvidia.__path__ for p in sorted(Path(root).glob("cu*/bin/cuobjdump"))), None)
+
+
+def sass_of(module: str, hopper: bool, defines: list[str], cuobjdump: str) -> str:
+    """The SASS of kernels/MODULE.cu built by nvcc for sm_90a (with QK_WGMMA when `hopper`) under `defines`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin",
+                        *(["-DQK_WGMMA"] if hopper else []), *(f"-D{d}" for d in defines),
+                        str(KERNELS / f"{module}.cu"), "-o", str(cubin)], check=True)
+        # cuobjdump -sass runs nvdisasm, which the wheels put beside it
+        env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("module", help="a kernels/*.cu module, e.g. qserve_w4a8 or anyprec_gemv")
     parser.add_argument("--hopper", action="store_true", help="also build the Hopper kernels (-DQK_WGMMA)")
     parser.add_argument("-D", dest="defines", action="append", default=[], help="a compile-time knob, NAME=VALUE")
     parser.add_argument("--kernels", default="", help="only the kernels whose names match this regular expression")
-    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="the cuobjdump to use")
+    parser.add_argument("--cuobjdump", default=find_cuobjdump(), help="the cuobjdump to use (default: PATH's, else "
+                        "the nvidia-cuda-cuobjdump wheel's)")
     args = parser.parse_args()
     if not shutil.which("nvcc") or not args.cuobjdump:
-        sys.exit("needs nvcc and cuobjdump on PATH (or --cuobjdump PATH; pip install nvidia-cuda-cuobjdump)")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin",
-                        *(["-DQK_WGMMA"] if args.hopper else []), *(f"-D{d}" for d in args.defines),
-                        str(KERNELS / f"{args.module}.cu"), "-o", str(cubin)], check=True)
-        sass = subprocess.run([args.cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+        sys.exit("needs nvcc on PATH and cuobjdump with nvdisasm (on PATH, --cuobjdump PATH, or pip install "
+                 "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    sass = sass_of(args.module, args.hopper, args.defines, args.cuobjdump)
     for name, instructions in sorted(parse(sass).items()):
         if not re.search(args.kernels, name):
             continue
         loop = main_loop(instructions)
         counts = f"main loop {sum(loop.values())} (ALU {alu(loop)}, IMAD {loop.get('IMAD', 0)}; {pipe_bound(loop)}" \
             "-bound by the model): " + ", ".join(f"{op} {n}" for op, n in loop.most_common(8)) if loop else "no loop"
+        hazards = wgmma_hazards(instructions)
+        if any(i.opcode == "IGMMA" for i in instructions):
+            counts += f"; {len(hazards)} writes to a wgmma's registers in flight" + "".join(f"\n  {h}" for h in hazards)
         print(f"{name}: {len(instructions)} instructions; {counts}")
 
 

@@ -157,7 +157,13 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "WIDE": ({}, {"WGMMA_WIDE": True}),
     "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
     "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
+    # a step's wgmmas run on through the next step's barrier and copy issue, retiring just before its fragments
+    "RETIRE-LATE": ({"QK_WGMMA_RETIRE_LATE": 1}, {}),
+    # diagnostic (DIAGNOSTIC): without the proxy fence of the completed copies, what its MEMBAR costs a step
+    "NOFENCE": ({"QK_WGMMA_PROXY_FENCE": 0}, {}),
 }
+# Configurations timed to learn what holds a kernel back, never to be run: `fastest` passes over them.
+DIAGNOSTIC = frozenset({"NOFENCE"})
 CHECK_SHAPE = (256, 4096)  # (N, K): few tiles and many K steps, so the check runs split
 # The token counts each configuration is checked at before it is timed: small M the decode kernels (3) and those of
 # two token blocks, the second partial (13: LiquidQuant's gemm16, Any-Precision's tensor-core kernel with NB = 2);
@@ -174,7 +180,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 # this order, so that a run cut short still times those on the W4A8 small shapes' fixed cost and at M = 16 first.
 PENDING: tuple[str, ...] = ("RED", "CLUSTER", "EPI-EARLY", "QS-S2", "LQQ-S2", "AP-EARLY", "AP-SHF16", "AP-W8", "Z2",
                              "ATOM-A2")
-LARGE_PENDING: tuple[str, ...] = ()
+LARGE_PENDING: tuple[str, ...] = ("RETIRE-LATE", "NOFENCE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:
@@ -252,7 +258,8 @@ def fmt_of(key: str) -> str:
 
 def fastest(runs: list[dict], large: bool = False) -> dict | None:
     """The configuration to bench again, from the timed runs (the default's first): per layout, the fastest run over
-    that layout's rows among those that match the emulation, time all of them and beat the default, kept if its
+    that layout's rows among those that match the emulation (DIAGNOSTIC ones left out), time all of them and beat
+    the default, kept if its
     knobs agree with those already kept and it is no slower than the default on any layout its knobs change, else
     the next fastest (layouts taken in order of the time their best saves); the kept runs' knobs merged. None
     without a good default run."""
@@ -267,7 +274,7 @@ def fastest(runs: list[dict], large: bool = False) -> dict | None:
         rows = [run["seconds"].get(key) for key in keys if fmt_of(key) == fmt]
         return None if any(t is None for t in rows) else sum(rows)
 
-    good = [r for r in runs[1:] if all(r["checked"].values())]
+    good = [r for r in runs[1:] if all(r["checked"].values()) and r["config"] not in DIAGNOSTIC]
     candidates = {fmt: sorted((r for r in good if (total(r, fmt) or float("inf")) < total(default, fmt)),
                               key=lambda r: total(r, fmt)) for fmt in formats}
     defines, settings = dict(table[default["config"]][0]), dict(table[default["config"]][1])

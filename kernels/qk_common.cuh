@@ -912,6 +912,14 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Ties a register to this point of the program, so that no read of an accumulator moves above a wgmma_wait.
 __device__ __forceinline__ void fence_operand(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+// The same for a warp's A fragments of one step: live (unchanged, none of their registers reused) up to here.
+template <int KS>
+__device__ __forceinline__ void fence_operands(uint32_t (&fa)[KS][4]) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(fa[kk][i])::"memory");
+}
 
 // D = A B (+ D when `accumulate`), wgmma.mma_async m64n128k32 .s32.s8.s8: A (64 x 32) from the warpgroup's
 // registers, B (32 x 128, K-major) from shared memory through descriptor `b`. The first product of a sum starts it
@@ -942,9 +950,29 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 // margin from a loop whose wgmmas could still be reading their stage during the next step, wgmma_wait<1>; with each
 // step's wgmmas retired below, kt - 1 would do: LEAD = STAGES - 1, a knob until a GPU run measures it). Each thread
 // fences its completed copies into the async proxy (the tensor cores' view of shared memory) before the barrier.
+//
+// When a step's wgmmas retire is a knob (QK_WGMMA_RETIRE_LATE, bench/smallm_tune.py --large's RETIRE-LATE; not yet
+// timed, so off). By default each warpgroup waits for them at the end of the step, so that the tensor cores work on
+// a warpgroup's step only while other warpgroups run their barriers, copies and fragments. With the knob on, step
+// kt's wgmmas run on through the next step's wait for its copies, its barrier and the issue of its copy, and retire
+// just before its fragments are loaded. Nothing in between writes their registers (A fragments and accumulators
+// alike, as the PTX ISA asks of a wgmma in flight: bench/sass_loops.py checks the SASS for such writes, which it
+// finds in the wgmma_wait<1> loop of the comment below). Where LEAD = STAGES - 1 the copy would go into the slot of step kt - 1,
+// which its wgmmas may still read: there the knob keeps the default.
+// QK_WGMMA_PROXY_FENCE = 0 (NOFENCE) leaves out the fence of the completed copies into the async proxy. A diagnostic,
+// never a default: the memory model asks for the fence between the copies' generic-proxy writes and the wgmmas'
+// async-proxy reads. It times what the fence (a MEMBAR.ALL.CTA in SASS) costs a step, with later steps' copies in
+// flight.
+#ifndef QK_WGMMA_RETIRE_LATE
+#define QK_WGMMA_RETIRE_LATE 0
+#endif
+#ifndef QK_WGMMA_PROXY_FENCE
+#define QK_WGMMA_PROXY_FENCE 1
+#endif
 template <class F, int W = 1>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   using T = qk::WgmmaTiles<F, W>;
+  constexpr bool late = QK_WGMMA_RETIRE_LATE && T::LEAD <= T::STAGES - 2;  // a copy into no stage still being read
   extern __shared__ uint4 qk_stages[];
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(qk_stages), pad = (T::ALIGN - raw % T::ALIGN) % T::ALIGN;
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages) + pad;
@@ -964,15 +992,19 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
   // from kt by a division.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
+  uint32_t fa[T::BK / 32][4];  // a step's A fragments (declared out here for QK_WGMMA_RETIRE_LATE's tie)
   for (int kt = 0; kt < steps; ++kt) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
-    fence_proxy_async();
+    if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
     if (next < steps) T::copy_stage(args, smem + next_slot, m0, n0, next, tid);
     cp_async_commit();
+    if (late) {  // step kt - 1's wgmmas, run on through the barrier and the copies, retire
+      wgmma_wait<0>();
+      fence_operands(fa);  // their A fragments held (no register of theirs reused) up to here
+    }
     // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
-    uint32_t fa[T::BK / 32][4];
     T::load_a(args, smem + slot, warp, lane, fa);
     wgmma_fence();
 #pragma unroll
@@ -987,7 +1019,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     // an H200 at M = 1024 and was slower on all 20 rows, 0.23-0.67x cuBLAS INT8 against 0.32-0.95x for this loop
     // (bench/results/kernels_h200_wgmma_overlap.json against the same run's kernels_h200_bench.json, as of commit
     // f5689c5), so it was removed.
-    wgmma_wait<0>();
+    if (!late) wgmma_wait<0>();
     constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
     slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
     next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;

@@ -573,6 +573,22 @@ def test_tuning_picks_the_fastest_configuration_per_layout():
     assert tune.fastest(runs[1:]) is None  # no default run: nothing to compare against
 
 
+def test_tuning_never_picks_a_diagnostic_configuration():
+    """A configuration timed only to learn what holds a kernel back (smallm_tune.DIAGNOSTIC: NOFENCE leaves out a
+    fence the memory model asks for) is never the one to bench again, however fast; the next fastest is."""
+    tune = bench_module("smallm_tune")
+    assert tune.DIAGNOSTIC.issubset(tune.LARGE_CONFIGS) and tune.DIAGNOSTIC.issubset(tune.LARGE_PENDING)
+    rows = [f"{v.label}|4096x4096|1024" for v in tune.variants(True)]
+
+    def run(config, seconds):
+        return {"config": config, "checked": {row.split("|")[0]: True for row in rows},
+                "seconds": dict.fromkeys(rows, seconds), "threads": {}}
+
+    best = tune.fastest([run("W5L3", 10), run("NOFENCE", 5), run("RETIRE-LATE", 8)], large=True)
+    assert best["config"] == "RETIRE-LATE" and best["defines"] == {"QK_WGMMA_RETIRE_LATE": 1}
+    assert tune.fastest([run("W5L3", 10), run("NOFENCE", 5)], large=True)["default"]
+
+
 def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     """smallm_tune and build_kernels take --configs as names, "all", or "pending" (the default first, then the
     configurations not yet timed, each a real one whose knobs differ from the default's); an unknown name is an
@@ -1197,6 +1213,35 @@ def test_sass_loop_counter_takes_the_longest_backward_branch():
     assert bound({"PRMT": 3, "HMMA": 1}) == "ALU" and bound({"IMAD": 4, "LOP3": 1, "HMMA": 1}) == "IMAD"
 
 
+def test_wgmma_hazard_check_finds_writes_to_registers_in_flight():
+    """bench/sass_loops.py wgmma_hazards: an instruction that writes an A-fragment register or an accumulator of a
+    wgmma before the WARPGROUP.DEPBAR that retires it is reported, across the loop's back edge too; a write after
+    the retiring DEPBAR, or to another register, is not; DEPBAR.LE gsb0, 0x1 retires a group only once a later one
+    has closed."""
+    sass_loops = bench_module("sass_loops")
+
+    def hazards(body: str) -> list[str]:
+        lines = [f"        /*{16 * k:04x}*/ {text} ;" for k, text in enumerate(body.strip().splitlines())]
+        return sass_loops.wgmma_hazards(sass_loops.parse("Function : k\n" + "\n".join(lines))["k"])
+
+    igmma = "IGMMA.64x128x32.S8.S8 R24, R88, gdesc[UR4], R24, gsb0"
+    assert hazards(f"LOP3.LUT R88, R1, 0xf, RZ, 0xc0, !PT\n{igmma}\nWARPGROUP.DEPBAR.LE gsb0, 0x0\n"
+                   "LOP3.LUT R88, R1, 0xf, RZ, 0xc0, !PT") == []
+    # A fragments R88..R91, accumulators R24..R87 (64 registers: m64n128 int32 over 128 threads)
+    assert len(hazards(f"{igmma}\nLOP3.LUT R91, R1, 0xf, RZ, 0xc0, !PT\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert len(hazards(f"{igmma}\nFADD R24, R1, R2\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert len(hazards(f"{igmma}\nIMAD.WIDE R22, R1, 0x4, RZ\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 0  # R22, R23
+    assert len(hazards(f"{igmma}\nIMAD.WIDE R23, R1, 0x4, RZ\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1  # R23, R24
+    assert hazards(f"{igmma}\nLDS.128 R92, [R1]\nSTS [R88], R1\nISETP.GE.AND P0, PT, R88, R1, PT\n"
+                   "WARPGROUP.DEPBAR.LE gsb0, 0x0") == []  # reads are no writes
+    assert len(hazards(f"{igmma}\nLDS.64 R86, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    # wait_group 1 straight after the commit leaves this wgmma running into the next step, where the loop's
+    # back edge reaches the fragments' load before any later group closes
+    looped = f"LDS.128 R88, [R1]\n{igmma}\nWARPGROUP.DEPBAR.LE gsb0, 0x1\n@!P0 BRA 0x0"
+    assert len(hazards(looped)) == 1
+    assert hazards(looped.replace("0x1", "0x0")) == []
+
+
 def ptxas_log(args: list[str], tmp_path) -> str:
     """nvcc -cubin -Xptxas -v with `args` (architecture, defines, source): ptxas's report of every kernel."""
     import subprocess
@@ -1389,14 +1434,17 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90a")
-@pytest.mark.parametrize("defines", ["", *RING_KNOBS])
+@pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
+                    reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
+                    "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE_LATE=1"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
     registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
-    they are in flight); under each ring setting too."""
+    they are in flight); under each ring setting and with the wgmmas retired late too. In the SASS no instruction
+    writes a register of a wgmma in flight (the simulator cannot see that; the H200 did, as wrong rows)."""
     import subprocess
 
     src = kernels.source_dir()
@@ -1406,6 +1454,11 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):  # 2 blocks of 256 threads an SM, or 1 of 512
         frame, registers = kernel_resources(log, kernel)
         assert frame == ("0", "0", "0") and registers <= 128, log
+    sass_loops = bench_module("sass_loops")
+    sass = sass_loops.parse(sass_loops.sass_of(name, True, defines.split(), sass_loops.find_cuobjdump()))
+    for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):
+        assert any(i.opcode == "IGMMA" for i in sass[kernel]), kernel
+        assert sass_loops.wgmma_hazards(sass[kernel]) == [], kernel
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
                           "-o", "-"], capture_output=True, text=True).stdout
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
