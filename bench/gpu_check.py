@@ -12,11 +12,13 @@
 2a. bench/timeline.py: the decode kernels built with their phase stamps (kernels/qk_timeline.cuh), where the time
    between launch and the last store goes: the first loads' latency, the stream, the split-K meetings, the stores
    (GPU only; --skip-timeline leaves it out).
-2b. bench/smallm_tune.py: the small-M kernels under each look-ahead and split-K configuration, side by side; with
-   --bench-tuned, `quantkit bench` once more under the fastest configuration of each tuning step (bench_tuned.json,
-   whose report names the defines and settings it ran); then bench/profile_smallm.py under Nsight Compute (ncu),
-   where the decode kernels' time goes (GPU only; --skip-tune, --skip-profile leave them out; --tune-large and
-   --profile-large add the Hopper kernels at M = 1024).
+2b. With --profile-large, the Hopper (wgmma) kernels at M = 1024 under Nsight Compute (ncu): what holds them back
+   (stall reasons, L2 and tensor-pipe throughput), before the tuning whose configurations it is to explain.
+2c. bench/smallm_tune.py: with --tune-large first, the Hopper kernels' few configurations at M = 1024; then the
+   small-M kernels under each look-ahead and split-K configuration, side by side; with --bench-tuned, `quantkit
+   bench` once more under the fastest configuration of each tuning step (bench_tuned.json, whose report names the
+   defines and settings it ran); then bench/profile_smallm.py under ncu, where the decode kernels' time goes (GPU
+   only; --skip-tune, --skip-profile leave them out).
 3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
    a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from ../shared, which does
    not travel to the device).
@@ -153,16 +155,24 @@ def main() -> None:
         if not args.skip_timeline:  # where the decode kernels' time goes, phase by phase
             step("timeline", [py, "bench/timeline.py", "--json", str(args.out / "timeline.json")], args.out, results,
                  120, env)
+        ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
+        if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes: before the tuning, whose
+            # configurations it is to explain
+            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
+                                   *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
+                                   "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
         best = [work / "best.json", work / "best_large.json"]  # each tuning step's fastest configuration
         for path in best:
             path.unlink(missing_ok=True)
-        if not args.skip_tune:
-            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"), "--best", str(best[0]),
-                          *shlex.split(args.tune_args)], args.out, results, args.tune_seconds, env)
+        # the M = 1024 kernels' short tuning first: a few configurations, where the small-M one has many and a
+        # time limit of its own to cut it short
         if args.tune_large is not None and not env:  # the Hopper kernels' configurations at M = 1024
             step("tune-large", [py, "bench/smallm_tune.py", "--large", "--json", str(args.out / "tune_large.json"),
                                 "--best", str(best[1]), *shlex.split(args.tune_large)], args.out, results,
                  args.tune_seconds, env)
+        if not args.skip_tune:
+            step("tune", [py, "bench/smallm_tune.py", "--json", str(args.out / "tune.json"), "--best", str(best[0]),
+                          *shlex.split(args.tune_args)], args.out, results, args.tune_seconds, env)
         if args.bench_tuned:  # the bars again, under what the tuning steps found fastest
             tuned = tuned_env([path for path in best if path.exists()])
             if tuned is None:
@@ -173,7 +183,6 @@ def main() -> None:
                      args.out, results, 90)
                 step("bench-tuned", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                                      str(args.out / "bench_tuned.json")], args.out, results, 360, {**env, **tuned})
-        ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if not args.skip_profile and ncu:  # where the decode kernels' time goes, for the next round of tuning
             formats = ["--formats", args.profile_formats] if args.profile_formats else []
             # the decode kernels (Any-Precision's at 3 bits)
@@ -181,10 +190,6 @@ def main() -> None:
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats, *shlex.split(args.profile_args)], args.out, results,
                  100, env)
-        if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes
-            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
-                                   *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
-                                   "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
     elif not args.skip_tests:  # the whole kernel test file on the CPU: about 10 minutes on 2 cores
         step("kernel-tests", pytest, args.out, results, 1200, env)
 
