@@ -76,11 +76,14 @@ NO_DESTINATION = frozenset({"ST", "STS", "STG", "STL", "BRA", "BAR", "WARPGROUP"
 
 def written(instruction: Instruction) -> set[int]:
     """The general registers an instruction writes: its first operand, two wide for .64 and .WIDE forms, four for
-    .128 (predicates and uniform registers are not general registers)."""
+    .128, and for LDSM (ldmatrix) as many as its .2 or .4 says (predicates and uniform registers are not general
+    registers)."""
     first = re.match(r"R(\d+)\b", instruction.operands.strip())
     if instruction.opcode in NO_DESTINATION or not first:
         return set()
-    width = 4 if ".128" in instruction.modifiers else 2 if re.search(r"\.64|\.WIDE", instruction.modifiers) else 1
+    matrices = re.search(r"\.([24])$", instruction.modifiers) if instruction.opcode == "LDSM" else None
+    width = int(matrices.group(1)) if matrices else 4 if ".128" in instruction.modifiers else \
+        2 if re.search(r"\.64|\.WIDE", instruction.modifiers) else 1
     return set(range(int(first.group(1)), int(first.group(1)) + width))
 
 

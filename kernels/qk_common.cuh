@@ -957,8 +957,8 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 // kt's wgmmas run on through the next step's wait for its copies, its barrier and the issue of its copy, and retire
 // just before its fragments are loaded. Nothing in between writes their registers (A fragments and accumulators
 // alike, as the PTX ISA asks of a wgmma in flight: bench/sass_loops.py checks the SASS for such writes, which it
-// finds in the wgmma_wait<1> loop of the comment below). Where LEAD = STAGES - 1 the copy would go into the slot of step kt - 1,
-// which its wgmmas may still read: there the knob keeps the default.
+// finds in the wgmma_wait<1> loop of the comment below). Where LEAD = STAGES - 1 the copy would go into the slot of
+// step kt - 1, which its wgmmas may still read: there the knob keeps the default.
 // QK_WGMMA_PROXY_FENCE = 0 (NOFENCE) leaves out the fence of the completed copies into the async proxy. A diagnostic,
 // never a default: the memory model asks for the fence between the copies' generic-proxy writes and the wgmmas'
 // async-proxy reads. It times what the fence (a MEMBAR.ALL.CTA in SASS) costs a step, with later steps' copies in
@@ -993,6 +993,12 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   // from kt by a division.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
   uint32_t fa[T::BK / 32][4];  // a step's A fragments (declared out here for QK_WGMMA_RETIRE_LATE's tie)
+  if (late) {  // tied before the first step's are loaded: defined values, not whatever the registers held
+#pragma unroll
+    for (int kk = 0; kk < T::BK / 32; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) fa[kk][i] = 0;
+  }
   for (int kt = 0; kt < steps; ++kt) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();

@@ -1235,6 +1235,8 @@ def test_wgmma_hazard_check_finds_writes_to_registers_in_flight():
     assert hazards(f"{igmma}\nLDS.128 R92, [R1]\nSTS [R88], R1\nISETP.GE.AND P0, PT, R88, R1, PT\n"
                    "WARPGROUP.DEPBAR.LE gsb0, 0x0") == []  # reads are no writes
     assert len(hazards(f"{igmma}\nLDS.64 R86, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert len(hazards(f"{igmma}\nLDSM.16.M88.4 R85, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1  # R85..R88
+    assert hazards(f"{igmma}\nLDSM.16.M88.2 R92, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0") == []
     # wait_group 1 straight after the commit leaves this wgmma running into the next step, where the loop's
     # back edge reaches the fragments' load before any later group closes
     looped = f"LDS.128 R88, [R1]\n{igmma}\nWARPGROUP.DEPBAR.LE gsb0, 0x1\n@!P0 BRA 0x0"
