@@ -36,9 +36,10 @@ def test_gptq_w4a16_stories_end_to_end(stories260k, tinystories_txt, shared_data
     out = tmp_path / "out"
     result = cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST)
     assert not (tmp_path / "out.partial").exists()
-    # not a terminal: one progress line per layer, and the summary says where the time went
+    # not a terminal: one progress line per layer, naming it as model.layers.N does, and the summary says where the
+    # time went
     assert [line.split(":")[0] for line in result.output.splitlines() if line.startswith("layer ")] == [
-        f"layer {i}/5" for i in range(1, 6)]
+        f"layer {i} ({i + 1}/5)" for i in range(5)]
     assert "time by step" in result.output and "gptq" in result.output
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     assert manifest["format"] == "compressed-tensors" and manifest["num_layers"] == 5
