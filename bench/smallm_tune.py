@@ -157,8 +157,10 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "WIDE": ({}, {"WGMMA_WIDE": True}),
     "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
     "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
-    # a step's wgmmas run on through the next step's barrier and copy issue, retiring just before its fragments
-    "RETIRE-LATE": ({"QK_WGMMA_RETIRE_LATE": 1}, {}),
+    # when a step's wgmmas retire (QK_WGMMA_RETIRE): at the end of the next step, while its fragments are unpacked
+    # into a second register set; or just before the next step's fragments, after its barrier and copy issue
+    "OVERLAP": ({"QK_WGMMA_RETIRE": 2}, {}),
+    "RETIRE-LATE": ({"QK_WGMMA_RETIRE": 1}, {}),
     # diagnostic (DIAGNOSTIC): without the proxy fence of the completed copies, what its MEMBAR costs a step
     "NOFENCE": ({"QK_WGMMA_PROXY_FENCE": 0}, {}),
 }
@@ -180,7 +182,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 # this order, so that a run cut short still times those on the W4A8 small shapes' fixed cost and at M = 16 first.
 PENDING: tuple[str, ...] = ("RED", "CLUSTER", "EPI-EARLY", "QS-S2", "LQQ-S2", "AP-EARLY", "AP-SHF16", "AP-W8", "Z2",
                              "ATOM-A2")
-LARGE_PENDING: tuple[str, ...] = ("RETIRE-LATE", "NOFENCE")
+LARGE_PENDING: tuple[str, ...] = ("OVERLAP", "RETIRE-LATE", "NOFENCE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:

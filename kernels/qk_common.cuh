@@ -951,20 +951,30 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 // step's wgmmas retired below, kt - 1 would do: LEAD = STAGES - 1, a knob until a GPU run measures it). Each thread
 // fences its completed copies into the async proxy (the tensor cores' view of shared memory) before the barrier.
 //
-// When a step's wgmmas retire is a knob (QK_WGMMA_RETIRE_LATE, bench/smallm_tune.py --large's RETIRE-LATE; not yet
-// timed, so off). By default each warpgroup waits for them at the end of the step, so that the tensor cores work on
-// a warpgroup's step only while other warpgroups run their barriers, copies and fragments. With the knob on, step
-// kt's wgmmas run on through the next step's wait for its copies, its barrier and the issue of its copy, and retire
-// just before its fragments are loaded. Nothing in between writes their registers (A fragments and accumulators
-// alike, as the PTX ISA asks of a wgmma in flight: bench/sass_loops.py checks the SASS for such writes, which it
-// finds in the wgmma_wait<1> loop of the comment below). Where LEAD = STAGES - 1 the copy would go into the slot of
-// step kt - 1, which its wgmmas may still read: there the knob keeps the default.
+// When a step's wgmmas retire is a knob (QK_WGMMA_RETIRE; bench/smallm_tune.py --large's RETIRE-LATE and OVERLAP,
+// not yet timed, so 0):
+//  0. at the end of the step: the tensor cores work on a warpgroup's step only while the SM's other warpgroups run
+//     their barriers, copies and fragments;
+//  1. (RETIRE-LATE) just before the next step's fragments are loaded: they run on through its wait for its copies,
+//     its barrier and the issue of its copy;
+//  2. (OVERLAP) at the end of the next step (wgmma_wait<1>): they run on while the next step's fragments are
+//     unpacked, into the other of two register sets (the loop unrolled by two steps, so that each set keeps its
+//     registers), each set tied (fence_operands) past the wait that retires its readers. A loop of this kind needed
+//     152-171 registers when each kernel carried both variants' code (one block of 256 threads an SM instead of two)
+//     and was slower on an H200, on all 20 rows at M = 1024 (0.23-0.67x cuBLAS INT8 against 0.32-0.95x; raw numbers
+//     in bench/results/kernels_h200_wgmma_overlap.json against the same run's kernels_h200_bench.json as of commit
+//     f5689c5); each variant's kernel now takes it in 128 registers or fewer, without spills.
+// Nothing writes a wgmma's registers while it runs (A fragments and accumulators alike, as the PTX ISA asks):
+// bench/sass_loops.py checks the SASS for such writes, which it finds in a loop with one register set and
+// wgmma_wait<1> (on an H200 such a loop gave wrong LiquidQuant rows g + 8: the compiler reused registers still being
+// read, which the warp simulator cannot show). In modes 1 and 2 a step's stage may still be read during the next
+// step, so where LEAD = STAGES - 1 (whose copy goes into the slot of the step before) the loop keeps mode 0.
 // QK_WGMMA_PROXY_FENCE = 0 (NOFENCE) leaves out the fence of the completed copies into the async proxy. A diagnostic,
 // never a default: the memory model asks for the fence between the copies' generic-proxy writes and the wgmmas'
 // async-proxy reads. It times what the fence (a MEMBAR.ALL.CTA in SASS) costs a step, with later steps' copies in
 // flight.
-#ifndef QK_WGMMA_RETIRE_LATE
-#define QK_WGMMA_RETIRE_LATE 0
+#ifndef QK_WGMMA_RETIRE
+#define QK_WGMMA_RETIRE 0
 #endif
 #ifndef QK_WGMMA_PROXY_FENCE
 #define QK_WGMMA_PROXY_FENCE 1
@@ -972,7 +982,8 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 template <class F, int W = 1>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   using T = qk::WgmmaTiles<F, W>;
-  constexpr bool late = QK_WGMMA_RETIRE_LATE && T::LEAD <= T::STAGES - 2;  // a copy into no stage still being read
+  constexpr int KS = T::BK / 32, RETIRE = T::LEAD <= T::STAGES - 2 ? QK_WGMMA_RETIRE : 0;
+  static_assert(QK_WGMMA_RETIRE >= 0 && QK_WGMMA_RETIRE <= 2, "QK_WGMMA_RETIRE is 0, 1 or 2");
   extern __shared__ uint4 qk_stages[];
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(qk_stages), pad = (T::ALIGN - raw % T::ALIGN) % T::ALIGN;
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages) + pad;
@@ -992,43 +1003,50 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
   // from kt by a division.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
-  uint32_t fa[T::BK / 32][4];  // a step's A fragments (declared out here for QK_WGMMA_RETIRE_LATE's tie)
-  if (late) {  // tied before the first step's are loaded: defined values, not whatever the registers held
-#pragma unroll
-    for (int kk = 0; kk < T::BK / 32; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fa[kk][i] = 0;
-  }
-  for (int kt = 0; kt < steps; ++kt) {
+  // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array but in mode 2).
+  auto step = [&](int kt, uint32_t (&mine)[KS][4], uint32_t (&other)[KS][4]) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
     if (next < steps) T::copy_stage(args, smem + next_slot, m0, n0, next, tid);
     cp_async_commit();
-    if (late) {  // step kt - 1's wgmmas, run on through the barrier and the copies, retire
+    if (RETIRE == 1) {  // the previous step's wgmmas, run on through the barrier and the copies, retire
       wgmma_wait<0>();
-      fence_operands(fa);  // their A fragments held (no register of theirs reused) up to here
+      fence_operands(other);
     }
     // This step's A fragments from its stage, then its wgmmas on them, committed as one group.
-    T::load_a(args, smem + slot, warp, lane, fa);
+    T::load_a(args, smem + slot, warp, lane, mine);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < T::BK / 32; ++kk)
-      wgmma_s8_m64n128k32(acc.d, fa[kk], T::b_desc(base + slot, kk), kt > 0 || kk > 0);
+    for (int kk = 0; kk < KS; ++kk)
+      wgmma_s8_m64n128k32(acc.d, mine[kk], T::b_desc(base + slot, kk), kt > 0 || kk > 0);
     wgmma_commit();
-    // All of this step's wgmmas retire before the next step's fragments are computed. wgmma_wait<1> would let them
-    // overlap, but the wgmmas read their A registers asynchronously, which the compiler does not know: on an H200
-    // it reused LiquidQuant's rows g + 8 registers while they were still being read (wrong outputs that the
-    // simulator cannot show). Overlap comes from the SM's other warpgroups instead. A variant with two register
-    // sets of A fragments by step parity (each tied past the wgmma_wait<1> that retired its readers) was measured on
-    // an H200 at M = 1024 and was slower on all 20 rows, 0.23-0.67x cuBLAS INT8 against 0.32-0.95x for this loop
-    // (bench/results/kernels_h200_wgmma_overlap.json against the same run's kernels_h200_bench.json, as of commit
-    // f5689c5), so it was removed.
-    if (!late) wgmma_wait<0>();
+    if (RETIRE == 0) wgmma_wait<0>();
+    if (RETIRE == 2) {  // the previous step's wgmmas retire, this step's run on into the next
+      wgmma_wait<1>();
+      fence_operands(other);
+    }
     constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
     slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
     next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
+  };
+  uint32_t fa[KS][4], fb[KS][4];
+  if (RETIRE != 0) {  // zeros before the first step, so that the ties hold defined values
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) fa[kk][i] = fb[kk][i] = 0;
+  }
+  if (RETIRE == 2) {
+    int kt = 0;
+    for (; kt + 1 < steps; kt += 2) {
+      step(kt, fa, fb);
+      step(kt + 1, fb, fa);
+    }
+    if (kt < steps) step(kt, fa, fb);
+  } else {
+    for (int kt = 0; kt < steps; ++kt) step(kt, fa, fa);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

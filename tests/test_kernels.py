@@ -585,7 +585,7 @@ def test_tuning_never_picks_a_diagnostic_configuration():
                 "seconds": dict.fromkeys(rows, seconds), "threads": {}}
 
     best = tune.fastest([run("W5L3", 10), run("NOFENCE", 5), run("RETIRE-LATE", 8)], large=True)
-    assert best["config"] == "RETIRE-LATE" and best["defines"] == {"QK_WGMMA_RETIRE_LATE": 1}
+    assert best["config"] == "RETIRE-LATE" and best["defines"] == {"QK_WGMMA_RETIRE": 1}
     assert tune.fastest([run("W5L3", 10), run("NOFENCE", 5)], large=True)["default"]
 
 
@@ -1439,14 +1439,15 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
 @pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
                     reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
                     "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
-@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE_LATE=1"])
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=1", "QK_WGMMA_RETIRE=2"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
     registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
-    they are in flight); under each ring setting and with the wgmmas retired late too. In the SASS no instruction
-    writes a register of a wgmma in flight (the simulator cannot see that; the H200 did, as wrong rows)."""
+    they are in flight); under each ring setting and each later retirement of a step's wgmmas too. In the SASS no
+    instruction writes a register of a wgmma in flight (the simulator cannot see that; the H200 did, as wrong
+    rows)."""
     import subprocess
 
     src = kernels.source_dir()
