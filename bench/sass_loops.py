@@ -6,7 +6,8 @@ disassembles it with cuobjdump and prints, per kernel, its instruction count and
 longest backward branch, with the loop's opcodes by count, how many of them are integer-ALU opcodes (ALU) and
 integer multiply-adds (IMAD), and which of issue, ALU and IMAD bounds it by a pipe model (`pipe_bound`). The counts
 are static: a loop that holds two paths (per channel and per group) counts both. For the wgmma kernels it also lists
-every instruction that writes a register of a wgmma still in flight (`wgmma_hazards`): there should be none.
+every instruction that writes a register of a wgmma still in flight, or reads its sums (`wgmma_hazards`): there
+should be none.
 
     python bench/sass_loops.py MODULE [--hopper] [-D NAME=VALUE ...] [--kernels REGEX] [--cuobjdump PATH]
 
@@ -87,12 +88,30 @@ def written(instruction: Instruction) -> set[int]:
     return set(range(int(first.group(1)), int(first.group(1)) + width))
 
 
+def read(instruction: Instruction) -> set[int]:
+    """The general registers an instruction reads: every register operand but the one it writes, two for an R.64
+    address, and a store's data as wide as the store (.64, .128)."""
+    operands = [o.strip() for o in instruction.operands.split(",")]
+    if written(instruction):
+        operands = operands[1:]
+    registers = set()
+    for operand in operands:
+        for r, wide in re.findall(r"\bR(\d+)(\.64)?", operand):
+            registers |= set(range(int(r), int(r) + (2 if wide else 1)))
+    store = instruction.opcode in ("ST", "STS", "STG", "STL")
+    if store and (data := re.fullmatch(r"R(\d+)", operands[-1])):
+        width = 4 if ".128" in instruction.modifiers else 2 if ".64" in instruction.modifiers else 1
+        registers |= set(range(int(data.group(1)), int(data.group(1)) + width))
+    return registers
+
+
 def wgmma_hazards(instructions: list[Instruction]) -> list[str]:
     """Instructions that write a register of a wgmma still in flight (IGMMA, whose A fragments are its second
-    operand's four registers and its accumulators its first operand's N / 2 for m64nNk32), before the
-    WARPGROUP.DEPBAR that retires it: the PTX ISA leaves a wgmma's registers undefined while it runs, so any such
-    write is a wrong result. A wgmma's group closes at the first IGMMA carrying gsb0; DEPBAR.LE gsb0, n retires it
-    once n groups have closed after it. The walk follows each backward branch once (the loop's next step)."""
+    operand's four registers and its accumulators its first operand's N / 2 for m64nNk32), or read one of its
+    accumulators, before the WARPGROUP.DEPBAR that retires it: the PTX ISA leaves a wgmma's registers undefined
+    while it runs, so any such access is a wrong result (a later IGMMA of the same sums is not one). A wgmma's group
+    closes at the first IGMMA carrying gsb0; DEPBAR.LE gsb0, n retires it once n groups have closed after it. The
+    walk follows each backward branch once (the loop's next step)."""
     at = {i.address: k for k, i in enumerate(instructions)}
     found = []
     for k, wgmma in enumerate(instructions):
@@ -100,7 +119,8 @@ def wgmma_hazards(instructions: list[Instruction]) -> list[str]:
         if not shape:
             continue
         acc, a = (int(r) for r in re.findall(r"\bR(\d+)\b", wgmma.operands)[:2])
-        held = set(range(a, a + 4)) | set(range(acc, acc + int(shape.group(1)) // 2))
+        sums = set(range(acc, acc + int(shape.group(1)) // 2))
+        held = set(range(a, a + 4)) | sums
         closed, after, taken, j = "gsb0" in wgmma.operands, 0, set(), k + 1
         while j < len(instructions):
             i = instructions[j]
@@ -111,6 +131,9 @@ def wgmma_hazards(instructions: list[Instruction]) -> list[str]:
                 break
             if i.opcode != "IGMMA" and (clash := written(i) & held):
                 found.append(f"{i.address:#06x} {i.opcode}{i.modifiers} writes R{min(clash)} of the wgmma at "
+                             f"{wgmma.address:#06x}")
+            elif i.opcode != "IGMMA" and (clash := read(i) & sums):
+                found.append(f"{i.address:#06x} {i.opcode}{i.modifiers} reads R{min(clash)} of the wgmma at "
                              f"{wgmma.address:#06x}")
             target = branch_target(i)
             if target is not None and target < i.address and i.address not in taken:
@@ -188,7 +211,8 @@ def main() -> None:
             "-bound by the model): " + ", ".join(f"{op} {n}" for op, n in loop.most_common(8)) if loop else "no loop"
         hazards = wgmma_hazards(instructions)
         if any(i.opcode == "IGMMA" for i in instructions):
-            counts += f"; {len(hazards)} writes to a wgmma's registers in flight" + "".join(f"\n  {h}" for h in hazards)
+            counts += f"; {len(hazards)} accesses to a wgmma's registers in flight"
+            counts += "".join(f"\n  {h}" for h in hazards)
         print(f"{name}: {len(instructions)} instructions; {counts}")
 
 

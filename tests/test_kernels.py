@@ -1236,6 +1236,13 @@ def test_wgmma_hazard_check_finds_writes_to_registers_in_flight():
                    "WARPGROUP.DEPBAR.LE gsb0, 0x0") == []  # reads are no writes
     assert len(hazards(f"{igmma}\nLDS.64 R86, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
     assert len(hazards(f"{igmma}\nLDSM.16.M88.4 R85, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1  # R85..R88
+    # reading the sums before they are retired is as wrong (an accumulator spilled, or an epilogue moved up); reading
+    # the A fragments is not
+    assert len(hazards(f"{igmma}\nI2F R2, R30\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert len(hazards(f"{igmma}\nSTL.128 [R1+0x10], R84\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert len(hazards(f"{igmma}\nLDG.E R2, desc[UR4][R86.64]\nWARPGROUP.DEPBAR.LE gsb0, 0x0")) == 1
+    assert hazards(f"{igmma}\nSTS.64 [R1], R22\nIADD3 R2, R88, R89, RZ\nWARPGROUP.DEPBAR.LE gsb0, 0x0\nI2F R2, R30") \
+        == []
     assert hazards(f"{igmma}\nLDSM.16.M88.2 R92, [R1]\nWARPGROUP.DEPBAR.LE gsb0, 0x0") == []
     # wait_group 1 straight after the commit leaves this wgmma running into the next step, where the loop's
     # back edge reaches the fragments' load before any later group closes
