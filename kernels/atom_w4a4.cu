@@ -1,7 +1,7 @@
 // Atom W4A4 GEMM with INT8 outliers on the `atom` layout (quantkit/formats/atom.py; Atom's LinearInt4):
 // out[M, N] (fp16) = fp16(sum over groups g, in order, outliers last, of float(P_g) * (s_x[m, g] * s_w[g, n])),
 // P_g the exact int32 product of group g's codes: INT4 mma.m16n8k64 on each group of 128 normal columns (two MMAs;
-// on Hopper, which has no INT4 tensor cores, each as two INT8 MMAs on the sign-extended codes: mma_int4),
+// on Hopper, which has no INT4 tensor cores, each as two INT8 MMAs on 16 times the codes: mma_int4),
 // INT8 mma.m16n8k32 on the 128 outlier columns (four MMAs). Each partial is scaled as soon as its group is done
 // (Atom's partial-sum dequantization: a float32 accumulator beside the int32 one), in float32 without contraction.
 //
@@ -257,8 +257,9 @@ struct AtomTiled {
   }
   QK_FN static bool folds_after(const AtomArgs& a, int kt) { return kt < groups(a) || kt == groups(a) + 1; }
 
-  // acc.f += float(acc.c) * (s_x[token] * s_w[channel]) with the stage's scales, for the lane's entries; acc.c = 0.
-  QK_FN static void fold(const uint8_t* stage, int warp, int lane, Acc& acc) {
+  // acc.f += float(acc.c >> shift) * (s_x[token] * s_w[channel]) with the stage's scales, for the lane's entries
+  // (shift: QK_INT4_SHIFT after an INT4 group, int4_sum; 0 after the INT8 outliers); acc.c = 0.
+  QK_FN static void fold(const uint8_t* stage, int warp, int lane, Acc& acc, int shift) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -269,7 +270,7 @@ struct AtomTiled {
           const int channel = 32 * (warp % WARPS_N) + 8 * nb + 2 * frag_quad(lane) + (e & 1);
           const float s_x = load_f32(stage + SX_OFF + 4 * token);
           const float s_w = half_to_float(load_u16(stage + SW_OFF + 2 * atom_scale_slot(channel)));
-          acc.f[i][nb][e] = fadd(acc.f[i][nb][e], fmul((float)acc.c[i][nb][e], fmul(s_x, s_w)));
+          acc.f[i][nb][e] = fadd(acc.f[i][nb][e], fmul((float)(acc.c[i][nb][e] >> shift), fmul(s_x, s_w)));
           acc.c[i][nb][e] = 0;
         }
   }
@@ -314,7 +315,7 @@ struct AtomTiled {
         }
       }
     }
-    if (folds_after(a, kt)) fold(stage, warp, lane, acc);
+    if (folds_after(a, kt)) fold(stage, warp, lane, acc, int4 ? QK_INT4_SHIFT : 0);
   }
 #endif
 };
@@ -322,7 +323,8 @@ struct AtomTiled {
 }  // namespace qk
 
 #ifndef QK_HOST
-// A step's int32 products (INT4: two INT4 m16n8k64 MMAs a block of 8 channels; else two INT8 m16n8k32).
+// A step's int32 products (INT4: two INT4 m16n8k64 MMAs a block of 8 channels, the group's exact sums once both
+// are in, int4_sum; else two INT8 m16n8k32).
 template <bool INT4>
 __device__ __forceinline__ void atom_step_products(const qk::AtomStep& st, int32_t partial[2][4]) {
 #pragma unroll
@@ -335,6 +337,11 @@ __device__ __forceinline__ void atom_step_products(const qk::AtomStep& st, int32
       else mma_s8(partial[nb], fa, fb[nb]);
     }
   }
+  if (INT4)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[nb][e] = qk::int4_sum(partial[nb][e]);
 }
 
 // grid (N / 16, ceil(M / 16)), block 32 * splits, dynamic shared memory (per_round + 4) * min(M, 16) * 64 bytes. The

@@ -125,8 +125,8 @@ void mma_warp_s4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32]
   }
 }
 
-// One warp's INT4 MMA as the kernels run it on Hopper and later (QK_INT4_AS_INT8): two INT8 m16n8k32 MMAs on the
-// codes sign-extended to bytes (int4_half_as_int8).
+// One warp's INT4 MMA as the kernels run it on Hopper and later (QK_INT4_AS_INT8): two INT8 m16n8k32 MMAs on 16
+// times the codes (int4_half_as_int8), so c += 2^QK_INT4_SHIFT A B.
 void mma_warp_int4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
   for (int h = 0; h < 2; ++h) {
     uint32_t a8[32][4], b8[32][2];
@@ -135,9 +135,9 @@ void mma_warp_int4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[3
   }
 }
 
-// How many of `trials` random INT4 MMAs (fragments and accumulators from an LCG seeded with `seed`) give other
-// int32 outputs through mma_warp_int4 than through the PTX ISA's mma.m16n8k64 .s4 (mma_warp_s4): 0 when the
-// INT8 rewrite pairs every k of A with the same k of B.
+// How many of `trials` random INT4 MMAs (fragments from an LCG seeded with `seed`) give other int32 sums through
+// mma_warp_int4, shifted back by int4_sum, than through the PTX ISA's mma.m16n8k64 .s4 (mma_warp_s4), or sums
+// that are not multiples of 2^QK_INT4_SHIFT: 0 when the INT8 rewrite pairs every k of A with the same k of B.
 extern "C" int qk_int4_as_int8_mismatches(int trials, unsigned seed) {
   uint32_t state = seed;
   auto next = [&]() { state = state * 1664525u + 1013904223u; return state; };
@@ -148,11 +148,15 @@ extern "C" int qk_int4_as_int8_mismatches(int trials, unsigned seed) {
     for (int lane = 0; lane < 32; ++lane) {
       for (int r = 0; r < 4; ++r) a[lane][r] = next();
       for (int r = 0; r < 2; ++r) b[lane][r] = next();
-      for (int r = 0; r < 4; ++r) c1[lane][r] = c2[lane][r] = (int32_t)next();
+      for (int r = 0; r < 4; ++r) c1[lane][r] = c2[lane][r] = 0;
     }
     mma_warp_s4(c1, a, b);
     mma_warp_int4(c2, a, b);
-    mismatches += std::memcmp(c1, c2, sizeof(c1)) != 0;
+    bool same = true;
+    for (int lane = 0; lane < 32; ++lane)
+      for (int r = 0; r < 4; ++r)
+        same = same && qk::int4_sum(c2[lane][r]) == c1[lane][r] && c2[lane][r] % (1 << QK_INT4_SHIFT) == 0;
+    mismatches += !same;
   }
   return mismatches;
 }
@@ -797,6 +801,10 @@ static void atom_step_products_host(const qk::AtomStep st[32], bool int4, int32_
       else mma_warp(partial[nb], fa, fb[nb]);
     }
   }
+  if (int4)
+    for (int nb = 0; nb < 2; ++nb)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int e = 0; e < 4; ++e) partial[nb][lane][e] = qk::int4_sum(partial[nb][lane][e]);
 }
 
 // The host twin of atom_w4a4_gemm, copy by copy in the kernel's assignment: the outlier halves, then per round every
@@ -876,7 +884,7 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
       }
     }
     if (T::folds_after(args, kt))
-      for (int lane = 0; lane < 32; ++lane) T::fold(stage, warp, lane, acc[lane]);
+      for (int lane = 0; lane < 32; ++lane) T::fold(stage, warp, lane, acc[lane], int4 ? QK_INT4_SHIFT : 0);
   });
 }
 

@@ -182,20 +182,26 @@ QK_FN uint32_t hi_nibbles(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
 
 // Hopper (and later) has no INT4 tensor cores: mma.sync .s4 runs there at a fraction of the INT8 rate (Atom's
 // kernels measured 5-8x slower than the W4A8 ones on an H200). There an INT4 m16n8k64 MMA is done as two INT8
-// m16n8k32 MMAs on the same codes sign-extended to bytes: the same exact int32 sum. The warp simulator takes this
-// path too, so the tests check it against the emulation.
+// m16n8k32 MMAs on the codes as bytes of 16 times their value (int4_as_bytes): each product is 256 times the INT4
+// one, so the int32 sums are 2^QK_INT4_SHIFT times the exact INT4 sums, which the kernels shift back (exactly: the
+// sums are multiples of 256) once a group, where its products are complete. A group's sums stay within 2^21 (128
+// products of at most 64, times 256). The warp simulator takes this path too, so the tests check it against the
+// emulation.
 #if defined(QK_HOST) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
 #define QK_INT4_AS_INT8 1
+#define QK_INT4_SHIFT 8
 #else
 #define QK_INT4_AS_INT8 0
+#define QK_INT4_SHIFT 0
 #endif
 
-// The even (nibbles 0, 2, 4, 6) or odd (1, 3, 5, 7) two's-complement INT4 codes of w as four INT8, sign-extended:
-// a nibble t in a byte becomes t | 0xF0 when its bit 3 is set ((t & 8) * 30 = 0xF0 carries into no other byte).
-QK_FN uint32_t int4_as_bytes(uint32_t w, bool odd) {
-  const uint32_t t = odd ? hi_nibbles(w) : lo_nibbles(w);
-  return t | ((t & 0x08080808u) * 0x1Eu);
-}
+// The even (nibbles 0, 2, 4, 6) or odd (1, 3, 5, 7) two's-complement INT4 codes of w as four INT8 bytes of 16 times
+// their value: the nibble moved to a byte's top half (the odd ones are there already), whose low half is zero. One
+// or two instructions a word, where sign-extending the codes took four (the tiled kernel's main loop 1009 -> 785).
+QK_FN uint32_t int4_as_bytes(uint32_t w, bool odd) { return (odd ? w : w << 4) & 0xF0F0F0F0u; }
+
+// The exact INT4 sum from the int32 sum of INT4 MMAs (mma_int4) on the INT8 path.
+QK_FN int32_t int4_sum(int32_t c) { return c >> QK_INT4_SHIFT; }
 
 // Half h (k 32 h .. 32 h + 31) of an INT4 m16n8k64 MMA's fragments as an INT8 m16n8k32 MMA's. INT4 A register r
 // holds k 8 q .. 8 q + 7 (+ 32 for r >= 2) of row g (+ 8 for r odd), B register r k 8 q .. (+ 32 r) of column g;
@@ -887,8 +893,8 @@ __device__ __forceinline__ void mma_s4(int32_t c[4], const uint32_t a[4], const 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// D = A B + C for INT4 fragments: mma.sync .s4 where the tensor cores have INT4, else two INT8 MMAs
-// (QK_INT4_AS_INT8, int4_half_as_int8).
+// D = 2^QK_INT4_SHIFT A B + C for INT4 fragments: mma.sync .s4 where the tensor cores have INT4 (shift 0), else two
+// INT8 MMAs on 16 times the codes (QK_INT4_AS_INT8, int4_half_as_int8; int4_sum takes the shift back).
 __device__ __forceinline__ void mma_int4(int32_t c[4], const uint32_t a[4], const uint32_t b[2]) {
 #if QK_INT4_AS_INT8
 #pragma unroll
