@@ -182,6 +182,7 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 # this order, so that a run cut short still times those on the W4A8 small shapes' fixed cost and at M = 16 first.
 PENDING: tuple[str, ...] = ("RED", "CLUSTER", "EPI-EARLY", "QS-S2", "LQQ-S2", "AP-EARLY", "AP-SHF16", "AP-W8", "Z2",
                              "ATOM-A2")
+# --large --configs pending: the wgmma loop's retirement modes, then the diagnostic.
 LARGE_PENDING: tuple[str, ...] = ("OVERLAP", "RETIRE-LATE", "NOFENCE")
 
 
@@ -261,10 +262,9 @@ def fmt_of(key: str) -> str:
 def fastest(runs: list[dict], large: bool = False) -> dict | None:
     """The configuration to bench again, from the timed runs (the default's first): per layout, the fastest run over
     that layout's rows among those that match the emulation (DIAGNOSTIC ones left out), time all of them and beat
-    the default, kept if its
-    knobs agree with those already kept and it is no slower than the default on any layout its knobs change, else
-    the next fastest (layouts taken in order of the time their best saves); the kept runs' knobs merged. None
-    without a good default run."""
+    the default, kept if its knobs agree with those already kept and it is no slower than the default on any layout
+    its knobs change, else the next fastest (layouts taken in order of the time their best saves); the kept runs'
+    knobs merged. None without a good default run."""
     table = configs(large)
     default = runs[0] if runs and runs[0]["config"] == next(iter(table)) else None
     if default is None or not all(default["checked"].values()):

@@ -358,9 +358,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     where = {"cuda": "GPU", "cpu": "warp simulator", None: "not run"}[device]
     # Short headers, explained in the caption, so that the table fits an 80-column log with whole linear names
     # (long headers squeezed the names to "self_attn.…").
-    caption = ("int32: the emulation's int32 sums equal the reference integer product; plain, outliers: max |y - "
-               "y_ref| / max |y_ref| of its fp16 outputs on Gaussian activations, and on the same with a few "
-               "channels 30x larger")
+    caption = ("int32: the emulation's int32 sums equal the reference integer product; plain, outliers: "
+               "max |y - y_ref| / max |y_ref| of its fp16 outputs on Gaussian activations, and on the same with a "
+               "few channels 30x larger")
     if device:
         caption += "; kernel: its output equals the emulation's (Any-Precision's tensor cores: within their bound)"
     table = Table(title=f"{output} ({fmt}): kernel emulation against the reference dequantization; kernel "
