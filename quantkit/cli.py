@@ -248,7 +248,9 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     table.add_column("value", justify="right")
     for task, metrics in results.items():
         for key, value in metrics.items():
-            if isinstance(value, float) and not key.endswith("seconds"):
+            if key == "sample_len":  # lm-eval's count of the documents scored, not a score
+                table.add_row(task, "documents", f"{value:.0f}")
+            elif isinstance(value, float) and not key.endswith("seconds"):
                 table.add_row(task, key, f"{value:.4f}")
     Console().print(table)
     payload = {"model": str(model), "description": loaded.description, "results": results}

@@ -327,6 +327,36 @@ def test_wikitext_lm_stories260k(stories, no_network: None, monkeypatch: pytest.
     assert metrics["bits_per_byte"] > 0
 
 
+def test_no_git_probe_outside_a_repository(stories, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd) -> None:
+    """Run from a directory outside any git repository, lm-eval's `git describe` of the working directory would
+    print "fatal: not a git repository" into the user's terminal: quantkit's run keeps it quiet, and lm-eval's own
+    probe is back afterwards."""
+    _needs_hf_backend()
+    import lm_eval.evaluator
+
+    model, tokenizer = stories
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above it either
+    probe = lm_eval.evaluator.get_git_commit_hash
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=_synthetic_data(tmp_path), limit=1)
+    assert "not a git repository" not in capfd.readouterr().err
+    assert lm_eval.evaluator.get_git_commit_hash is probe
+
+
+def test_eval_cli_counts_documents(stories260k: Path, tmp_path: Path) -> None:
+    """`quantkit eval`'s table gives lm-eval's sample_len as the count of documents scored, not as a score."""
+    _needs_hf_backend()
+    from helpers import cli_ok
+
+    result = cli_ok("eval", stories260k, "--tasks", "piqa", "--data-dir", _synthetic_data(tmp_path), "--limit", "2")
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in result.output.splitlines() if "│" in line]
+    assert ["piqa", "documents", "2"] in rows and not any("sample_len" in row for row in rows)
+    payload = json.loads([line for line in result.output.splitlines() if line.strip()][-1])
+    assert payload["results"]["piqa"]["sample_len"] == 2  # the JSON keeps lm-eval's name
+
+
 def test_model_used_as_is(stories, shared_data: Path) -> None:
     """Hooks run, and an untied (e.g. separately quantized) lm_head is not re-tied to the embedding."""
     _needs_hf_backend()

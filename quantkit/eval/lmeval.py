@@ -259,6 +259,24 @@ def _no_retie(model: torch.nn.Module) -> Iterator[None]:
             object.__delattr__(model, "tie_weights")
 
 
+@contextlib.contextmanager
+def _no_git_probe() -> Iterator[None]:
+    """lm-eval records `git describe` of the working directory in its results: not quantkit's commit, and outside a
+    repository git prints "fatal: not a git repository" into the user's terminal. quantkit's results name their
+    artifact instead, so the probe returns nothing for the duration."""
+    import lm_eval.evaluator as evaluator
+
+    probe = getattr(evaluator, "get_git_commit_hash", None)
+    if probe is None:  # another lm-eval version: nothing to quiet
+        yield
+        return
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = probe
+
+
 def _metrics(task_result: dict[str, Any]) -> dict[str, float]:
     """lm-eval's `{"acc,none": .., "acc_stderr,none": .., "alias": ..}` -> `{"acc": .., "acc_stderr": ..}`."""
     out: dict[str, float] = {}
@@ -312,6 +330,7 @@ def run_lm_eval(
     was_training = model.training
     with (
         _offline(),
+        _no_git_probe(),
         tempfile.TemporaryDirectory(prefix="quantkit-lmeval-", ignore_cleanup_errors=True) as tmp,
     ):
         render_task_configs([i.name for i in infos], root, tmp)
