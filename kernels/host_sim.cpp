@@ -884,7 +884,7 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
       }
     }
     if (T::folds_after(args, kt))
-      for (int lane = 0; lane < 32; ++lane) T::fold(stage, warp, lane, acc[lane], int4 ? QK_INT4_SHIFT : 0);
+      for (int lane = 0; lane < 32; ++lane) T::fold(args, kt, stage, warp, lane, acc[lane]);
   });
 }
 

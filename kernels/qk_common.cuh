@@ -197,7 +197,7 @@ QK_FN uint32_t hi_nibbles(uint32_t v) { return (v >> 4) & 0x0F0F0F0Fu; }
 
 // The even (nibbles 0, 2, 4, 6) or odd (1, 3, 5, 7) two's-complement INT4 codes of w as four INT8 bytes of 16 times
 // their value: the nibble moved to a byte's top half (the odd ones are there already), whose low half is zero. One
-// or two instructions a word, where sign-extending the codes took four (the tiled kernel's main loop 1009 -> 785).
+// or two instructions a word, where sign-extending the codes took four (the tiled kernel's main loop 1009 -> 786).
 QK_FN uint32_t int4_as_bytes(uint32_t w, bool odd) { return (odd ? w : w << 4) & 0xF0F0F0F0u; }
 
 // The exact INT4 sum from the int32 sum of INT4 MMAs (mma_int4) on the INT8 path.
@@ -1009,7 +1009,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
   // from kt by a division.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
-  // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array but in mode 2).
+  // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array except in mode 2).
   auto step = [&](int kt, uint32_t (&mine)[KS][4], uint32_t (&other)[KS][4]) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
