@@ -78,7 +78,7 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # QServe's per-channel decode kernel (qserve_w4a8_gemm_pc, 98 registers at 8) with 10 or 12 steps a round
     # (124 and 128 registers, no spills); the other kernels keep 8
     "QS-PC10": ({**U8, "QK_QSERVE_PC_AHEAD": 10}, SPLIT),
-    "QS-PC12": ({**U8, "QK_QSERVE_PC_AHEAD": 12}, SPLIT),
+    "QS-PC12": ({**U8, "QK_QSERVE_PC_AHEAD": 12, "QK_EPILOGUE_EARLY": 0}, SPLIT),  # its parameters early spill
     # LiquidQuant's decode kernel (liquidquant_w4a8_gemm8, 110 registers at 8) with 10 steps a round (128, no spill)
     "LQQ-A10": ({**U8, "QK_LQQ_AHEAD": 10}, SPLIT),
     # Any-Precision's tensor-core kernels with bounds-checked loads everywhere (as measured until now), and the fast
@@ -103,23 +103,23 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # Any-Precision from 9 tokens on (two token blocks) up to 3 bits: the second block's activations of a word loaded
     # before its A fragments' decode, in flight meanwhile, not after the first block's MMAs (tc_early_runs)
     "AP-EARLY": ({**U8, "QK_AP_EARLY_RUNS": 3}, SPLIT),
-    # Any-Precision's register lookups at 3 bits with the upper half's codes (t >> 16) shifted on the integer ALU, not
-    # taken by a multiply-high on the FMA pipe (tc_reg_lookup)
-    "AP-SHF16": ({**U8, "QK_AP_LOOKUP_FMA": 0}, SPLIT),
-    # LiquidQuant from 9 to 16 tokens with 32 channels a warp (two 16-channel slices, one load of the activations),
-    # 4 steps a round, not 16 channels and 6
-    "LQQ-S2": ({**U8, "QK_LQQ16_SLICES": 2}, SPLIT),
-    # the W4A8 register kernels' split-K meeting by shared-memory atomics as each copy finishes, not copy 0 adding
-    # every copy's stored sums after the block's barrier (QServe's 16 copies: 16 shared loads a lane, not 240)
-    "RED": ({**U8, "QK_SPLITK_RED": 1}, SPLIT),
+    # Any-Precision's register lookups at 3 bits with the upper half's codes (t >> 16) taken by a multiply-high on the
+    # FMA pipe, not shifted on the integer ALU (tc_reg_lookup; the default until run 6, AP-SHF16 then 0.93-1.00x)
+    "AP-MULHI": ({**U8, "QK_AP_LOOKUP_FMA": 1}, SPLIT),
+    # LiquidQuant from 9 to 16 tokens with 16 channels a warp, 6 steps a round, not 32 channels (two 16-channel
+    # slices, one load of the activations) and 4 (the default until run 6, LQQ-S2 then 0.66-0.91x at M = 16)
+    "LQQ-S1": ({**U8, "QK_LQQ16_SLICES": 1}, SPLIT),
+    # the W4A8 register kernels' split-K meeting with copy 0 adding every copy's stored sums after the block's
+    # barrier, not each copy adding its own by shared-memory atomics as it finishes (the default until run 6)
+    "NO-RED": ({**U8, "QK_SPLITK_RED": 0}, SPLIT),
     # QServe's and QQQ's tiles split over 2 or 4 blocks as one thread-block cluster, meeting in the first block's
     # shared memory, not in device memory by atomics, a fence and a count (SPLITK_CLUSTER; QQQ at N = 4096 and 6144)
     "CLUSTER": (U8, {**SPLIT, "SPLITK_CLUSTER": True}),
     # QServe per channel's and LiquidQuant's decode kernels with the epilogue's scales (and zero points, token sums)
-    # in registers from before the K loop, not loaded after the split-K meeting (QK_EPILOGUE_EARLY)
-    "EPI-EARLY": ({**U8, "QK_EPILOGUE_EARLY": 1}, SPLIT),
+    # loaded after the split-K meeting, not in registers from before the K loop (QK_EPILOGUE_EARLY; until run 6)
+    "EPI-LATE": ({**U8, "QK_EPILOGUE_EARLY": 0}, SPLIT),
     # QServe from 9 to 16 tokens with two 32-channel tiles a warp, one load of the activations for both
-    # (QSERVE_GEMM16: qserve_w4a8_gemm16, _pc16), as LQQ-S2 for LiquidQuant
+    # (QSERVE_GEMM16: qserve_w4a8_gemm16, _pc16), as QK_LQQ16_SLICES = 2 for LiquidQuant
     "QS-S2": (U8, {**SPLIT, "QSERVE_GEMM16": True}),
     # Atom's small-M kernel (terms in shared memory, added in group order at a round's end) with 2 groups' loads in
     # flight a copy, not 3 (QK_ATOM_AHEAD: 102 registers, not 126; the default's first timing)
@@ -130,14 +130,15 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
 W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": W4A8, "ATOM-A2": ("atom",),
-    "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S2": ("liquidquant",),
-    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "RED": W4A8, "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
-    "EPI-EARLY": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
+    "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S1": ("liquidquant",),
+    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8,
+    "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
+    "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
     "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",), "AP-W8": ("anyprec",),
-    "AP-EARLY": ("anyprec",), "AP-SHF16": ("anyprec",),
+    "AP-EARLY": ("anyprec",), "AP-MULHI": ("anyprec",),
 }
 
 
@@ -157,10 +158,11 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "WIDE": ({}, {"WGMMA_WIDE": True}),
     "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
     "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
-    # when a step's wgmmas retire (QK_WGMMA_RETIRE): at the end of the next step, while its fragments are unpacked
-    # into a second register set; or just before the next step's fragments, after its barrier and copy issue
+    # when a step's wgmmas retire (QK_WGMMA_RETIRE; by default just before the next step's fragments, after its
+    # barrier and copy issue: RETIRE-LATE, 0.85-0.95x on every row of run 5): at the end of the next step, while its
+    # fragments are unpacked into a second register set; or at the end of their own step (the default until run 5)
     "OVERLAP": ({"QK_WGMMA_RETIRE": 2}, {}),
-    "RETIRE-LATE": ({"QK_WGMMA_RETIRE": 1}, {}),
+    "RETIRE-END": ({"QK_WGMMA_RETIRE": 0}, {}),
     # diagnostic (DIAGNOSTIC): without the proxy fence of the completed copies, what its MEMBAR costs a step
     "NOFENCE": ({"QK_WGMMA_PROXY_FENCE": 0}, {}),
 }
@@ -180,10 +182,10 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 # The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
 # default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU, in
 # this order, so that a run cut short still times those on the W4A8 small shapes' fixed cost and at M = 16 first.
-PENDING: tuple[str, ...] = ("RED", "CLUSTER", "EPI-EARLY", "QS-S2", "LQQ-S2", "AP-EARLY", "AP-SHF16", "AP-W8", "Z2",
-                             "ATOM-A2")
+PENDING: tuple[str, ...] = ("NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8",
+                             "Z2", "ATOM-A2")
 # --large --configs pending: the wgmma loop's retirement modes, then the diagnostic.
-LARGE_PENDING: tuple[str, ...] = ("OVERLAP", "RETIRE-LATE", "NOFENCE")
+LARGE_PENDING: tuple[str, ...] = ("OVERLAP", "RETIRE-END", "NOFENCE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:

@@ -323,10 +323,11 @@ QK_FN void tc_load_reg_tables(const AnyPrecArgs& a, int n0, int lane, TcRegTable
 // lut[lo nibble] | lut[hi nibble] << 16, as the shared tables' entries. Two permutes look up four codes' low and high
 // bytes, two more interleave them: 9 instructions for 8 weights, no shared memory. The codes are the selectors as
 // they stand (prmt, not byte_perm's masked selector): up to 3 bits, bit 3 of each nibble is clear. The permute
-// reads its selector's low 4 nibbles, so the upper half's codes are t >> 16: by default an IMAD.HI on the FMA pipe,
-// QK_AP_LOOKUP_FMA = 0 a shift on the integer ALU (bench/smallm_tune.py's AP-SHF16).
+// reads its selector's low 4 nibbles, so the upper half's codes are t >> 16: by default a shift on the integer ALU
+// (0.93-1.00x the time of the alternative on all eight rows of H100 tuning run 6), QK_AP_LOOKUP_FMA = 1 an IMAD.HI
+// on the FMA pipe (bench/smallm_tune.py's AP-MULHI).
 #ifndef QK_AP_LOOKUP_FMA
-#define QK_AP_LOOKUP_FMA 1
+#define QK_AP_LOOKUP_FMA 0
 #endif
 QK_FN void tc_reg_lookup(const TcRegTables& rt, int h, uint32_t t, uint32_t pairs[4]) {
 #pragma unroll

@@ -349,10 +349,11 @@ extern "C" __global__ void __launch_bounds__(512)
 // Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block
 // kernel's time at M = 16 on an H100): grid (N / (16 warps slices), 1), block 32 warps splits, dynamic shared memory
 // (splits - 1) * warps * slices * 1 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round (125 registers at 6;
-// 8 spill). QK_LQQ16_SLICES = 2 (bench/smallm_tune.py's LQQ-S2; not yet timed): 32 channels a warp, from one load
-// of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's weights take registers too).
+// 8 spill). QK_LQQ16_SLICES = 2, the default since H100 tuning run 6 (0.66-0.91x the time of one slice at M = 16):
+// 32 channels a warp, from one load of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's
+// weights take registers too); 1 is bench/smallm_tune.py's LQQ-S1.
 #ifndef QK_LQQ16_SLICES
-#define QK_LQQ16_SLICES 1
+#define QK_LQQ16_SLICES 2
 #endif
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,

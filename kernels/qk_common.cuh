@@ -24,14 +24,15 @@ typedef unsigned long long uint64_t;
 #endif
 #include "qk_timeline.cuh"
 
-// QK_EPILOGUE_EARLY = 1 (bench/smallm_tune.py's EPI-EARLY): the decode kernels that have the registers (QServe per
-// channel, LiquidQuant up to 8 tokens) have copy 0 load its epilogue's scales (and zero points and token sums) into
-// registers before the K loop, in flight with the weights, not after the split-K meeting, where each is a round trip
-// to device memory that every tile of a small grid waits on at its end. An H200 run found them prefetched to L2 no
-// faster; bench/timeline.py shows what the epilogue costs. The same arithmetic in the same order: the same bits
-// (the warp simulator's twins take the same path when built with the knob).
+// QK_EPILOGUE_EARLY = 1 (the default since H100 tuning run 6, 0.89-1.01x the time of 0; 0 is bench/smallm_tune.py's
+// EPI-LATE, as before): the decode kernels that have the registers (QServe per channel, LiquidQuant up to 8 tokens)
+// have copy 0 load its epilogue's scales (and zero points and token sums) into registers before the K loop, in flight
+// with the weights, not after the split-K meeting, where each is a round trip to device memory that every tile of a
+// small grid waits on at its end. An H200 run found them prefetched to L2 no faster; bench/timeline.py shows what the
+// epilogue costs. The same arithmetic in the same order: the same bits (the warp simulator's twins take the same path
+// when built with the knob).
 #ifndef QK_EPILOGUE_EARLY
-#define QK_EPILOGUE_EARLY 0
+#define QK_EPILOGUE_EARLY 1
 #endif
 
 namespace qk {
@@ -643,11 +644,12 @@ struct WgmmaTiles {
 // How the copies of a block meet (the register kernels; the bulk ones always store): QK_SPLITK_RED = 1 has each copy
 // s > 0 add its sums into copy 0's slot (COUNT * threads int32, zeroed before the K loop: splitk_begin) by
 // shared-memory atomics as soon as it is done, so that after the block's barrier copy 0 reads COUNT words, where
-// by default the copies store theirs and copy 0 alone then adds (splits - 1) * COUNT of them one after another (240
+// with 0 the copies store theirs and copy 0 alone then adds (splits - 1) * COUNT of them one after another (240
 // shared loads a lane for QServe's 16 copies, 224 for QQQ's 8) while the rest of the block waits. Integer sums, in
-// any order: the same bits. bench/smallm_tune.py's RED.
+// any order: the same bits. The default since H100 tuning run 6 (0.91-1.03x the time of 0, faster on 31 of 40
+// rows; QServe's and QQQ's totals 0.98x); 0 is bench/smallm_tune.py's NO-RED.
 #ifndef QK_SPLITK_RED
-#define QK_SPLITK_RED 0
+#define QK_SPLITK_RED 1
 #endif
 
 // Before the K loop, every thread of the block: under RED, copy 0 zeroes the slot the others will add into, and a
@@ -957,8 +959,9 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 // step's wgmmas retired below, kt - 1 would do: LEAD = STAGES - 1, a knob until a GPU run measures it). Each thread
 // fences its completed copies into the async proxy (the tensor cores' view of shared memory) before the barrier.
 //
-// When a step's wgmmas retire is a knob (QK_WGMMA_RETIRE; bench/smallm_tune.py --large's RETIRE-LATE and OVERLAP,
-// not yet timed, so 0):
+// When a step's wgmmas retire is a knob (QK_WGMMA_RETIRE, 1 by default: in H100 tuning run 5 mode 1 took 0.85-0.95x
+// mode 0's time on all 20 rows at M = 1024, OVERLAP 0.87-1.05x; bench/smallm_tune.py --large's RETIRE-END, 0,
+// and OVERLAP, 2):
 //  0. at the end of the step: the tensor cores work on a warpgroup's step only while the SM's other warpgroups run
 //     their barriers, copies and fragments;
 //  1. (RETIRE-LATE) just before the next step's fragments are loaded: they run on through its wait for its copies,
@@ -980,7 +983,7 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 // async-proxy reads. It times what the fence (a MEMBAR.ALL.CTA in SASS) costs a step, with later steps' copies in
 // flight.
 #ifndef QK_WGMMA_RETIRE
-#define QK_WGMMA_RETIRE 0
+#define QK_WGMMA_RETIRE 1
 #endif
 #ifndef QK_WGMMA_PROXY_FENCE
 #define QK_WGMMA_PROXY_FENCE 1

@@ -509,8 +509,8 @@ LIQUIDQUANT_GEMM16 = True
 # weight block, left half of an H200's 132 SMs idle); 4 as before, through QUANTKIT_NVRTC_DEFINES, for comparison.
 LQQ_TILE_WARPS = _define("QK_LQQ_TILE_WARPS", 1)
 # The 16-channel slices a warp of liquidquant_w4a8_gemm16 computes from one load of the activations
-# (QK_LQQ16_SLICES: 1; 2 is bench/smallm_tune.py's LQQ-S2, not yet timed).
-LQQ16_SLICES = _define("QK_LQQ16_SLICES", 1)
+# (QK_LQQ16_SLICES: 2 since H100 tuning run 6, 0.66-0.91x the time of one at M = 16; 1 is smallm_tune's LQQ-S1).
+LQQ16_SLICES = _define("QK_LQQ16_SLICES", 2)
 
 
 def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,

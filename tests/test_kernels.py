@@ -565,7 +565,8 @@ def test_tuning_picks_the_fastest_configuration_per_layout():
             run("BULK", {"qserve": 7, "qqq": 11, "liquidquant": 6})]  # fastest for two layouts, slower for qqq
     best = tune.fastest(runs)
     assert best["formats"] == {"qserve": "QS-PC12", "qqq": "U8", "liquidquant": "LQQ-A10", "anyprec": "AP-HYBRID"}
-    assert best["defines"] == {"QK_QSERVE_PC_AHEAD": 12, "QK_LQQ_AHEAD": 10, "QK_AP_REG_GROUPS": 1}
+    assert best["defines"] == {"QK_QSERVE_PC_AHEAD": 12, "QK_EPILOGUE_EARLY": 0, "QK_LQQ_AHEAD": 10,
+                               "QK_AP_REG_GROUPS": 1}
     assert not best["default"] and "BULK_DECODE" not in best["settings"]
     runs[-1]["seconds"][f"{labels['qqq']}|4096x4096|1"] = 9  # now no slower anywhere: it takes both its layouts
     best = tune.fastest(runs)
@@ -584,8 +585,8 @@ def test_tuning_never_picks_a_diagnostic_configuration():
         return {"config": config, "checked": {row.split("|")[0]: True for row in rows},
                 "seconds": dict.fromkeys(rows, seconds), "threads": {}}
 
-    best = tune.fastest([run("W5L3", 10), run("NOFENCE", 5), run("RETIRE-LATE", 8)], large=True)
-    assert best["config"] == "RETIRE-LATE" and best["defines"] == {"QK_WGMMA_RETIRE": 1}
+    best = tune.fastest([run("W5L3", 10), run("NOFENCE", 5), run("OVERLAP", 8)], large=True)
+    assert best["config"] == "OVERLAP" and best["defines"] == {"QK_WGMMA_RETIRE": 2}
     assert tune.fastest([run("W5L3", 10), run("NOFENCE", 5)], large=True)["default"]
 
 
@@ -844,9 +845,9 @@ def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypat
     x = activations(m, 448, seed=splits)
     reference = emulate("liquidquant", tensors, x)
     launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits)
-    warps = kernels.LQQ_TILE_WARPS
-    assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (128 // (16 * warps), 1)
-    assert launch.shared_mem == (splits - 1) * 32 * warps * 8 * 4
+    warps, slices = kernels.LQQ_TILE_WARPS, kernels.LQQ16_SLICES
+    assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (128 // (16 * slices * warps), 1)
+    assert launch.shared_mem == (splits - 1) * 32 * warps * 8 * slices * 4
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -1274,14 +1275,16 @@ def kernel_resources(log: str, kernel: str) -> tuple[tuple[str, str, str], int]:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH to compile the device code for sm_90")
 @pytest.mark.parametrize(("kernel", "knob"), [("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=10"),
-                                              ("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=12"),
+                                              ("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=12 QK_EPILOGUE_EARLY=0"),
                                               ("liquidquant_w4a8_gemm8", "QK_LQQ_AHEAD=10")])
 def test_decode_kernels_take_more_steps_without_spilling(kernel, knob, tmp_path):
     """The decode kernels with registers to spare (qserve_w4a8_gemm_pc, which carries no group code: 98 registers at
     8 steps a round; liquidquant_w4a8_gemm8: 110) put more steps' loads in flight under their own knob
-    (bench/smallm_tune.py's QS-PC10, QS-PC12 and LQQ-A10) within 128 registers and no stack."""
+    (bench/smallm_tune.py's QS-PC10, QS-PC12 and LQQ-A10) within 128 registers and no stack. At 12 steps the
+    epilogue's parameters are loaded after the K loop (QK_EPILOGUE_EARLY = 0): held from before it, they spill."""
     module = "_".join(kernel.split("_")[:2])  # qserve_w4a8, liquidquant_w4a8
-    log = ptxas_log(["-arch=sm_90", f"-D{knob}", str(kernels.source_dir() / f"{module}.cu")], tmp_path)
+    defines = [f"-D{d}" for d in knob.split()]
+    log = ptxas_log(["-arch=sm_90", *defines, str(kernels.source_dir() / f"{module}.cu")], tmp_path)
     frame, registers = kernel_resources(log, kernel)
     assert frame == ("0", "0", "0") and registers <= 128, log
 
@@ -1399,16 +1402,16 @@ def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(repo)}
     cmd = [sys.executable, str(repo / "bench" / "build_kernels.py"), "--modules", "qqq_w4a8", "--configs",
-           "U8,QS-PC12", "--large-configs", "W8L7", "--defines", "QK_LQQ_AHEAD=10 QK_SMALLM_AHEAD=6"]
+           "U8,QS-PC10", "--large-configs", "W8L7", "--defines", "QK_LQQ_AHEAD=10 QK_SMALLM_AHEAD=6"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     built = {path.name for path in (tmp_path / "kernels").iterdir()}
-    assert kernels.module_defines("qqq_w4a8", ("QK_QSERVE_PC_AHEAD=12", "QK_SMALLM_AHEAD=6")) == ("QK_SMALLM_AHEAD=6",)
+    assert kernels.module_defines("qqq_w4a8", ("QK_QSERVE_PC_AHEAD=10", "QK_SMALLM_AHEAD=6")) == ("QK_SMALLM_AHEAD=6",)
     wanted = {kernels.cubin_path("qqq_w4a8", arch, defines).name for arch, defines in [
         ("sm_90", ()), (kernels.HOPPER_ARCH, ()), (kernels.HOPPER_ARCH, ("QK_WGMMA_STAGES=8", "QK_WGMMA_LEAD=7")),
         ("sm_90", ("QK_SMALLM_AHEAD=6",)), (kernels.HOPPER_ARCH, ("QK_SMALLM_AHEAD=6",))]}
     assert len(wanted) == 5 and built == wanted, (built, wanted)
-    assert "qqq_w4a8 sm_90 [built-in, U8, QS-PC12]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
+    assert "qqq_w4a8 sm_90 [built-in, U8, QS-PC10]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
     assert "qqq_w4a8 sm_90 [--defines]" in first.stdout
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count("cached") == 5 and "built in" not in second.stdout
@@ -1426,8 +1429,9 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
 @pytest.mark.parametrize(("defines", "tests"), [
     *((knobs, "hopper_path_matches or mirror_the_kernels") for knobs in RING_KNOBS),
     ("QK_LQQ_TILE_WARPS=4", "liquidquant and not bulk or split_k"),  # four warps a LiquidQuant block, as before
-    ("QK_EPILOGUE_EARLY=1", "split_k_matches or qserve_kernel_matches or liquidquant_kernel_matches or block_split"),
-], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-early"])
+    ("QK_EPILOGUE_EARLY=0", "split_k_matches or qserve_kernel_matches or liquidquant_kernel_matches or block_split"),
+    ("QK_LQQ16_SLICES=1", "liquidquant and (two_block or split_k)"),  # 16 channels a warp from 9 tokens, as before
+], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
@@ -1446,7 +1450,7 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
 @pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
                     reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
                     "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
-@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=1", "QK_WGMMA_RETIRE=2"])
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
