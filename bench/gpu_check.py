@@ -58,6 +58,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats")
 PROFILE_LARGE = ("ComputeWorkloadAnalysis", "SchedulerStats", "MemoryWorkloadAnalysis_Tables")
+# The warp stall reasons by name (cycles a warp waits per issued instruction, for each reason): the sections above
+# print only the total, and the H100 run of 295865a without these metrics could not say what the wgmma kernels wait on.
+STALL_METRICS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
 RECIPES = ("qoq", "qoq-g128", "qqq", "qqq-g128", "lqq-g64", "atom-w4a4", "anyprec-3to8")
 
 
@@ -159,7 +162,8 @@ def main() -> None:
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes: before the tuning, whose
             # configurations it is to explain
             step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
-                                   *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), py,
+                                   *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), "--metrics",
+                                   STALL_METRICS, py,
                                    "bench/profile_smallm.py", "--large"], args.out, results, 150, env)
         best = [work / "best.json", work / "best_large.json"]  # each tuning step's fastest configuration
         for path in best:

@@ -580,16 +580,34 @@ def bars(rows: list[Row], bandwidth: float) -> list[Bar]:
     return out
 
 
+def software() -> dict:
+    """The versions a run's times depend on (torch and its CUDA, CuPy, the driver and NVRTC), for its report: runs of
+    different software are not side by side."""
+    versions = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+    try:
+        import cupy
+    except ImportError:
+        return versions
+    versions["cupy"] = cupy.__version__
+    try:
+        versions["driver"] = cupy.cuda.runtime.driverGetVersion()
+        versions["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    except RuntimeError:  # CuPy's CUDA errors: no driver or no NVRTC on this machine
+        pass
+    return versions
+
+
 def report(rows: list[Row], checks: list[Bar], bandwidth: float, device: str) -> dict:
     """The run as plain data (`quantkit bench --json`), for the README's tables and later comparisons: every row's
-    median seconds and rates, and every bar with its verdict."""
+    median seconds and rates, every bar with its verdict, and the knobs and software it ran under."""
     def row(r: Row) -> dict:
         return {"n": r.n, "k": r.k, "m": r.m, "label": r.label, "function": r.kernel,
                 "format": r.variant.fmt if r.variant else None, "path": r.variant.path if r.variant else None,
                 "seconds": r.seconds, "launch_seconds": r.launch_seconds, "tops": r.tops, "gbps": r.gbps,
                 "bytes_moved": r.bytes_moved, **({"round_seconds": list(r.round_seconds)} if r.round_seconds else {})}
 
-    return {"device": device, "copy_bandwidth_gbps": bandwidth, "tuning": tuning(), "rows": [row(r) for r in rows],
+    return {"device": device, "copy_bandwidth_gbps": bandwidth, "tuning": tuning(), "software": software(),
+            "rows": [row(r) for r in rows],
             "bars": [{**row(c.row), "requirement": c.requirement, "measured": c.measured, "met": c.met}
                      for c in checks]}
 

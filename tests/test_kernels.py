@@ -1727,6 +1727,7 @@ def test_bench_rounds_report_each_rows_median_and_make_tensors_once(monkeypatch)
     assert all(r.seconds == 1.1e-5 and r.launch_seconds == 2.2e-5 for r in kernels_rows)
     data = kb.report(rows, kb.bars(rows, 1e9), 1e9, "test GPU")
     assert {tuple(r["round_seconds"]) for r in data["rows"] if r["label"] != kb.FP16} == {(1e-5, 2e-5, 1.1e-5)}
+    assert data["software"]["torch"] == torch.__version__  # the versions the times depend on, beside them
     kernel_times[3], fp16_times[3] = 1e-5, 4e-5  # one more round
     one = kb.run_bench(cases[:1], ms=(1,))  # a single round: the row as timed, no rounds recorded
     assert one[-1].round_seconds == () and "round_seconds" not in kb.report(one, [], 1e9, "x")["rows"][-1]
