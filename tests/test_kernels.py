@@ -604,7 +604,7 @@ def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     with pytest.raises(ValueError, match="unknown configurations NOPE"):
         tune.config_names("U8,NOPE")
     # each configuration is checked before it is timed on the kernels of one token block and of two, the second
-    # partial (LQQ-S2 and AP-EARLY change only the latter), and at M = 1024 on two token tiles
+    # partial (LQQ-S1 and AP-EARLY change only the latter), and at M = 1024 on two token tiles
     small = tune.CHECK_MS[False]
     assert any(m <= kernels.DECODE_MAX_M for m in small)
     assert any(kernels.DECODE_MAX_M < m < 16 for m in small)
@@ -852,10 +852,10 @@ def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypat
 
 
 def test_liquidquant_two_slice_launch_is_sized_for_32_channels_a_warp(monkeypatch):
-    """QK_LQQ16_SLICES = 2 (LQQ-S2): liquidquant_w4a8_gemm16's warps take 32 channels each, so the launch has half
-    the blocks and twice the split-K partials a copy, and refuses an N that its warps do not tile. (The kernel's own
-    slice mapping runs on the device only: bench/smallm_tune.py checks LQQ-S2 against the emulation before timing
-    it; the warp simulator's twin does not depend on it.)"""
+    """QK_LQQ16_SLICES = 2 (the default): liquidquant_w4a8_gemm16's warps take 32 channels each, so the launch has
+    half the blocks and twice the split-K partials a copy, and refuses an N that its warps do not tile. (The kernel's
+    own slice mapping runs on the device only, in test_liquidquant_gpu_kernel_matches_the_emulation; the warp
+    simulator's twin does not depend on it.)"""
     monkeypatch.setattr(kernels, "LIQUIDQUANT_GEMM16", True)
     monkeypatch.setattr(kernels, "LQQ16_SLICES", 2)
     tensors = synthetic("liquidquant", 128, 448, seed=3, group=64)
