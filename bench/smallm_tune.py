@@ -135,7 +135,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
     "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
-    "QS-PC10": ("qserve",), "QS-PC12": ("qserve",),
+    "QS-PC10": ("qserve",), "QS-PC12": ("qserve", "liquidquant"),  # its early epilogue off changes LiquidQuant's
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
     "AP-FMA": ("anyprec",), "AP-W4": ("anyprec",), "AP-W2": ("anyprec",), "AP-W8": ("anyprec",),
     "AP-EARLY": ("anyprec",), "AP-MULHI": ("anyprec",),

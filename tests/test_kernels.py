@@ -558,15 +558,18 @@ def test_tuning_picks_the_fastest_configuration_per_layout():
     default = run("U8", {"qserve": 10, "qqq": 10, "liquidquant": 10, "anyprec": 10})
     assert tune.fastest([default])["default"] and tune.fastest([default])["defines"] == {}
     runs = [default,
-            run("QS-PC12", {"qserve": 8}),
+            run("QS-PC12", {"qserve": 8, "liquidquant": 10}),  # its late epilogue reaches LiquidQuant too
             run("LQQ-A10", {"liquidquant": 9}),
             run("AP-SMEM", {"anyprec": 7}, ok=False),  # fastest but wrong: never picked
             run("AP-HYBRID", {"anyprec": 9}),
             run("BULK", {"qserve": 7, "qqq": 11, "liquidquant": 6})]  # fastest for two layouts, slower for qqq
     best = tune.fastest(runs)
-    assert best["formats"] == {"qserve": "QS-PC12", "qqq": "U8", "liquidquant": "LQQ-A10", "anyprec": "AP-HYBRID"}
+    assert best["formats"] == {"qserve": "QS-PC12", "qqq": "U8", "liquidquant": "LQQ-A10+QS-PC12",
+                               "anyprec": "AP-HYBRID"}
     assert best["defines"] == {"QK_QSERVE_PC_AHEAD": 12, "QK_EPILOGUE_EARLY": 0, "QK_LQQ_AHEAD": 10,
                                "QK_AP_REG_GROUPS": 1}
+    slower = [r if r["config"] != "QS-PC12" else run("QS-PC12", {"qserve": 8, "liquidquant": 11}) for r in runs]
+    assert tune.fastest(slower)["formats"]["qserve"] == "U8"  # it would slow a layout its knobs reach
     assert not best["default"] and "BULK_DECODE" not in best["settings"]
     runs[-1]["seconds"][f"{labels['qqq']}|4096x4096|1"] = 9  # now no slower anywhere: it takes both its layouts
     best = tune.fastest(runs)
