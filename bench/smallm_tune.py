@@ -179,12 +179,14 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     return LARGE_CONFIGS if large else CONFIGS
 
 
-# The configurations built but not yet timed on a GPU, and AP-W8 (the default before run 3, against which the new
-# default is to be confirmed): `--configs pending` times them after the default, the plan for the next lent GPU, in
-# this order, so that a run cut short still times those on the W4A8 small shapes' fixed cost and at M = 16 first.
+# The plan for the next lent GPU: the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1, AP-MULHI), to
+# confirm the new defaults against them a second time, then the configurations that were within noise or mixed
+# (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2). `--configs pending` times them after the default in this order, so
+# that a run cut short still confirms the defaults first.
 PENDING: tuple[str, ...] = ("NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8",
                              "Z2", "ATOM-A2")
-# --large --configs pending: the wgmma loop's retirement modes, then the diagnostic.
+# --large --configs pending: the wgmma loop's other retirement modes (the default is RETIRE-LATE), then the
+# diagnostic.
 LARGE_PENDING: tuple[str, ...] = ("OVERLAP", "RETIRE-END", "NOFENCE")
 
 
