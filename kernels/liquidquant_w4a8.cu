@@ -407,16 +407,16 @@ extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_tiled(const i
 extern "C" __global__ void __launch_bounds__(256) liquidquant_w4a8_wgmma(const int8_t* x, const float* s_x,
                                                                          const uint8_t* qweight, const uint8_t* s2a,
                                                                          const qk_half* s1, qk_half* out, int m,
-                                                                         int n, int k) {
-  wgmma_gemm<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+                                                                         int n, int k QK_X_MAP_PARAM) {
+  wgmma_gemm<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
 }
 // The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
 // WgmmaTiles<LiquidWgmma, 2>::STAGE_BYTES (N % 256 == 0).
 extern "C" __global__ void __launch_bounds__(512) liquidquant_w4a8_wgmma2(const int8_t* x, const float* s_x,
                                                                           const uint8_t* qweight, const uint8_t* s2a,
                                                                           const qk_half* s1, qk_half* out, int m,
-                                                                          int n, int k) {
-  wgmma_gemm<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+                                                                          int n, int k QK_X_MAP_PARAM) {
+  wgmma_gemm<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
 }
 #endif
 #endif

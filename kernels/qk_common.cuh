@@ -579,6 +579,10 @@ struct WgmmaTiles {
   QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
   QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
     copy_activations<BM, BK, THREADS>(stage, a.x, a.m, a.k, m0, kt, tid);
+    copy_weights(a, stage, n0, kt, tid);
+  }
+  // The stage's weight regions alone (the activation tile comes by a tensor copy: QK_WGMMA_TMA).
+  QK_FN static void copy_weights(const Args& a, uint8_t* stage, int n0, int kt, int tid) {
     for (int r = 0; r < W; ++r)
       Tiled::template copy_weights<THREADS>(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid);
   }
@@ -929,6 +933,53 @@ __device__ __forceinline__ void fence_operands(uint32_t (&fa)[KS][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(fa[kk][i])::"memory");
 }
 
+// The mbarriers of the bulk and tensor copies (the TMA engine's): a phase completes once its arrivals and the bytes
+// its copies announced (expect_tx) have come.
+__device__ __forceinline__ uint32_t shared_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// Until the phase of the given parity has completed (acquire: the bytes its copies wrote are visible after). A wait
+// that lasts MBAR_TIMEOUT_NS (a phase whose byte count never arrives: a wrong expect-tx count or a copy that failed)
+// traps, so that the launch fails with an error instead of hanging the device; the first try is the whole fast path,
+// the clock is read only once it fails.
+constexpr uint64_t MBAR_TIMEOUT_NS = 2000000000ull;
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n.reg .u64 start, now;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE;\n"
+      "mov.u64 start, %%globaltimer;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE;\n"
+      "mov.u64 now, %%globaltimer;\n"
+      "sub.u64 now, now, start;\n"
+      "setp.lt.u64 done, now, %2;\n"
+      "@done bra WAIT;\n"
+      "trap;\n"
+      "DONE:\n}\n" ::"r"(shared_addr(bar)),
+      "r"(parity), "l"(MBAR_TIMEOUT_NS)
+      : "memory");
+}
+// One TMA copy of a 2-D box: the box of tensor map `map` (in global memory, 128 bytes) at coordinates (c0 innermost,
+// c1) into shared memory at `dst`, completing on mbarrier `bar` (its bytes announced there beforehand).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(shared_addr(bar))
+      : "memory");
+}
+// A tensor map that the host wrote into global memory, acquired for the tensor copies that read it.
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
+
 // D = A B (+ D when `accumulate`), wgmma.mma_async m64n128k32 .s32.s8.s8: A (64 x 32) from the warpgroup's
 // registers, B (32 x 128, K-major) from shared memory through descriptor `b`. The first product of a sum starts it
 // (accumulate false) rather than adding to zeros, so that no other instruction writes the accumulators while
@@ -988,8 +1039,26 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 #ifndef QK_WGMMA_PROXY_FENCE
 #define QK_WGMMA_PROXY_FENCE 1
 #endif
+// QK_WGMMA_TMA = 1 (bench/smallm_tune.py --large's TMA; not yet timed): each stage's activation tile arrives by one
+// tensor copy (cp.async.bulk.tensor.2d, issued by thread 0 from `x_map`, the tensor map of x [M, K] that
+// quantkit.kernels encodes: a box of 64 bytes x 128 rows, 64-byte swizzle, zeros past M), which writes through the
+// async proxy and completes on the stage's mbarrier (after the ring in shared memory); the weights still come by
+// cp.async. The wgmmas read only the activation tile from shared memory, so the loop needs no proxy fence (NOFENCE,
+// the old loop without it, took 0.80-0.99x its time on an H100). The TMA's 64-byte swizzle is the layout copy_rows
+// writes (16-byte chunk c of row r at chunk c ^ (r / 2) % 4, in stages aligned to 1024 bytes), which the B
+// descriptors read (wgmma_desc_sw64). The kernels take x_map as their last argument only when built with the knob.
+#ifndef QK_WGMMA_TMA
+#define QK_WGMMA_TMA 0
+#endif
+#if QK_WGMMA_TMA
+#define QK_X_MAP_PARAM , const void* x_map
+#define QK_X_MAP x_map
+#else
+#define QK_X_MAP_PARAM
+#define QK_X_MAP nullptr
+#endif
 template <class F, int W = 1>
-__device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
+__device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const void* x_map = nullptr) {
   using T = qk::WgmmaTiles<F, W>;
   constexpr int KS = T::BK / 32, RETIRE = T::LEAD <= T::STAGES - 2 ? QK_WGMMA_RETIRE : 0;
   static_assert(QK_WGMMA_RETIRE >= 0 && QK_WGMMA_RETIRE <= 2, "QK_WGMMA_RETIRE is 0, 1 or 2");
@@ -1004,21 +1073,46 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   typename T::Acc acc;
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "=r"(acc.d[i]));
+  // QK_WGMMA_TMA: a stage's mbarrier (one arrival, thread 0's, and the tile's bytes), after the ring.
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + T::STAGES * T::STAGE_BYTES);
+  if (QK_WGMMA_TMA) {
+    if (tid == 0) {
+      tensormap_acquire(x_map);
+      for (int s = 0; s < T::STAGES; ++s) mbar_init(&bars[s], 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  // The copies of step kt into the slot at offset `at` (stage `index` of the ring).
+  auto copy = [&](int kt, uint32_t at, int index) {
+    if (!QK_WGMMA_TMA) {
+      T::copy_stage(args, smem + at, m0, n0, kt, tid);
+      return;
+    }
+    T::copy_weights(args, smem + at, n0, kt, tid);
+    if (tid == 0) {
+      mbar_arrive_expect_tx(&bars[index], T::BM * T::BK);
+      tma_load_2d(base + at, x_map, kt * T::BK, m0, &bars[index]);
+    }
+  };
 #pragma unroll
   for (int s = 0; s < T::LEAD; ++s) {
-    if (s < steps) T::copy_stage(args, smem + s * T::STAGE_BYTES, m0, n0, s, tid);
+    if (s < steps) copy(s, s * T::STAGE_BYTES, s);
     cp_async_commit();
   }
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
-  // from kt by a division.
-  uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES;
+  // from kt by a division; with the tensor copies, their stage indices too, and the parity of step kt's phase of
+  // its stage's mbarrier (its (kt / STAGES)-th).
+  uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES, parity = 0;
+  int index = 0, next_index = T::LEAD % T::STAGES;
   // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array except in mode 2).
   auto step = [&](int kt, uint32_t (&mine)[KS][4], uint32_t (&other)[KS][4]) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
-    if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
+    if (QK_WGMMA_TMA) mbar_wait(&bars[index], parity);  // and its activation tile
+    else if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
-    if (next < steps) T::copy_stage(args, smem + next_slot, m0, n0, next, tid);
+    if (next < steps) copy(next, next_slot, next_index);
     cp_async_commit();
     if (RETIRE == 1) {  // the previous step's wgmmas, run on through the barrier and the copies, retire
       wgmma_wait<0>();
@@ -1039,6 +1133,11 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
     constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
     slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
     next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
+    if (QK_WGMMA_TMA) {
+      parity ^= index + 1 == T::STAGES;
+      index = index + 1 == T::STAGES ? 0 : index + 1;
+      next_index = next_index + 1 == T::STAGES ? 0 : next_index + 1;
+    }
   };
   uint32_t fa[KS][4], fb[KS][4];
   if (RETIRE != 0) {  // zeros before the first step, so that the ties hold defined values
@@ -1061,6 +1160,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
   cp_async_wait<0>();
 #pragma unroll
   for (int i = 0; i < 64; ++i) fence_operand(acc.d[i]);
+  if (QK_WGMMA_TMA) fence_proxy_async();  // the tensor copies' writes before the staged outputs' over them
   __syncthreads();  // every warpgroup done with the ring: the outputs are staged where the stages were
   T::stage_out(args, smem, m0, n0, warp, lane, acc);
   __syncthreads();
@@ -1079,38 +1179,6 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args) {
 // lane has read it: each lane fences its reads against the async proxy, the warp meets, then the next copies go.
 // The block's dynamic shared memory: the split-K partials first (where splitk_reduce expects them, `partial_bytes`
 // a copy), then 8 bytes of mbarrier per slot of every warp (rounded up to 16), then each warp's slots.
-__device__ __forceinline__ uint32_t shared_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_addr(bar)), "r"(bytes)
-               : "memory");
-}
-// Until the phase of the given parity has completed (acquire: the bytes its copies wrote are visible after). A wait
-// that lasts MBAR_TIMEOUT_NS (a phase whose byte count never arrives: a wrong expect-tx count or a copy that failed)
-// traps, so that the launch fails with an error instead of hanging the device; the first try is the whole fast path,
-// the clock is read only once it fails.
-constexpr uint64_t MBAR_TIMEOUT_NS = 2000000000ull;
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n.reg .u64 start, now;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE;\n"
-      "mov.u64 start, %%globaltimer;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE;\n"
-      "mov.u64 now, %%globaltimer;\n"
-      "sub.u64 now, now, start;\n"
-      "setp.lt.u64 done, now, %2;\n"
-      "@done bra WAIT;\n"
-      "trap;\n"
-      "DONE:\n}\n" ::"r"(shared_addr(bar)),
-      "r"(parity), "l"(MBAR_TIMEOUT_NS)
-      : "memory");
-}
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                    shared_addr(dst)),

@@ -438,17 +438,17 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // stages of WgmmaTiles<QQQWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
 extern "C" __global__ void __launch_bounds__(256) qqq_w4a8_wgmma(const int8_t* x, const float* s_x, const uint32_t* b,
                                                                  const float* s_channel, const qk_half* s_group,
-                                                                 qk_half* out, int m, int n, int k) {
+                                                                 qk_half* out, int m, int n, int k QK_X_MAP_PARAM) {
   qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k},
-              [](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma>(args); });
+              [=](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma>(args, QK_X_MAP); });
 }
 // The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
 // WgmmaTiles<QQQWgmma, 2>::STAGE_BYTES (N % 256 == 0).
 extern "C" __global__ void __launch_bounds__(512) qqq_w4a8_wgmma2(const int8_t* x, const float* s_x, const uint32_t* b,
                                                                   const float* s_channel, const qk_half* s_group,
-                                                                  qk_half* out, int m, int n, int k) {
+                                                                  qk_half* out, int m, int n, int k QK_X_MAP_PARAM) {
   qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k},
-              [](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma, 2>(args); });
+              [=](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma, 2>(args, QK_X_MAP); });
 }
 #endif
 #endif

@@ -480,17 +480,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) qserve_w4a8_tiled(
 // stages of WgmmaTiles<QServeWgmma>::STAGE_BYTES plus 1 KiB of alignment slack (N % 128 == 0, K % 64 == 0).
 extern "C" __global__ void __launch_bounds__(256) qserve_w4a8_wgmma(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
-    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+    int group QK_X_MAP_PARAM) {
   qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group,
-                 [](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma>(args); });
+                 [=](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma>(args, QK_X_MAP); });
 }
 // The same on 256 channels a block: grid (N / 256, ceil(M / 128)), block 512, stages of
 // WgmmaTiles<QServeWgmma, 2>::STAGE_BYTES (N % 256 == 0).
 extern "C" __global__ void __launch_bounds__(512) qserve_w4a8_wgmma2(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
-    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group) {
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+    int group QK_X_MAP_PARAM) {
   qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group,
-                 [](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma, 2>(args); });
+                 [=](const qk::QServeArgs& args) { wgmma_gemm<qk::QServeWgmma, 2>(args, QK_X_MAP); });
 }
 #endif
 #endif

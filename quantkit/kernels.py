@@ -89,15 +89,28 @@ def _built(stem: str, suffix: str, kinds: tuple[str, ...], salt: bytes = b"") ->
     return default_cache_dir() / "kernels" / f"{stem}-{digest}{suffix}"
 
 
+@dataclass(frozen=True)
+class TensorMap:
+    """A kernel argument that is the TMA tensor map of argument `of` (a row-major [rows, cols] uint8 array), boxes
+    of `box_rows` x `box_cols` bytes with 64-byte swizzle: encoded once that array is on the GPU (`upload`). The
+    warp-simulator twins read the array itself and take no such argument."""
+
+    of: int
+    rows: int
+    cols: int
+    box_rows: int = 128
+    box_cols: int = 64
+
+
 @dataclass
 class Launch:
     """One kernel call: the extern "C" kernel `name` of kernels/`module`.cu (its warp-simulator twin is
-    `name`_host), its arguments in order (arrays, None for a null pointer, ints), its launch shape, and `out`, the
-    argument the kernel writes."""
+    `name`_host), its arguments in order (arrays, None for a null pointer, ints, tensor maps), its launch shape, and
+    `out`, the argument the kernel writes."""
 
     module: str
     name: str
-    args: list[np.ndarray | int | None]
+    args: list[np.ndarray | int | TensorMap | None]
     grid: tuple[int, ...]
     block: int
     out: np.ndarray
@@ -118,7 +131,8 @@ def run(launch: Launch, device: str = "cpu") -> np.ndarray:
                 return ctypes.c_void_p(None if a is None else a.ctypes.data)
             return ctypes.c_int(a)
 
-        getattr(host_library(), launch.name + "_host")(*(c_arg(a) for a in launch.args))
+        twin_args = (c_arg(a) for a in launch.args if not isinstance(a, TensorMap))
+        getattr(host_library(), launch.name + "_host")(*twin_args)
         return launch.out
     call = upload(launch)
     call()
@@ -160,11 +174,13 @@ def upload(launch: Launch) -> GpuCall:
     import cupy
 
     def d_arg(a):
-        if a is None:
-            return np.uint64(0)  # a null pointer
+        if a is None or isinstance(a, TensorMap):
+            return np.uint64(0)  # a null pointer (a tensor map's is filled in below)
         return cupy.asarray(a) if isinstance(a, np.ndarray) else np.int32(a)
 
     args = tuple(d_arg(a) for a in launch.args)
+    args = tuple(encode_tensor_map(args[a.of], a) if isinstance(a, TensorMap) else d
+                 for d, a in zip(args, launch.args, strict=True))
     out = args[next(i for i, a in enumerate(launch.args) if a is launch.out)]
     function = launch_module(launch).get_function(launch.kernel)
     if launch.shared_mem > 48 * 1024:  # beyond the default limit a kernel must opt in
@@ -173,6 +189,37 @@ def upload(launch: Launch) -> GpuCall:
         # (two of the wgmma kernels') can share an SM whatever split the driver would pick by itself (not measured)
         function.preferred_shared_memory_carveout = 100
     return GpuCall(function, launch.grid, launch.block, args, out, launch.shared_mem)
+
+
+# cuTensorMapEncodeTiled's enums (cuda.h): the data type, no interleave, the swizzles by span, L2 promotion.
+_TMAP_UINT8, _TMAP_INTERLEAVE_NONE, _TMAP_L2_128B, _TMAP_OOB_ZERO = 0, 0, 2, 0
+_TMAP_SWIZZLE = {32: 1, 64: 2, 128: 3}
+
+
+def encode_tensor_map(array: Any, spec: TensorMap) -> Any:
+    """The 128-byte TMA tensor map (CUtensorMap) of `array`, a CuPy uint8 array [spec.rows, spec.cols] row-major,
+    as a CuPy array of its bytes in device memory (the kernels read it there: kernels/qk_common.cuh
+    tensormap_acquire): boxes of box_rows x box_cols bytes, the swizzle of box_cols bytes, zeros past the array's
+    rows. Encoded by the CUDA driver (libcuda's cuTensorMapEncodeTiled, which CuPy does not wrap)."""
+    import cupy
+
+    if array.dtype.itemsize != 1 or array.size != spec.rows * spec.cols or spec.cols % 16:
+        raise ValueError(f"a tensor map needs a byte array of {spec.rows} x {spec.cols} (cols a multiple of 16), "
+                         f"got {array.dtype} {array.shape}")
+    encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    raw = np.zeros(128 + 64, np.uint8)  # CUtensorMap is 64-byte aligned
+    at = -raw.ctypes.data % 64
+    dims = (ctypes.c_uint64 * 2)(spec.cols, spec.rows)  # innermost first
+    strides = (ctypes.c_uint64 * 1)(spec.cols)  # bytes from one row to the next
+    box = (ctypes.c_uint32 * 2)(spec.box_cols, spec.box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    status = encode(ctypes.c_void_p(raw.ctypes.data + at), _TMAP_UINT8, 2, ctypes.c_void_p(array.data.ptr), dims,
+                    strides, box, unit, _TMAP_INTERLEAVE_NONE, _TMAP_SWIZZLE[spec.box_cols], _TMAP_L2_128B,
+                    _TMAP_OOB_ZERO)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for a {spec.rows} x {spec.cols} byte "
+                           f"array, box {spec.box_rows} x {spec.box_cols}")
+    return cupy.asarray(raw[at:at + 128])
 
 
 # Split-K sizing: warps wanted in flight on the whole GPU (an H100 has 132 SMs of up to 64 resident warps; 16 each,
@@ -300,6 +347,9 @@ TILES = {
 }
 # The Hopper path of the W4A8 layouts (qk_common.cuh WgmmaTiles, sm_90a only): the tiled policy's stages rounded up
 # to 1 KiB, QK_WGMMA_STAGES (5) deep, wgmma.mma_async with the weights in registers.
+# With QK_WGMMA_TMA (bench/smallm_tune.py --large's TMA, not yet timed) each stage's activation tile comes by a TMA
+# copy of x's tensor map, the kernels' last argument, completing on one of the stages' mbarriers after the ring.
+WGMMA_TMA = bool(_define("QK_WGMMA_TMA", 0))
 WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024,
                       stages=_define("QK_WGMMA_STAGES", 5), kernel="wgmma", slack=1024)
          for fmt in ("qserve", "qqq", "liquidquant")}
@@ -361,7 +411,11 @@ def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, ou
     if use_wgmma(fmt, m, n, k, tiled, wgmma):
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-        return wgmma_tiles(fmt, n, k).launch(module, args, m, n, out)
+        tiles = wgmma_tiles(fmt, n, k)
+        if WGMMA_TMA:  # x (the first argument) by tensor copies: its map last, a stage's mbarrier after the ring
+            args = [*args, TensorMap(0, m, k, tiles.bm, tiles.bk)]
+            tiles = replace(tiles, slack=tiles.slack + 8 * tiles.stages)
+        return tiles.launch(module, args, m, n, out)
     return TILES[fmt].launch(module, args, m, n, out) if use_tiles(fmt, m, n, k, tiled) else None
 
 

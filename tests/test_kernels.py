@@ -329,6 +329,31 @@ def test_hopper_path_matches_the_emulation(fmt, group, wide, m, n, k, monkeypatc
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
+@needs_compiler
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+def test_hopper_launch_with_tensor_copies_passes_x_by_its_map(fmt, group, monkeypatch):
+    """QK_WGMMA_TMA: the wgmma launch's last argument is the tensor map of x (argument 0: [M, K] bytes, boxes of the
+    128-token x 64-byte activation tile), its shared memory one mbarrier a stage more; the warp simulator's twin,
+    which takes no map, still gives the emulation's bits. (The map is encoded by the CUDA driver at upload: a GPU
+    test runs the tensor copies.)"""
+    monkeypatch.setattr(kernels, "WGMMA_TMA", True)
+    m, n, k = 130, 256, 384
+    tensors = synthetic(fmt, n, k, seed=7, group=group)
+    x = activations(m, k, seed=8)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    tiles = kernels.WGMMA[fmt]
+    assert launch.args[-1] == kernels.TensorMap(0, m, k, 128, 64)
+    np.testing.assert_array_equal(launch.args[0], reference.x_int8)
+    assert launch.shared_mem == tiles.shared_mem + 8 * tiles.stages
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    monkeypatch.setattr(kernels, "WGMMA_TMA", False)
+    plain = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                  wgmma=True)
+    assert not any(isinstance(a, kernels.TensorMap) for a in plain.args) and plain.shared_mem == tiles.shared_mem
+
+
 def test_wide_hopper_kernel_only_where_n_allows_it(monkeypatch):
     """WGMMA_WIDE picks the 256-channel kernel only where N % 256 == 0, elsewhere the 128-channel one; off, never."""
     assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
@@ -1145,6 +1170,23 @@ def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatc
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+@needs_hopper
+def test_hopper_gpu_kernels_with_tensor_copies_match_the_emulation():
+    """QK_WGMMA_TMA (in a process of its own, whose kernels are built with it): the *_wgmma kernels with each
+    activation tile by a TMA copy from x's tensor map (encoded by the driver, 64-byte swizzle, zeros past M) give
+    the emulation's bits, as test_hopper_gpu_kernel_matches_the_emulation checks them (the simulator cannot: its
+    twins copy the tiles themselves)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_hopper_gpu_kernel_matches_the_emulation"],
+                          env={**os.environ, "QUANTKIT_NVRTC_DEFINES": "QK_WGMMA_TMA=1"}, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+
+
 # (layout, group, M, N, K, splits): one warp a tile walking K = 4096 (16 or 64 chunks through 2 slots), ranges that
 # start inside groups, a full token tile, two token tiles; splits None: the launch's own.
 BULK_GPU_CASES = [
@@ -1453,15 +1495,16 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
 @pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
                     reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
                     "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
-@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2"])
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2", "QK_WGMMA_TMA=1"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
     registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
-    they are in flight); under each ring setting and each later retirement of a step's wgmmas too. In the SASS no
-    instruction writes a register of a wgmma in flight (the simulator cannot see that; the H200 did, as wrong
-    rows)."""
+    they are in flight); under each ring setting, each other retirement of a step's wgmmas and the tensor copies
+    too. In the SASS no instruction writes a register of a wgmma in flight (the simulator cannot see that; the H200
+    did, as wrong rows), and the main loop fences its copies into the async proxy (a MEMBAR) unless the activation
+    tiles come by tensor copies (UTMALDG), which need no fence."""
     import subprocess
 
     src = kernels.source_dir()
@@ -1473,9 +1516,12 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
         assert frame == ("0", "0", "0") and registers <= 128, log
     sass_loops = bench_module("sass_loops")
     sass = sass_loops.parse(sass_loops.sass_of(name, True, defines.split(), sass_loops.find_cuobjdump()))
+    tma = "QK_WGMMA_TMA=1" in defines  # the activation tiles by tensor copies: no proxy fence (MEMBAR) a step
     for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):
         assert any(i.opcode == "IGMMA" for i in sass[kernel]), kernel
         assert sass_loops.wgmma_hazards(sass[kernel]) == [], kernel
+        loop = sass_loops.main_loop(sass[kernel])
+        assert (loop["MEMBAR"] == 0) == tma and (loop["UTMALDG"] > 0) == tma, (kernel, loop)
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
                           "-o", "-"], capture_output=True, text=True).stdout
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
