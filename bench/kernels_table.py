@@ -8,10 +8,12 @@ sweep.json to its --out folder), as Markdown:
 4. with --sweep, per layout and M, the fastest of its kernels and its time against each other path's, which is
    what TILED_MIN_M, ANYPREC_TC_MIN_M and the wgmma default are set from;
 5. with --fit M,...: per kernel and M, the line time = fixed + bytes / rate through its shapes (stream_fit), beside
-   the read floor's: whether a kernel loses to the floor by its stream or by its fixed cost.
+   the read floor's: whether a kernel loses to the floor by its stream or by its fixed cost;
+6. with --fastest-baselines OTHER.json ...: the bars (1 and 2) judged against each cuBLAS row's fastest time in
+   this run and the others (runs of the same shapes), so that a slow spell of cuBLAS in one run raises no count.
 
     PYTHONPATH=. python bench/kernels_table.py OUT/bench.json [--against OUT/bench_tuned.json] [--grid 1,16,1024]
-        [--sweep OUT/sweep.json] [--fit 1,16]
+        [--sweep OUT/sweep.json] [--fit 1,16] [--fastest-baselines OTHER.json ...]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from quantkit.kernel_bench import (
     markdown_fit,
     markdown_grid,
     markdown_sweep,
+    with_fastest_baselines,
 )
 
 
@@ -38,8 +41,13 @@ def main() -> None:
     parser.add_argument("--grid", help="token counts to tabulate against the shapes, e.g. 1,16,1024")
     parser.add_argument("--sweep", type=Path, help="quantkit bench --paths all --json output")
     parser.add_argument("--fit", help="token counts at which to fit each kernel's time to its bytes, e.g. 1,16")
+    parser.add_argument("--fastest-baselines", type=Path, nargs="+", metavar="OTHER",
+                        help="other runs' quantkit bench --json output: judge the bars against each cuBLAS row's "
+                        "fastest time in any of the runs")
     args = parser.parse_args()
     report = json.loads(args.bench.read_text())
+    if args.fastest_baselines:
+        report = with_fastest_baselines(report, [json.loads(p.read_text()) for p in args.fastest_baselines])
     print(markdown_bars(report))
     print()
     print(markdown_bar_counts(report))

@@ -1882,6 +1882,35 @@ def test_bar_counts_and_changes_between_two_reports():
                            "| 4096 x 4096 | 1 | QQQ | >= 60% of copy bandwidth | 61% yes | 59% NO |"]
 
 
+def test_bars_against_the_fastest_baselines_of_several_runs():
+    """with_fastest_baselines (kernels_table.py --fastest-baselines): each cuBLAS row at its fastest in any run, the
+    bars against those times, so a slow cuBLAS in this run meets no bar that a fast one in another would not; the
+    kernels' rows and the bandwidth bars stay this run's."""
+    from quantkit import kernel_bench as kb
+
+    def row(label, m, us, fmt=None):
+        return {"n": 4096, "k": 4096, "m": m, "label": label, "format": fmt, "function": fmt or "cuBLAS",
+                "seconds": us * 1e-6}
+
+    def bar(m, us, requirement, measured, met):
+        return {**row("QQQ", m, us, "qqq"), "requirement": requirement, "measured": measured, "met": met}
+
+    this = {"device": "GPU", "copy_bandwidth_gbps": 3000,
+            "rows": [row(kb.FP16, 1, 20), row(kb.INT8, 1024, 50), row(kb.INT8_GEMMEX, 1024, 70),
+                     row("QQQ", 1, 7.5, "qqq"), row("QQQ", 1024, 60, "qqq")],
+            "bars": [bar(1, 7.5, ">= 2.5x cuBLAS FP16", "2.67x", True),
+                     bar(1, 7.5, ">= 60% of copy bandwidth", "61%", True),
+                     bar(1024, 60, ">= 0.8x cuBLAS INT8", "0.83x", True)]}
+    other = {"rows": [row(kb.FP16, 1, 17), row(kb.INT8, 1024, 52), row(kb.INT8_GEMMEX, 1024, 45),
+                      row("QQQ", 1, 5.0, "qqq")]}  # a faster kernel elsewhere changes nothing here
+    judged = kb.with_fastest_baselines(this, [other])
+    assert [(b["measured"], b["met"]) for b in judged["bars"]] == [("2.27x", False), ("61%", True), ("0.75x", False)]
+    assert [r["seconds"] * 1e6 for r in judged["rows"]] == pytest.approx([17, 50, 45, 7.5, 60])
+    assert kb.markdown_bars(judged).startswith("GPU, copy bandwidth 3000 GB/s: 1 of 3 bars met against cuBLAS at "
+                                               "its fastest of 2 runs.")
+    assert [b["met"] for b in kb.with_fastest_baselines(this, [])["bars"]] == [True, True, True]
+
+
 def test_bench_replays_short_kernels_in_cuda_graphs(monkeypatch):
     """A single launch's event time carries microseconds of launch overhead, as much as a decode GEMM takes: below
     GRAPH_BELOW a kernel is timed per call in CUDA-graph replays covering every operand copy; a long kernel, or one
