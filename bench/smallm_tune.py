@@ -168,6 +168,10 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # each stage's activation tile by one TMA copy from x's tensor map, completing on the stage's mbarrier: the
     # loop needs no proxy fence (QK_WGMMA_TMA), the fix NOFENCE (0.80-0.99x in run 5) measured the room for
     "TMA": ({"QK_WGMMA_TMA": 1}, {}),
+    # the same with the ring deeper (its copies cost a thread 0 instruction each, where cp.async took every thread
+    # two), or with each step's wgmmas retiring at the end of the next step (OVERLAP's second register set)
+    "TMA-W8L6": ({"QK_WGMMA_TMA": 1, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
+    "TMA-OVERLAP": ({"QK_WGMMA_TMA": 1, "QK_WGMMA_RETIRE": 2}, {}),
 }
 # Configurations timed to learn what holds a kernel back, never to be run: `fastest` passes over them.
 DIAGNOSTIC = frozenset({"NOFENCE"})
@@ -190,7 +194,7 @@ PENDING: tuple[str, ...] = ("NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER
                              "Z2", "ATOM-A2")
 # --large --configs pending: the tensor copies first, the wgmma loop's other retirement modes (the default is
 # RETIRE-LATE), then the diagnostic.
-LARGE_PENDING: tuple[str, ...] = ("TMA", "OVERLAP", "RETIRE-END", "NOFENCE")
+LARGE_PENDING: tuple[str, ...] = ("TMA", "TMA-W8L6", "TMA-OVERLAP", "OVERLAP", "RETIRE-END", "NOFENCE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:
