@@ -91,9 +91,9 @@ def _built(stem: str, suffix: str, kinds: tuple[str, ...], salt: bytes = b"") ->
 
 @dataclass(frozen=True)
 class TensorMap:
-    """A kernel argument that is the TMA tensor map of argument `of` (a row-major [rows, cols] uint8 array), boxes
-    of `box_rows` x `box_cols` bytes with 64-byte swizzle: encoded once that array is on the GPU (`upload`). The
-    warp-simulator twins read the array itself and take no such argument."""
+    """A kernel argument that is the TMA tensor map of argument `of` (a row-major [rows, cols] byte array), boxes of
+    `box_rows` x `box_cols` bytes swizzled over a box row's span: encoded once that array is on the GPU (`upload`,
+    encode_tensor_map). The warp-simulator twins read the array itself and take no such argument."""
 
     of: int
     rows: int
