@@ -618,6 +618,22 @@ def test_tuning_never_picks_a_diagnostic_configuration():
     assert tune.fastest([run("W5L3", 10), run("NOFENCE", 5)], large=True)["default"]
 
 
+def test_tuning_scopes_take_in_every_layout_their_knobs_reach():
+    """A small-M configuration is timed only on the layouts of its scope, and --best merges winners on that
+    promise: each layout whose kernel source reads one of its knobs is in its scope (QS-PC12's late epilogue reaches
+    LiquidQuant too)."""
+    import re
+
+    tune = bench_module("smallm_tune")
+    modules = {"qserve": "qserve_w4a8", "qqq": "qqq_w4a8", "liquidquant": "liquidquant_w4a8", "atom": "atom_w4a4",
+               "anyprec": "anyprec_gemv"}
+    sources = {fmt: (kernels.source_dir() / f"{module}.cu").read_text() for fmt, module in modules.items()}
+    assert set(modules) == {v.fmt for v in tune.variants()}
+    for name, (defines, _) in tune.CONFIGS.items():
+        reached = {fmt for fmt, text in sources.items() if any(re.search(rf"\b{d}\b", text) for d in defines)}
+        assert reached <= set(tune.scope(name) or modules), (name, reached)
+
+
 def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     """smallm_tune and build_kernels take --configs as names, "all", or "pending" (the default first, then the
     configurations not yet timed, each a real one whose knobs differ from the default's); an unknown name is an
