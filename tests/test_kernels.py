@@ -1186,6 +1186,7 @@ def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatc
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
+@pytest.mark.tma
 @needs_hopper
 def test_hopper_gpu_kernels_with_tensor_copies_match_the_emulation():
     """QK_WGMMA_TMA (in a process of its own, whose kernels are built with it): the *_wgmma kernels with each
