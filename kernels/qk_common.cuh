@@ -1083,36 +1083,37 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
     }
     __syncthreads();
   }
-  // The copies of step kt into the slot at offset `at` (stage `index` of the ring).
-  auto copy = [&](int kt, uint32_t at, int index) {
+  // The copies of step kt into the slot at offset `at`; with the tensor copies, that slot's mbarrier (a constant
+  // divisor: a multiply-high, where a stage index kept beside each offset was state to keep in step).
+  auto bar_of = [&](uint32_t at) { return &bars[at / T::STAGE_BYTES]; };
+  auto copy = [&](int kt, uint32_t at) {
     if (!QK_WGMMA_TMA) {
       T::copy_stage(args, smem + at, m0, n0, kt, tid);
       return;
     }
     T::copy_weights(args, smem + at, n0, kt, tid);
     if (tid == 0) {
-      mbar_arrive_expect_tx(&bars[index], T::BM * T::BK);
-      tma_load_2d(base + at, x_map, kt * T::BK, m0, &bars[index]);
+      mbar_arrive_expect_tx(bar_of(at), T::BM * T::BK);
+      tma_load_2d(base + at, x_map, kt * T::BK, m0, bar_of(at));
     }
   };
 #pragma unroll
   for (int s = 0; s < T::LEAD; ++s) {
-    if (s < steps) copy(s, s * T::STAGE_BYTES, s);
+    if (s < steps) copy(s, s * T::STAGE_BYTES);
     cp_async_commit();
   }
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
-  // from kt by a division; with the tensor copies, their stage indices too, and the parity of step kt's phase of
-  // its stage's mbarrier (its (kt / STAGES)-th).
+  // from kt by a division; with the tensor copies, the parity of step kt's phase of its slot's mbarrier (its
+  // (kt / STAGES)-th), which flips each time the slot wraps.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES, parity = 0;
-  int index = 0, next_index = T::LEAD % T::STAGES;
   // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array except in mode 2).
   auto step = [&](int kt, uint32_t (&mine)[KS][4], uint32_t (&other)[KS][4]) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
-    if (QK_WGMMA_TMA) mbar_wait(&bars[index], parity);  // and its activation tile
+    if (QK_WGMMA_TMA) mbar_wait(bar_of(slot), parity);  // and its activation tile
     else if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
-    if (next < steps) copy(next, next_slot, next_index);
+    if (next < steps) copy(next, next_slot);
     cp_async_commit();
     if (RETIRE == 1) {  // the previous step's wgmmas, run on through the barrier and the copies, retire
       wgmma_wait<0>();
@@ -1133,11 +1134,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
     constexpr uint32_t RING = T::STAGES * T::STAGE_BYTES;
     slot = slot + T::STAGE_BYTES == RING ? 0 : slot + T::STAGE_BYTES;
     next_slot = next_slot + T::STAGE_BYTES == RING ? 0 : next_slot + T::STAGE_BYTES;
-    if (QK_WGMMA_TMA) {
-      parity ^= index + 1 == T::STAGES;
-      index = index + 1 == T::STAGES ? 0 : index + 1;
-      next_index = next_index + 1 == T::STAGES ? 0 : next_index + 1;
-    }
+    parity ^= slot == 0;
   };
   uint32_t fa[KS][4], fb[KS][4];
   if (RETIRE != 0) {  // zeros before the first step, so that the ties hold defined values
