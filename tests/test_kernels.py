@@ -530,6 +530,17 @@ def test_kernel_settings_come_from_the_environment_checked():
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
 
 
+def pytest_under_defines(defines: str, selection: str):
+    """This file's tests named by `selection` (pytest -k) in a process of their own whose kernels (NVRTC builds and
+    the warp simulator alike) are built with `defines` (QUANTKIT_NVRTC_DEFINES)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
+                          env={**os.environ, "QUANTKIT_NVRTC_DEFINES": defines}, capture_output=True, text=True)
+
+
 def bench_module(name: str):
     """bench/NAME.py, imported: the benchmark scripts are not a package, and find one another on their folder."""
     import importlib
@@ -1193,14 +1204,7 @@ def test_hopper_gpu_kernels_with_tensor_copies_match_the_emulation():
     activation tile by a TMA copy from x's tensor map (encoded by the driver, 64-byte swizzle, zeros past M) give
     the emulation's bits, as test_hopper_gpu_kernel_matches_the_emulation checks them (the simulator cannot: its
     twins copy the tiles themselves)."""
-    import os
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_hopper_gpu_kernel_matches_the_emulation"],
-                          env={**os.environ, "QUANTKIT_NVRTC_DEFINES": "QK_WGMMA_TMA=1"}, capture_output=True,
-                          text=True)
+    done = pytest_under_defines("QK_WGMMA_TMA=1", "test_hopper_gpu_kernel_matches_the_emulation")
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
@@ -1499,13 +1503,7 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
     simulator runs each step's wgmmas as late as the ring allows, so a copy into a slot still being read would show
     (running them after the copy at LEAD = STAGES - 1 fails these tests)."""
-    import os
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           f"({tests}) and not knobs_keep"],  # never this test again
-                          env={**os.environ, "QUANTKIT_NVRTC_DEFINES": defines}, capture_output=True, text=True)
+    done = pytest_under_defines(defines, f"({tests}) and not knobs_keep")  # never this test again
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
