@@ -112,6 +112,17 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # the W4A8 register kernels' split-K meeting with copy 0 adding every copy's stored sums after the block's
     # barrier, not each copy adding its own by shared-memory atomics as it finishes (the default until run 6)
     "NO-RED": ({**U8, "QK_SPLITK_RED": 0}, SPLIT),
+    # the W4A8 register kernels' copies a block planned by the one slot of sums they meet in under RED, not by a slot
+    # a copy (SPLITK_RED_PLAN): QQQ's blocks then hold 16 copies where they held 8, so a tile meets across 2 blocks
+    # in device memory at N = 4096 (4 before) and none at 6144 (96 blocks of 16 copies, where 384 held 4 each)
+    "RED-PLAN": (U8, {**SPLIT, "SPLITK_RED_PLAN": True}),
+    # the meeting of a tile's blocks in device memory fenced by fence.acq_rel.gpu, not __threadfence's fence.sc.gpu
+    # (QK_SPLITK_FENCE_SC; QQQ at N = 4096 and 6144, where a tile is 4 blocks)
+    "MEET-ACQREL": ({**U8, "QK_SPLITK_FENCE_SC": 0}, SPLIT),
+    # the decode kernels that load their epilogue's parameters after the split-K meeting (QServe per group, QQQ,
+    # LiquidQuant from 9 tokens) load them once their K loop is done, in flight while the copies meet
+    # (QK_EPILOGUE_MID)
+    "EPI-MID": ({**U8, "QK_EPILOGUE_MID": 1}, SPLIT),
     # QServe's and QQQ's tiles split over 2 or 4 blocks as one thread-block cluster, meeting in the first block's
     # shared memory, not in device memory by atomics, a fence and a count (SPLITK_CLUSTER; QQQ at N = 4096 and 6144)
     "CLUSTER": (U8, {**SPLIT, "SPLITK_CLUSTER": True}),
@@ -131,8 +142,9 @@ W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": W4A8, "ATOM-A2": ("atom",),
     "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S1": ("liquidquant",),
-    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8,
-    "CLUSTER": ("qqq",),  # QServe splits no tile over blocks here
+    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8, "EPI-MID": W4A8,
+    "RED-PLAN": ("qqq",),  # QServe's and LiquidQuant's blocks are bound by their 512 threads either way
+    "CLUSTER": ("qqq",), "MEET-ACQREL": ("qqq",),  # QServe splits no tile over blocks here
     "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve", "liquidquant"),  # its early epilogue off changes LiquidQuant's
@@ -186,12 +198,13 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     return LARGE_CONFIGS if large else CONFIGS
 
 
-# The plan for the next lent GPU: the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1, AP-MULHI), to
-# confirm the new defaults against them a second time, then the configurations that were within noise or mixed
-# (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2). `--configs pending` times them after the default in this order, so
-# that a run cut short still confirms the defaults first.
-PENDING: tuple[str, ...] = ("NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8",
-                             "Z2", "ATOM-A2")
+# The plan for the next lent GPU: three changes to the end of a decode call, not yet timed (RED-PLAN, EPI-MID,
+# MEET-ACQREL; two of them time QQQ alone), the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1,
+# AP-MULHI), to confirm the new defaults against them a second time, then the configurations that were within noise
+# or mixed (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2). `--configs pending` times them after the default in this
+# order, so that a run cut short still has the untimed changes and then the defaults' confirmation.
+PENDING: tuple[str, ...] = ("RED-PLAN", "EPI-MID", "MEET-ACQREL", "NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER",
+                             "QS-S2", "AP-EARLY", "AP-W8", "Z2", "ATOM-A2")
 # --large --configs pending: the tensor copies first, the wgmma loop's other retirement modes (the default is
 # RETIRE-LATE), then the diagnostic.
 LARGE_PENDING: tuple[str, ...] = ("TMA", "TMA-W8L6", "TMA-OVERLAP", "OVERLAP", "RETIRE-END", "NOFENCE")

@@ -436,10 +436,11 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
             for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 16, 32)] = at(copy, nb, lane)[i];
         for (int nb = 0; nb < 4; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
         qk::splitk_add(&mine[0][0], partials.data(), lane, 16, 32, splits);
-        const bool early = QK_EPILOGUE_EARLY && args.szero != nullptr;  // the per-channel kernel's, as it builds
-        const qk::QServeEpilogue epi = early ? qk::epilogue_params(args, mt, nt, lane) : qk::QServeEpilogue{};
+        // the parameters loaded ahead as the kernels build: per channel before the K loop, else after it (MID)
+        const bool ahead = (QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID;
+        const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, nt, lane) : qk::QServeEpilogue{};
         for (int nb = 0; nb < 4; ++nb) {
-          if (early) qk::store_with(args, epi, mt, nt, nb, lane, mine[nb]);
+          if (ahead) qk::store_with(args, epi, mt, nt, nb, lane, mine[nb]);
           else qk::store(args, mt, nt, nb, lane, mine[nb]);
         }
       }
@@ -576,11 +577,13 @@ void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk wa
         for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, local, tb), sizeof(mine[tb]));
         qk::splitk_add(&mine[0][0], partials.data(), local, 4 * TB, threads, splits);
         qk::lqq_tile(block, local, warps, nt, t);
-        if (QK_EPILOGUE_EARLY && TB == 1) {  // the one-token-block kernel's, as it builds (the same bits either way)
-          qk::store_with(args, qk::epilogue_params(args, nt, by, t), nt, by, t, mine[0]);
-          continue;
+        // the parameters loaded ahead as the kernels build (the same bits either way): the one-token-block kernel's
+        // before the K loop, the others' after it (MID)
+        const bool ahead = (QK_EPILOGUE_EARLY && TB == 1) || QK_EPILOGUE_MID;
+        for (int tb = 0; tb < TB; ++tb) {
+          if (ahead) qk::store_with(args, qk::epilogue_params(args, nt, TB * by + tb, t), nt, TB * by + tb, t, mine[tb]);
+          else qk::store(args, nt, TB * by + tb, t, mine[tb]);
         }
-        for (int tb = 0; tb < TB; ++tb) qk::store(args, nt, TB * by + tb, t, mine[tb]);
       }
     }
   }
@@ -696,7 +699,11 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
             for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 32, 32)] = at(copy, nb, lane)[i];
         for (int nb = 0; nb < 8; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
         qk::splitk_add(&mine[0][0], partials.data(), lane, 32, 32, splits);
-        for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, mine[nb]);
+        const qk::QQQEpilogue epi = QK_EPILOGUE_MID ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
+        for (int nb = 0; nb < 8; ++nb) {
+          if (QK_EPILOGUE_MID) qk::store_with(args, epi, mt, c, nb, lane, mine[nb]);  // as the kernels build
+          else qk::store(args, mt, c, nb, lane, mine[nb]);
+        }
       }
     }
   }

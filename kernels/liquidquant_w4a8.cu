@@ -109,8 +109,9 @@ QK_FN void store(const LiquidArgs& a, int nt, int tb, int t, const int32_t acc[4
   });
 }
 
-// The same lane's epilogue parameters, loaded ahead (QK_EPILOGUE_EARLY, the one-token-block kernel): s1 of its
-// channels g (low half) and g + 8, s_x of its tokens 2q and 2q + 1 (past M, the last token's: never stored).
+// The same lane's epilogue parameters, loaded ahead (QK_EPILOGUE_EARLY, the one-token-block kernel; under
+// QK_EPILOGUE_MID the others, once their K loop is done): s1 of its channels g (low half) and g + 8, s_x of its tokens
+// 2q and 2q + 1 (past M, the last token's: never stored).
 struct LiquidEpilogue {
   uint32_t s1;
   float s_x[2];
@@ -280,9 +281,9 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
   // one, so that block is never tested (a test made each K step of the one-block kernel a branch of its own)
   const int blocks = (args.m - 8 * tb0 + 7) / 8;
   int32_t acc[SLICES][TB][4] = {};
-  constexpr bool early = QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1;
-  qk::LiquidEpilogue epi{};
-  if (early && copy == 0) epi = qk::epilogue_params(args, nt, tb0, t[0]);
+  constexpr bool early = QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1, mid = QK_EPILOGUE_MID && !early;
+  qk::LiquidEpilogue epi[SLICES][TB]{};
+  if (early && copy == 0) epi[0][0] = qk::epilogue_params(args, nt, tb0, t[0]);
   // up to 2 token blocks each lane's rows made once (4 blocks: checked per load; 4 row pointers, or 32-bit offsets,
   // held across the loop spilled)
   const uint8_t* rows[TB];
@@ -315,28 +316,35 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
               for (int j = 0; j < 2; ++j) mma_s8(acc[s][tb], fa[j], st.b[tb][j]);
         }
       });
+  if (mid && copy == 0) {  // in flight while the copies meet
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+      for (int tb = 0; tb < TB; ++tb) epi[s][tb] = qk::epilogue_params(args, nt, tb0 + tb, t[s]);
+  }
   if (!splitk_reduce<4 * TB * SLICES, QK_SPLITK_RED>(&acc[0][0][0], local, copy, 32 * warps, splits)) return;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
     for (int tb = 0; tb < TB; ++tb) {
-      if (early) qk::store_with(args, epi, nt, tb0 + tb, t[s], acc[s][tb]);
+      if (early || mid) qk::store_with(args, epi[s][tb], nt, tb0 + tb, t[s], acc[s][tb]);
       else qk::store(args, nt, tb0 + tb, t[s], acc[s][tb]);
     }
   QK_STAMP(QK_T_STORED);
 }
 
 // warps = QK_LQQ_TILE_WARPS. grid (N / (16 warps), ceil(M / 32)), block 32 warps splits, dynamic shared memory
-// (splits - 1) * warps * 2 KiB: 4 token blocks, half QK_SMALLM_AHEAD steps a round (the four blocks' activations
-// take registers too).
+// splitk_slots(splits) * warps * 2 KiB: 4 token blocks, half QK_SMALLM_AHEAD steps a round (the four blocks'
+// activations take registers too).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   liquidquant_gemm_at<4, (QK_SMALLM_AHEAD + 1) / 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
-// Up to 8 tokens (decode): grid (N / (16 warps), 1), block 32 warps splits, dynamic shared memory (splits - 1) *
-// warps * 512 bytes: one token block, QK_LQQ_AHEAD steps a round (by default QK_SMALLM_AHEAD, the loads in flight of
-// the other layouts' small-M kernels). It needs 110 registers at 8 steps, so 10 fit in 128 with no spill (12 spill).
+// Up to 8 tokens (decode): grid (N / (16 warps), 1), block 32 warps splits, dynamic shared memory
+// splitk_slots(splits) * warps * 512 bytes: one token block, QK_LQQ_AHEAD steps a round (by default QK_SMALLM_AHEAD,
+// the loads in flight of the other layouts' small-M kernels). It needs 110 registers at 8 steps, so 10 fit in 128
+// with no spill (12 spill).
 #ifndef QK_LQQ_AHEAD
 #define QK_LQQ_AHEAD QK_SMALLM_AHEAD
 #endif
@@ -346,11 +354,11 @@ extern "C" __global__ void __launch_bounds__(512)
   liquidquant_gemm_at<1, QK_LQQ_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
-// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block
-// kernel's time at M = 16 on an H100): grid (N / (16 warps slices), 1), block 32 warps splits, dynamic shared memory
-// (splits - 1) * warps * slices * 1 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round (125 registers at 6;
-// 8 spill). QK_LQQ16_SLICES = 2, the default since H100 tuning run 6 (0.66-0.91x the time of one slice at M = 16):
-// 32 channels a warp, from one load of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's
+// Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block kernel's
+// time at M = 16 on an H100): grid (N / (16 warps slices), 1), block 32 warps splits, dynamic shared memory
+// splitk_slots(splits) * warps * slices * 1 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round (125 registers
+// at 6; 8 spill). QK_LQQ16_SLICES = 2, the default since H100 tuning run 6 (0.66-0.91x the time of one slice at
+// M = 16): 32 channels a warp, from one load of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's
 // weights take registers too); 1 is bench/smallm_tune.py's LQQ-S1.
 #ifndef QK_LQQ16_SLICES
 #define QK_LQQ16_SLICES 2

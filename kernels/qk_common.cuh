@@ -34,6 +34,15 @@ typedef unsigned long long uint64_t;
 #ifndef QK_EPILOGUE_EARLY
 #define QK_EPILOGUE_EARLY 1
 #endif
+// QK_EPILOGUE_MID = 1 (bench/smallm_tune.py's EPI-MID; not yet timed, so 0): the decode kernels without the registers
+// to hold their epilogue's parameters across the K loop (QServe per group, QQQ, LiquidQuant from 9 tokens) have copy
+// 0 load them as soon as its own K loop is done, before the split-K meeting, so that they are in flight while it
+// waits for the block's other copies (and the tile's other blocks), not issued after. The phase timeline of the H100
+// (bench/results/kernels_h100_timeline.json, M = 1, 4096 x 4096) puts 0.9-1.2 us between QQQ's meeting and its
+// stores. The same arithmetic in the same order: the same bits.
+#ifndef QK_EPILOGUE_MID
+#define QK_EPILOGUE_MID 0
+#endif
 
 namespace qk {
 
@@ -656,6 +665,11 @@ struct WgmmaTiles {
 #define QK_SPLITK_RED 1
 #endif
 
+// The slots of COUNT * threads int32 a block's split-K meeting takes at the start of its dynamic shared memory
+// (quantkit.kernels splitk_shared mirrors it): under RED the one slot every copy adds into, else one a copy but the
+// first.
+__device__ __forceinline__ int splitk_slots(int splits) { return QK_SPLITK_RED ? (splits > 1 ? 1 : 0) : splits - 1; }
+
 // Before the K loop, every thread of the block: under RED, copy 0 zeroes the slot the others will add into, and a
 // barrier orders the zeros before any add.
 template <int COUNT, bool RED>
@@ -703,6 +717,20 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
   return true;
 }
 
+// The fence of the meeting of a tile's blocks in device memory (splitk_blocks): QK_SPLITK_FENCE_SC = 1, the default
+// as measured, __threadfence (fence.sc.gpu: MEMBAR.SC.GPU); 0 fence.acq_rel.gpu (MEMBAR.ALL.GPU), all that the
+// meeting asks of the PTX memory model: a fence.acq_rel then a strong write is a release pattern (this block's sums
+// before its count), a strong read then a fence.acq_rel an acquire pattern (the others' counts before their sums);
+// the sequential consistency of fence.sc orders nothing more here. bench/smallm_tune.py's MEET-ACQREL, not yet timed:
+// the meeting took about 2 us of QQQ's 13 us call on 4096 x 4096 (H100 phase timeline).
+#ifndef QK_SPLITK_FENCE_SC
+#define QK_SPLITK_FENCE_SC 1
+#endif
+__device__ __forceinline__ void splitk_fence() {
+  if (QK_SPLITK_FENCE_SC) __threadfence();
+  else asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
 // Split-K across the `zsplit` blocks (blockIdx.z) of one output tile, after each block's own splitk_reduce: copy 0's
 // warp adds its COUNT sums a lane into the tile's int32 slots of `sums` (COUNT x 32 a tile; atomics, since integer
 // sums do not depend on their order), and the last block to count itself in `arrived` takes the totals, zeroing the
@@ -718,12 +746,12 @@ __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit
   int32_t* mine = sums + (size_t)tile * COUNT * 32;
 #pragma unroll
   for (int j = 0; j < COUNT; ++j) atomicAdd(&mine[j * 32 + lane], acc[j]);
-  __threadfence();  // this block's sums before its count: every lane's, once the warp has met
+  splitk_fence();  // this block's sums before its count: every lane's, once the warp has met
   __syncwarp();
   int last = 0;
   if (lane == 0) last = atomicAdd(&arrived[tile], 1) == zsplit - 1;
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
-  __threadfence();  // the others' sums after their counts
+  splitk_fence();  // the others' sums after their counts
 #pragma unroll
   for (int j = 0; j < COUNT; ++j) acc[j] = atomicExch(&mine[j * 32 + lane], 0);
   if (lane == 0) arrived[tile] = 0;
@@ -771,13 +799,12 @@ __device__ __forceinline__ bool splitk_cluster(int32_t* acc, int lane, int offse
 }
 
 // Split-K across a tile's blocks, after each block's splitk_reduce (copy 0's warp): in the leader's shared memory
-// where the kernel is a cluster build of Z blocks (splitk_cluster, the inbox after the (splits - 1) copies' partial
-// sums), else in device memory (splitk_blocks; nothing to meet when zsplit is 1). Returns true where the tile's sums
-// are whole.
+// where the kernel is a cluster build of Z blocks (splitk_cluster, the inbox after the block's splitk_slots), else
+// in device memory (splitk_blocks; nothing to meet when zsplit is 1). Returns true where the tile's sums are whole.
 template <int COUNT, int Z>
 __device__ __forceinline__ bool splitk_meet(int32_t* acc, int lane, int splits, int zsplit, int32_t* sums,
                                             int32_t* arrived) {
-  if constexpr (Z > 1) return splitk_cluster<COUNT, Z>(acc, lane, (splits - 1) * COUNT * 32);
+  if constexpr (Z > 1) return splitk_cluster<COUNT, Z>(acc, lane, splitk_slots(splits) * COUNT * 32);
   return splitk_blocks<COUNT>(acc, lane, zsplit, sums, arrived);
 }
 

@@ -164,16 +164,44 @@ QK_FN qk_half out_value(const QQQArgs& a, int32_t acc, int row, int col) {
   return epilogue(acc, a.s_channel[channel_scale_slot(col)], a.s_x[row]);
 }
 
-// The lane's accumulators of n8 block nb of chunk c: c0, c1 at token g, channels 2q, 2q + 1; c2, c3 at token g + 8.
-// The two adjacent outputs of a row go out as one 32-bit store.
-QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4]) {
+// The lane's accumulators of n8 block nb of chunk c: c0, c1 at token g, channels 2q, 2q + 1; c2, c3 at token g + 8,
+// each output value(acc, h, i, row, col) for its token row g + 8 h and channel col + i. The two adjacent outputs of a
+// row go out as one 32-bit store.
+template <class Value>
+QK_FN void store_by(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4], Value value) {
   const int g = frag_group(lane), q = frag_quad(lane), col = 64 * c + 8 * nb + 2 * q;
   for (int h = 0; h < 2; ++h) {
     const int row = 16 * mt + g + 8 * h;
     if (row >= a.m) continue;
-    const qk_half y0 = out_value(a, acc[2 * h], row, col), y1 = out_value(a, acc[2 * h + 1], row, col + 1);
+    const qk_half y0 = value(acc[2 * h], h, 0, row, col), y1 = value(acc[2 * h + 1], h, 1, row, col + 1);
     store_u32(a.out + (size_t)row * a.n + col, (uint32_t)y0 | ((uint32_t)y1 << 16));
   }
+}
+// ... with the epilogue's parameters loaded where they are used (out_value).
+QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_t acc[4]) {
+  store_by(a, mt, c, nb, lane, acc, [&](int32_t v, int, int, int row, int col) { return out_value(a, v, row, col); });
+}
+
+// The epilogue's parameters of a lane of tile (mt, c), loaded ahead (by the decode kernels once their K loop is done,
+// before the split-K meeting, under QK_EPILOGUE_MID, qk_common.cuh): s_channel of columns 2q, 2q + 1 of each n8
+// block, s_x of rows g and g + 8 (past M, the last row's: never stored).
+struct QQQEpilogue {
+  float s_channel[8][2], s_x[2];
+};
+QK_FN QQQEpilogue epilogue_params(const QQQArgs& a, int mt, int c, int lane) {
+  QQQEpilogue e{};
+  const int g = frag_group(lane), q = frag_quad(lane);
+  for (int nb = 0; nb < 8; ++nb)
+    for (int i = 0; i < 2; ++i)
+      e.s_channel[nb][i] = load_f32(a.s_channel + channel_scale_slot(64 * c + 8 * nb + 2 * q + i));
+  for (int h = 0; h < 2; ++h) e.s_x[h] = load_f32(a.s_x + imin(16 * mt + g + 8 * h, a.m - 1));
+  return e;
+}
+// store's outputs from those parameters: the same arithmetic, so the same bits.
+QK_FN void store_with(const QQQArgs& a, const QQQEpilogue& e, int mt, int c, int nb, int lane, const int32_t acc[4]) {
+  store_by(a, mt, c, nb, lane, acc, [&](int32_t v, int h, int i, int, int) {
+    return epilogue(v, e.s_channel[nb][i], e.s_x[h]);
+  });
 }
 
 // The bulk decode kernel's slot (qqq_w4a8_bulk, Hopper): a chunk of up to `chunk` k16 steps of a 64-channel chunk
@@ -318,11 +346,11 @@ struct QQQWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// The small-M kernels: grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) *
-// 4 KiB. The zsplit blocks of a tile split K too (its copies are blockIdx.z splits + copy of splits zsplit), meeting
-// in `sums` and `arrived` (splitk_blocks; null when zsplit is 1). One kernel per layout variant, s_group null at
-// compile time per channel, so that neither carries the other's code (per channel: 265 instructions a round where
-// one kernel for both took 709).
+// The small-M kernels: grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory
+// splitk_slots(splits) * 4 KiB. The zsplit blocks of a tile split K too (its copies are blockIdx.z splits + copy of
+// splits zsplit), meeting in `sums` and `arrived` (splitk_blocks; null when zsplit is 1). One kernel per layout
+// variant, s_group null at compile time per channel, so that neither carries the other's code (per channel: 265
+// instructions a round where one kernel for both took 709).
 template <bool GROUPED, int Z = 1>
 __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, const uint32_t* b,
                                             const float* s_channel, const qk_half* s_group, qk_half* out, int m, int n,
@@ -347,9 +375,14 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   splitk_begin<32, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
+  qk::QQQEpilogue epi{};
+  if (QK_EPILOGUE_MID && copy == 0) epi = qk::epilogue_params(args, mt, c, lane);  // in flight while the copies meet
   if (!splitk_reduce<32, QK_SPLITK_RED>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_meet<32, Z>(&acc[0][0], lane, splits, zsplit, sums, arrived)) return;
-  for (int nb = 0; nb < 8; ++nb) qk::store(args, mt, c, nb, lane, acc[nb]);
+  for (int nb = 0; nb < 8; ++nb) {
+    if (QK_EPILOGUE_MID) qk::store_with(args, epi, mt, c, nb, lane, acc[nb]);
+    else qk::store(args, mt, c, nb, lane, acc[nb]);
+  }
   QK_STAMP(QK_T_STORED);
 }
 
@@ -370,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(512)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
-// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 4 KiB.
+// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splitk_slots(splits) + Z - 1) * 4 KiB.
 #define QK_QQQ_CLUSTER(NAME, GROUPED, Z)                                                                               \
   extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                          \
       NAME(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel, const qk_half* s_group,       \

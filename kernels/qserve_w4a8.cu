@@ -116,8 +116,9 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
 
 // The epilogue's parameters of a lane of tile (mt, nt), loaded ahead (by the per-channel decode kernel before its K
 // loop under QK_EPILOGUE_EARLY, qk_common.cuh: 12 a lane, 110 -> 126 registers, no spills; the per-group kernel has
-// no registers to spare): s1 (and s1_szeros per channel) of columns 2q, 2q + 1 of n8 block nb as one word each, s_x
-// (and t_x) of rows g and g + 8 (past M, the last row's: never stored).
+// no registers to spare, and under QK_EPILOGUE_MID loads them after its K loop, before the split-K meeting): s1 (and
+// s1_szeros per channel) of columns 2q, 2q + 1 of n8 block nb as one word each, s_x (and t_x) of rows g and g + 8
+// (past M, the last row's: never stored).
 struct QServeEpilogue {
   uint32_t s1[4], szero[4];
   float s_x[2], t_x[2];
@@ -301,13 +302,13 @@ struct QServeWgmma {
 }  // namespace qk
 
 #ifndef QK_HOST
-// The small-M kernels: grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory (splits - 1) *
-// 2 KiB: the warps of a block split K over one 16 x 32 output tile, and so do the zsplit blocks of the tile (its
-// copies are blockIdx.z splits + copy of splits zsplit, meeting in `sums` and `arrived`: splitk_blocks; null when
-// zsplit is 1). One kernel per layout variant, with the other variant's tensors null at compile time, so that
-// neither carries the other's code or registers: per channel the kernel needs 98 registers at 8 steps a round
-// where one kernel for both took 124, which leaves room for more steps in flight (QK_QSERVE_PC_AHEAD) or more
-// warps an SM.
+// The small-M kernels: grid (N / 32, ceil(M / 16), zsplit), block 32 * splits, dynamic shared memory
+// splitk_slots(splits) * 2 KiB: the warps of a block split K over one 16 x 32 output tile, and so do the zsplit blocks
+// of the tile (its copies are blockIdx.z splits + copy of splits zsplit, meeting in `sums` and `arrived`:
+// splitk_blocks; null when zsplit is 1). One kernel per layout variant, with the other variant's tensors null at
+// compile time, so that neither carries the other's code or registers: per channel the kernel needs 98 registers at 8
+// steps a round where one kernel for both took 124, which leaves room for more steps in flight (QK_QSERVE_PC_AHEAD) or
+// more warps an SM.
 #ifndef QK_QSERVE_PC_AHEAD
 #define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
 #endif
@@ -333,7 +334,7 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   struct Stage { uint32_t w[SLICES][4], s[SLICES], z[SLICES], a[4]; };
   int32_t acc[SLICES][4][4] = {};
   const qk::ActRows rows = qk::act_rows(args, mt, lane);
-  constexpr bool early = QK_EPILOGUE_EARLY && !GROUPED && SLICES == 1;
+  constexpr bool early = QK_EPILOGUE_EARLY && !GROUPED && SLICES == 1, mid = QK_EPILOGUE_MID && !early && SLICES == 1;
   qk::QServeEpilogue epi{};
   if (early && copy == 0) epi = qk::epilogue_params(args, mt, nt, lane);
   auto load = [&](int kt, Stage& st) {
@@ -355,12 +356,13 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   };
   splitk_begin<COUNT, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<AHEAD, Stage>(first, copies, k / 32, load, compute);
+  if (mid && copy == 0) epi = qk::epilogue_params(args, mt, nt, lane);  // in flight while the copies meet
   if (!splitk_reduce<COUNT, QK_SPLITK_RED>(&acc[0][0][0], lane, copy, 32, splits)) return;
   if (!splitk_meet<COUNT, Z>(&acc[0][0][0], lane, splits, zsplit, sums, arrived)) return;
 #pragma unroll
   for (int sl = 0; sl < SLICES; ++sl)
     for (int nb = 0; nb < 4; ++nb) {
-      if (early) qk::store_with(args, epi, mt, nt, nb, lane, acc[0][nb]);
+      if (early || mid) qk::store_with(args, epi, mt, nt, nb, lane, acc[0][nb]);
       else qk::store(args, mt, nt + sl, nb, lane, acc[sl][nb]);
     }
   QK_STAMP(QK_T_STORED);
@@ -384,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 // Two tiles a warp, 9 to 16 tokens (SLICES above): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic
-// shared memory (splits - 1) * 4 KiB.
+// shared memory splitk_slots(splits) * 4 KiB.
 extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm16(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
                        const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
@@ -402,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(512)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
-// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splits - 1 + Z - 1) * 2 KiB.
+// (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splitk_slots(splits) + Z - 1) * 2 KiB.
 #define QK_QSERVE_CLUSTER(NAME, GROUPED, AHEAD, Z)                                                                     \
   extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                          \
       NAME(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,             \

@@ -233,14 +233,38 @@ SPLITK_MAX_SHARED = 48 * 1024
 SPLITK_MAX_THREADS = 512
 
 
+# How the copies of a register kernel's block meet (kernels/qk_common.cuh QK_SPLITK_RED, a compile-time knob this
+# mirrors): with 1, the default, each copy adds its sums into one slot by shared-memory atomics, so the block's
+# dynamic shared memory holds that one slot; with 0 (smallm_tune's NO-RED) it holds a slot for every copy but the
+# first. The bulk kernels always store theirs (bulk_plan).
+SPLITK_RED = _define("QK_SPLITK_RED", 1) != 0
+# Plan the register kernels' copies a block by the one slot they take under SPLITK_RED, not by a slot a copy (the
+# plan measured so far): QQQ's 4 KiB of sums a warp then lets a block hold 16 copies where 8 fit, so its tiles meet
+# across fewer blocks in device memory (about 2 us of a 13 us call on 4096 x 4096 on an H100: the phase timeline).
+# smallm_tune's RED-PLAN; not yet timed, so off.
+SPLITK_RED_PLAN = False
+
+
+def splitk_shared(splits: int, partial_bytes: int, red: bool) -> int:
+    """Bytes of dynamic shared memory a block of `splits` copies meets in (`partial_bytes` a copy's sums): one slot
+    all copies add into when they meet by atomics (`red`), else a slot for each copy but the first (qk_common.cuh
+    splitk_slots)."""
+    return (min(splits - 1, 1) if red else splits - 1) * partial_bytes
+
+
+def red_plan() -> bool:
+    """Whether the register kernels' split-K plans count one slot of partial sums a block (SPLITK_RED_PLAN)."""
+    return SPLITK_RED and SPLITK_RED_PLAN
+
+
 def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16,
-                min_steps: int | None = None) -> int:
+                min_steps: int | None = None, red: bool = False) -> int:
     """How many copies of a tile's warps split its K steps (a power of two): enough that the grid's `blocks` fill
     the GPU when the output tiles alone are too few (small M), each copy walking at least `min_steps` steps
-    (default SPLITK_MIN_STEPS), the other copies' partial sums (`partial_bytes` each) fitting in
-    SPLITK_MAX_SHARED and the block in SPLITK_MAX_THREADS."""
+    (default SPLITK_MIN_STEPS), the partial sums (`partial_bytes` a copy, met as splitk_shared's `red` says)
+    fitting in SPLITK_MAX_SHARED and the block in SPLITK_MAX_THREADS."""
     min_steps = SPLITK_MIN_STEPS if min_steps is None else min_steps
-    most = min(max_splits, block_copies(partial_bytes, warps_per_copy))
+    most = min(max_splits, block_copies(partial_bytes, warps_per_copy, red))
     splits = 1
     while (2 * splits <= most and blocks * warps_per_copy * 2 * splits <= SPLITK_WARPS
            and steps // (2 * splits) >= min_steps):
@@ -248,12 +272,13 @@ def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int
     return splits
 
 
-def block_copies(partial_bytes: int, warps_per_copy: int = 1) -> int:
+def block_copies(partial_bytes: int, warps_per_copy: int = 1, red: bool = False) -> int:
     """The most copies of a tile's `warps_per_copy` warps one block holds (a power of two): the block within
-    SPLITK_MAX_THREADS, the other copies' partial sums (`partial_bytes` each) within SPLITK_MAX_SHARED."""
+    SPLITK_MAX_THREADS, its partial sums (`partial_bytes` a copy, met as splitk_shared's `red` says) within
+    SPLITK_MAX_SHARED."""
     copies = 1
     while (32 * warps_per_copy * 2 * copies <= SPLITK_MAX_THREADS
-           and (2 * copies - 1) * partial_bytes <= SPLITK_MAX_SHARED):
+           and splitk_shared(2 * copies, partial_bytes, red) <= SPLITK_MAX_SHARED):
         copies *= 2
     return copies
 
@@ -284,14 +309,14 @@ def block_balance(blocks: int) -> float:
     return blocks / (SPLITK_SMS * -(-blocks // SPLITK_SMS))
 
 
-def split_plan(tiles: int, steps: int, partial_bytes: int) -> tuple[int, int]:
+def split_plan(tiles: int, steps: int, partial_bytes: int, red: bool = False) -> tuple[int, int]:
     """(splits, zsplit) of a small-M launch of `tiles` one-warp tiles of `steps` K steps: split_count's copies a
     tile, doubled past a block's most while the tiles are too few for SPLITK_WARPS; where that adds copies (a block
     could not hold them all), the blocks a tile (a power of two up to SPLITK_BLOCKS_MAX) whose grid spreads most
     evenly (block_balance; the fewest on a tie), the copies shared among them. A tile stays one block when its copies
-    fit one: more blocks for the spread alone were slower (SPLITK_BLOCKS_MAX's note)."""
-    splits = split_count(tiles, 1, steps, partial_bytes)
-    held = block_copies(partial_bytes)
+    fit one: more blocks for the spread alone were slower (SPLITK_BLOCKS_MAX's note). `red`: as block_copies."""
+    splits = split_count(tiles, 1, steps, partial_bytes, red=red)
+    held = block_copies(partial_bytes, red=red)
     total = splits
     while (2 * total <= held * SPLITK_BLOCKS_MAX and tiles * 2 * total <= SPLITK_WARPS
            and steps // (2 * total) >= SPLITK_MIN_STEPS):
@@ -485,15 +510,16 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
     shared memory, no workspace in device memory)."""
     tiles = (n // width) * -(-m // 16)
     partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
+    bulk = use_bulk(bulk)
     if splits is None:
-        splits, zsplit = split_plan(tiles, steps, partial_bytes)
+        splits, zsplit = split_plan(tiles, steps, partial_bytes, red_plan() and not bulk)
     zsplit = zsplit or 1
     grid = (n // width, -(-m // 16), zsplit)
-    if use_bulk(bulk):
+    if bulk:
         chunk, slots, shared = bulk_plan(splits, partial_bytes, slot_bytes, 8 if m <= 4 else 4)
         return Launch(module, f"{module}_bulk", [*args, splits, zsplit, *meeting_point(tiles, count, zsplit), chunk,
                                                  slots], grid, 32 * splits, out, shared)
-    shared = (splits - 1) * partial_bytes
+    shared = splitk_shared(splits, partial_bytes, SPLITK_RED)
     cluster = zsplit if clusters and SPLITK_CLUSTER and zsplit in CLUSTER_SIZES else 1
     if cluster > 1 and shared + (cluster - 1) * partial_bytes <= SPLITK_MAX_SHARED:  # the leader's inbox after
         return Launch(module, f"{module}_{gemm}", [*args, splits, zsplit, None, None], grid, 32 * splits, out,
@@ -594,10 +620,10 @@ def liquidquant_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x
                          f"needs N a multiple of {16 * warps * slices}; got N={n}")
     grid = (n // (16 * warps * slices), -(-m // (8 * blocks)))
     partial_bytes = 32 * warps * 4 * blocks * slices * 4  # a copy's 4 accumulators a token block and slice a thread
-    splits = splits or split_count(grid[0] * grid[1], warps, k // 64, partial_bytes)
+    splits = splits or split_count(grid[0] * grid[1], warps, k // 64, partial_bytes, red=red_plan())
     name = {1: "liquidquant_w4a8_gemm8", 2: "liquidquant_w4a8_gemm16", 4: "liquidquant_w4a8_gemm"}[blocks]
     return Launch("liquidquant_w4a8", name, [*args, splits], grid, 32 * warps * splits, out,
-                  (splits - 1) * partial_bytes)
+                  splitk_shared(splits, partial_bytes, SPLITK_RED))
 
 
 def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
@@ -996,8 +1022,8 @@ def _module(name: str, hopper: bool = False) -> Any:
 # The run-time switches a tuning run varies (bench/smallm_tune.py's configurations). $QUANTKIT_KERNEL_SETTINGS, a
 # JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
 # fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
-TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "BULK_DECODE", "BULK_SLOTS",
-           "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
+TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "SPLITK_RED_PLAN", "BULK_DECODE",
+           "BULK_SLOTS", "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

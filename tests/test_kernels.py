@@ -179,13 +179,14 @@ def test_cluster_launch_meets_in_shared_memory(fmt, group, m, k, splits, zsplit,
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    splits=splits, zsplit=zsplit, bulk=False)
     assert launch.cluster == zsplit and launch.kernel == f"{launch.name}_z{zsplit}" and launch.args[-2:] == [None, None]
-    assert launch.shared_mem == (splits - 1 + zsplit - 1) * 32 * count * 4
+    partials = kernels.splitk_shared(splits, 32 * count * 4, kernels.SPLITK_RED)
+    assert launch.shared_mem == partials + (zsplit - 1) * 32 * count * 4
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
     for other in (dict(zsplit=3), dict(zsplit=zsplit, bulk=True), dict(zsplit=1)):
         kept = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                      splits=splits, **{"bulk": False, **other})
         assert kept.cluster == 1 and kept.kernel == kept.name, other
-    monkeypatch.setattr(kernels, "SPLITK_MAX_SHARED", (splits - 1) * 32 * count * 4)  # no room for the inbox
+    monkeypatch.setattr(kernels, "SPLITK_MAX_SHARED", partials)  # no room for the inbox
     kept = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                  splits=splits, zsplit=zsplit, bulk=False)
     assert kept.cluster == 1 and kept.args[-1] is not None
@@ -209,7 +210,8 @@ def test_qserve_two_tile_launch(group, m, k, splits, monkeypatch):
     t_x = x.sum(axis=1, dtype=np.float32)
     launch = kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, t_x, splits=splits, tiled=False)
     assert launch.name == ("qserve_w4a8_gemm16" if group else "qserve_w4a8_gemm_pc16")
-    assert launch.grid[0] == n // 64 and launch.shared_mem == (launch.block // 32 - 1) * 4096
+    assert launch.grid[0] == n // 64
+    assert launch.shared_mem == kernels.splitk_shared(launch.block // 32, 4096, kernels.SPLITK_RED)
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
     few = emulate("qserve", tensors, x[:8])
     one_tile = [kernels.qserve_launch(tensors, few.x_int8, few.s_x, t_x[:8], tiled=False),
@@ -232,10 +234,40 @@ def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
     assert kernels.split_plan(64, 128, 4096) == (8, 2)  # but not below 8 steps a copy
     assert kernels.split_plan(96, 256, 4096) == (4, 4)  # QQQ 6144 x 4096: 16 copies as 384 blocks (3 or 2 an SM),
     # not 192 blocks of 8 (2 or 1)
+    # counting the one slot of sums the copies add into under QK_SPLITK_RED (SPLITK_RED_PLAN), a QQQ block holds 16
+    # copies: two blocks a tile at N = 4096, one at 6144; QServe's blocks are bound by their 512 threads either way
+    assert kernels.split_plan(64, 256, 4096, red=True) == (16, 2)
+    assert kernels.split_plan(96, 256, 4096, red=True) == (16, 1)
+    assert kernels.split_plan(448, 256, 4096, red=True) == (4, 1)
+    assert kernels.split_plan(128, 128, 2048, red=True) == (16, 1)
     monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 1)
     assert kernels.split_plan(64, 256, 4096) == (8, 1)
     assert kernels.split_plan(96, 256, 4096) == (8, 1)
     assert abs(kernels.block_balance(192) - 192 / 264) < 1e-12 and kernels.block_balance(132) == 1.0
+
+
+@pytest.mark.parametrize("red", [True, False])
+def test_register_launches_reserve_the_shared_memory_their_meeting_takes(red, monkeypatch):
+    """A register kernel's block reserves the split-K slots its compiled meeting uses (kernels/qk_common.cuh
+    splitk_slots): one that every copy adds into under QK_SPLITK_RED, else one a copy but the first; SPLITK_RED_PLAN
+    plans QQQ's copies by that one slot (16 a block at N = 6144, no meeting across blocks), and only under RED and
+    off the bulk kernels, which always store their sums."""
+    monkeypatch.setattr(kernels, "SPLITK_RED", red)
+    assert [kernels.splitk_shared(s, 4096, red) for s in (1, 2, 8)] == ([0, 4096, 4096] if red else [0, 4096, 28672])
+
+    def qqq(n: int, bulk: bool = False) -> kernels.Launch:  # M = 1, K = 4096 (256 k16 steps)
+        out = np.zeros((1, n), np.uint16)
+        return kernels.warp_tile_launch("qqq_w4a8", [], out, 1, n, 64, 32, 256, None, None, bulk,
+                                        lambda c: kernels.qqq_bulk_slot_bytes(c, 1, False), "gemm_pc")
+
+    launch = qqq(6144)
+    assert (launch.block, launch.grid[2], launch.shared_mem) == (128, 4, 4096 if red else 3 * 4096)
+    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", True)
+    launch = qqq(6144)
+    assert (launch.block, launch.grid[2]) == ((512, 1) if red else (128, 4))
+    assert launch.shared_mem == (4096 if red else 3 * 4096)
+    assert (launch.args[-1] is None) == red  # one block a tile: no workspace in device memory to meet in
+    assert qqq(6144, bulk=True).block == 128  # the bulk kernel's plan counts a slot a copy
 
 
 @needs_compiler
@@ -282,7 +314,7 @@ def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     assert launch.name.endswith(small_m)
     warps = kernels.LQQ_TILE_WARPS if fmt == "liquidquant" else 1  # LiquidQuant: each warp its 16 channels
     assert launch.block == 32 * warps * splits
-    assert launch.shared_mem == (splits - 1) * warps * partial_bytes
+    assert launch.shared_mem == kernels.splitk_shared(splits, warps * partial_bytes, kernels.SPLITK_RED)
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -902,7 +934,7 @@ def test_liquidquant_two_block_kernel_matches_the_emulation(m, splits, monkeypat
     launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=splits)
     warps, slices = kernels.LQQ_TILE_WARPS, kernels.LQQ16_SLICES
     assert launch.name == "liquidquant_w4a8_gemm16" and launch.grid == (128 // (16 * slices * warps), 1)
-    assert launch.shared_mem == (splits - 1) * 32 * warps * 8 * slices * 4
+    assert launch.shared_mem == kernels.splitk_shared(splits, 32 * warps * 8 * slices * 4, kernels.SPLITK_RED)
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -917,7 +949,8 @@ def test_liquidquant_two_slice_launch_is_sized_for_32_channels_a_warp(monkeypatc
     reference = emulate("liquidquant", tensors, activations(12, 448, seed=4))
     launch = kernels.liquidquant_launch(tensors, reference.x_int8, reference.s_x, splits=3)
     warps = kernels.LQQ_TILE_WARPS
-    assert launch.grid == (128 // (32 * warps), 1) and launch.shared_mem == 2 * 32 * warps * 8 * 2 * 4
+    assert launch.grid == (128 // (32 * warps), 1)
+    assert launch.shared_mem == kernels.splitk_shared(3, 32 * warps * 8 * 2 * 4, kernels.SPLITK_RED)
     decode = kernels.liquidquant_launch(tensors, reference.x_int8[:1], reference.s_x[:1], splits=3)
     assert decode.name == "liquidquant_w4a8_gemm8" and decode.grid == (128 // (16 * warps), 1)  # one slice
     monkeypatch.setattr(kernels, "LQQ_TILE_WARPS", 4)
@@ -1497,7 +1530,9 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
     ("QK_LQQ_TILE_WARPS=4", "liquidquant and not bulk or split_k"),  # four warps a LiquidQuant block, as before
     ("QK_EPILOGUE_EARLY=0", "split_k_matches or qserve_kernel_matches or liquidquant_kernel_matches or block_split"),
     ("QK_LQQ16_SLICES=1", "liquidquant and (two_block or split_k)"),  # 16 channels a warp from 9 tokens, as before
-], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice"])
+    # the decode kernels' parameters loaded after their K loop (QServe per group, QQQ, LiquidQuant from 9 tokens)
+    ("QK_EPILOGUE_MID=1", "split_k_matches or kernel_matches_the_emulation or block_split or two_block"),
+], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-mid"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
