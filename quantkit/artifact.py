@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ def shard_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
+def _ours(path: Path) -> bool:
+    """Whether directory `path` is quantkit's to replace: an artifact, an interrupted run, or empty."""
+    return (path / MANIFEST).is_file() or (path / JOURNAL).is_file() or not any(path.iterdir())
+
+
 @dataclass
 class OutputDir:
     """The final and in-progress locations of one run's output."""
@@ -74,8 +80,18 @@ class OutputDir:
     def work(self) -> Path:
         return self.final.with_name(self.final.name + ".partial")
 
-    def check(self, resume: bool, overwrite: bool) -> None:
-        """Refuse, before any work, to clobber an existing output or an interrupted run."""
+    def check(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> None:
+        """Refuse, before any work, to clobber an existing output or an interrupted run, and --overwrite to replace
+        anything but quantkit's own output: a directory that is not an artifact, a file, or `protect` (the model
+        being quantized) or a directory holding it."""
+        for path in (self.final, self.work):
+            if path.exists() and not path.is_dir():
+                raise ArtifactError(f"{path} exists and is not a directory; choose another output path")
+        final = self.final.resolve()
+        for model in protect:
+            if model.resolve() == final or final in model.resolve().parents:
+                raise ArtifactError(f"the output {self.final} would replace the model being quantized ({model}); "
+                                    "choose another output path")
         if self.final.exists() and not overwrite:
             raise ArtifactError(
                 f"{self.final} already exists; pass --overwrite to replace it"
@@ -87,12 +103,27 @@ class OutputDir:
             raise ArtifactError(
                 f"{self.work} holds an interrupted run; pass --resume to continue it or --overwrite to restart"
             )
+        if overwrite:
+            for path in (self.final, self.work if not resume else None):
+                if path is not None and path.exists() and not _ours(path):
+                    raise ArtifactError(
+                        f"{path} is not quantkit's output (no {MANIFEST} or {JOURNAL}), and --overwrite replaces "
+                        "only that; choose another output path, or empty it yourself")
 
-    def prepare(self, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+    def prepare(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> dict[str, Any] | None:
         """Create or reopen the work dir; returns the journal when resuming."""
-        self.check(resume, overwrite)
+        self.check(resume, overwrite, protect)
         if resume:
-            return json.loads((self.work / JOURNAL).read_text())
+            journal_path = self.work / JOURNAL
+            try:
+                journal = json.loads(journal_path.read_text())
+                problem = "" if isinstance(journal, dict) and isinstance(journal.get("layers"), dict) else "no layers"
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                problem = str(exc)
+            if problem:
+                raise ArtifactError(f"--resume: {journal_path} is damaged ({problem}); rerun with --overwrite to "
+                                    "start afresh")
+            return journal
         if self.work.exists():
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
@@ -102,16 +133,41 @@ class OutputDir:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))
 
     def commit(self) -> None:
-        """Move the finished work dir into place (replacing an old output only now, when --overwrite)."""
+        """Move the finished work dir into place (replacing an old output only now, when --overwrite: it is moved
+        to a hidden sibling of a name no one else uses, then deleted)."""
         (self.work / JOURNAL).unlink(missing_ok=True)
         if self.final.exists():
-            old = self.final.with_name(self.final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = self.final.with_name(f".{self.final.name}.replaced-{uuid.uuid4().hex[:12]}")
             self.final.rename(old)
             self.work.rename(self.final)
             shutil.rmtree(old)
         else:
             self.work.rename(self.final)
+
+
+# The manifest's fields that readers (inspect, eval, validate) take, with their types: a manifest without one is
+# damaged, and says so rather than failing in its reader.
+_MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model": str, "architecture": str, "num_layers": int, "recipe": str, "format": str, "weights": dict,
+    "activations": (dict, type(None)), "kv_cache": (dict, type(None)), "calibration": dict, "layers": list,
+    "timings": dict, "files": dict,
+}
+
+
+def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON object in file `name` of artifact `path` (config.json, the shard index), holding `keys`, or an
+    ArtifactError naming the file."""
+    file = Path(path) / name
+    try:
+        content = json.loads(file.read_text())
+        problem = "" if isinstance(content, dict) else "not a JSON object"
+        problem = problem or ", ".join(f"no {key!r}" for key in keys if key not in content)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = str(exc)
+    if problem:
+        raise ArtifactError(f"{file}: cannot read it ({problem}); the artifact is damaged (copy it again, or "
+                            "quantize again)")
+    return content
 
 
 def load_manifest(path: Path) -> dict[str, Any]:
@@ -127,8 +183,15 @@ def load_manifest(path: Path) -> dict[str, Any]:
         content = json.loads(manifest.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{manifest}: not a readable manifest ({exc})") from None
+    wrong = ([name for name, kind in _MANIFEST_FIELDS.items() if not isinstance(content.get(name, ...), kind)]
+             if isinstance(content, dict) else ["all"])
+    wrong += [f"files.{name}" for name, entry in (content.get("files") or {}).items()
+              if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int))] if not wrong else []
+    if wrong:
+        raise ArtifactError(f"{manifest}: a damaged manifest ({', '.join(wrong)} missing or of the wrong type); "
+                            "copy the artifact again, or quantize again")
     bad = []
-    for name, entry in content.get("files", {}).items():
+    for name, entry in content["files"].items():
         file = Path(path) / name
         if not file.is_file():
             bad.append(f"{name} is missing")

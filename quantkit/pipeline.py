@@ -48,7 +48,7 @@ from quantkit.files import atomic_write
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
-from quantkit.models.source import ModelEdges, ModelSource, content_digest, default_cache_dir, open_model
+from quantkit.models.source import ModelEdges, ModelError, ModelSource, content_digest, default_cache_dir, open_model
 from quantkit.passes import LayerWork, get_pass
 from quantkit.passes.base import Pass
 from quantkit.quantizers import QuantSpec
@@ -122,11 +122,11 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
         if spec.outliers >= k:
             raise ShapeError(f"{full[:-7]}: weights.outliers={spec.outliers} leaves no columns of its {k} to group")
         if spec.granularity == "group" and normal % spec.group_size:
-            what = (f"the {normal} input columns left after its {spec.outliers} outliers (input width {k})"
-                    if spec.outliers else f"its input width {k}")
+            what = (f"the {normal} input columns left after its {spec.outliers} outliers (input width {k}, output "
+                    f"width {n})" if spec.outliers else f"its input width {k} (output width {n})")
             if recipe.weights.indivisible != "per_channel":
                 raise ShapeError(
-                    f"{full[:-7]}: group size {spec.group_size} does not divide {what} (output width {n}); choose a "
+                    f"{full[:-7]}: group size {spec.group_size} does not divide {what}; choose a "
                     f"group size dividing {normal} or set weights.indivisible=per_channel to quantize such layers "
                     "per channel"
                 )
@@ -301,16 +301,26 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     t0 = time.time()
     _return_freed_memory()
     out = OutputDir(Path(job.output))
-    out.check(resume=job.resume, overwrite=job.overwrite)
+    model_path = Path(job.model).expanduser()
+    protect = (model_path,) if model_path.exists() else ()  # a local model: never the output to replace
+    out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
     recipe = job.recipe
     packer = get_packer(recipe.export.format)(recipe, source.dtype)
     packer.check_recipe()
     specs = plan_specs(source, recipe, packer)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
+    try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
+        problem = "" if len(tokenizer) > 1 else "an empty vocabulary"
+    except (OSError, ValueError, TypeError) as exc:
+        problem = str(exc)
+    if problem:
+        raise ModelError(f"{source.origin}: no usable tokenizer beside the weights ({problem}); quantkit tokenizes "
+                         "the calibration text with the model's own tokenizer (tokenizer.json, or tokenizer.model, "
+                         "with tokenizer_config.json)")
     calib = resolve_calibration(job, source, tokenizer, reporter)
-    journal = out.prepare(resume=job.resume, overwrite=job.overwrite)
+    journal = out.prepare(resume=job.resume, overwrite=job.overwrite, protect=protect)
     recipe_yaml = to_yaml(recipe)
     try:
         calib_info = {
@@ -453,6 +463,17 @@ def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor)
     ctx.runner.run(block, x, out=x)
 
 
+def _round_kept(block: nn.Module, linears: dict[str, str], dtype: torch.dtype) -> None:
+    """Round the block's tensors that are written as they are (norm weights, biases) to the checkpoint's `dtype`,
+    in place: a pass that folds a scale into a norm leaves it in float32, and the next block's inputs must come from
+    exactly what the shard holds (what an engine computes, and what --resume replays)."""
+    quantized = {f"{name}.weight" for name in linears}
+    with torch.no_grad():
+        for key, t in block.state_dict().items():
+            if key not in quantized and t.is_floating_point():
+                t.copy_(t.to(dtype))
+
+
 def _quantize_layer(
     ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor
 ) -> tuple[float, list[str], dict[str, float], dict[str, float]]:
@@ -487,6 +508,7 @@ def _quantize_layer(
         lap(p.name)
         if p.transforms:
             work.hessians.clear()
+    _round_kept(block, work.linears, source.dtype)
     n_err = min(recipe.engine.error_samples or x.shape[0], x.shape[0])  # sequences the error is measured on
     by_role = (recipe.engine.true_sequential and quantizer.needs_hessian and not work.hessians
                and recipe.engine.propagate == "quantized")

@@ -7,6 +7,7 @@ resolved recipe (`to_yaml`) is what gets saved next to the output, so a run can 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -116,8 +117,8 @@ class CalibrationConfig:
             raise ValueError("num_samples must be positive and seq_len at least 2")
         for name in ("sink_weight", "token_cap"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive (in median tokens) or null, got {value}")
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be positive and finite (in median tokens) or null, got {value}")
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,14 @@ class _InterruptAfter(Reporter):
             raise KeyboardInterrupt
 
 
-def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path):
-    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+@pytest.mark.parametrize("name,overrides", [
+    ("gptq-w4a16-g128", []),
+    # smoothing folded into the norms (qkv, gate_up), GPTQ role by role: the next block's inputs come from the norms
+    # as the shard holds them (rounded to the checkpoint's dtype), as the replay rebuilds them
+    ("qqq", ["export.format=quantkit"]),
+])
+def test_resume_after_interrupt_is_bit_identical(synthetic, calib_txt, tmp_path, name, overrides):
+    recipe = load_recipe(name, ["calibration.num_samples=4", "calibration.seq_len=64", *overrides])
     job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "a", calib=str(calib_txt))
     run_quantize(job)
     interrupted = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
@@ -299,13 +305,88 @@ def test_output_exists_is_refused(stories260k, tinystories_txt, tmp_path):
     assert (out / "keep.txt").read_text() == "precious"
 
 
-def test_overwrite_replaces_only_when_complete(stories260k, tinystories_txt, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
-    cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt, *FAST,
-           "--overwrite")
-    assert not (out / "keep.txt").exists() and (out / "quantkit_manifest.json").is_file()
+def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path):
+    """--overwrite replaces an earlier artifact (once the new one is complete) and nothing else: not a directory
+    that is not quantkit's, not a file, not the model itself or a directory holding it, and not a sibling that
+    happens to be named OUT.old."""
+    args = ["quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST]
+    out, sibling = tmp_path / "out", tmp_path / "out.old"
+    sibling.mkdir()
+    (sibling / "backup.txt").write_text("mine")
+    cli_ok(*args, "-o", out)
+    (out / "stale.txt").write_text("from the first run")
+    cli_ok(*args, "-o", out, "--overwrite")
+    assert not (out / "stale.txt").exists() and (out / "quantkit_manifest.json").is_file()
+    assert (sibling / "backup.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # the old one is gone
+
+    precious = tmp_path / "docs"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("precious")
+    result = cli(*args, "-o", precious, "--overwrite")
+    assert result.exit_code == 2 and "is not quantkit's output" in " ".join(result.output.split()), result.output
+    assert (precious / "thesis.txt").read_text() == "precious"
+    assert not (tmp_path / "docs.partial").exists()
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("notes")
+    result = cli(*args, "-o", a_file, "--overwrite")
+    assert result.exit_code == 2 and "is not a directory" in result.output and a_file.read_text() == "notes"
+
+    import shutil
+
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    for target in (model, tmp_path):  # the model, and a directory holding it
+        result = cli("quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o", target,
+                     "--overwrite")
+        assert result.exit_code == 2 and "would replace the model" in result.output, result.output
+    assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in synthetic.iterdir())
+
+
+def test_resume_takes_the_same_model_however_spelt(synthetic, calib_txt, tmp_path, monkeypatch):
+    """The journal names a local model by its absolute path, so a resumed run may spell it otherwise (relative, or
+    from another directory)."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    monkeypatch.chdir(synthetic.parent)
+    run_quantize(QuantizeJob(**{**job.__dict__, "model": f"./{synthetic.name}/", "resume": True}))
+    manifest = json.loads((tmp_path / "b" / "quantkit_manifest.json").read_text())
+    assert manifest["model"] == str(synthetic.resolve())
+
+
+@pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}'])
+def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, content):
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    (tmp_path / "b.partial" / "quantkit_journal.json").write_text(content)
+    with pytest.raises(QuantkitError, match="quantkit_journal.json is damaged .*rerun with --overwrite"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
+def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bare = shutil.copytree(synthetic, tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    _fails(tmp_path, "quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match="no usable tokenizer beside the weights")
+    holed = shutil.copytree(synthetic, tmp_path / "holed")
+    index = json.loads((holed / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = holed / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (holed / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(tmp_path, "quantize", holed, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match=f"tensor '{name}' not found in the checkpoint")
 
 
 def test_group_size_not_dividing_names_layer(stories260k, tinystories_txt, tmp_path):
@@ -365,6 +446,91 @@ def test_eval_missing_data_names_file(stories260k, tmp_path):
         "test.jsonl" in result.output
 
 
+def _wikitext_rows(data: Path) -> Path:
+    """A data directory whose WikiText-2 test file holds a few rows of text."""
+    from quantkit.eval.perplexity import WIKITEXT_FILE
+
+    (data / WIKITEXT_FILE).parent.mkdir(parents=True, exist_ok=True)
+    rows = [" = A heading = ", " The quick brown fox jumps over the lazy dog . " * 40, ""] * 20
+    (data / WIKITEXT_FILE).write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    return data
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(synthetic, tmp_path_factory) -> Path:
+    """An RTN artifact of the synthetic model (calibration text is read for the error measure alone)."""
+    from quantkit.synthetic import write_calibration_text
+
+    root = tmp_path_factory.mktemp("rtn")
+    out = root / "art"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib",
+           write_calibration_text(root / "calib.txt"), *FAST)
+    return out
+
+
+@pytest.mark.parametrize("options,match", [
+    (["--limit", "0"], "--limit"), (["--batch-size", "0"], "--batch-size"), (["--seq-len", "1"], "--seq-len"),
+    (["--output-json", "."], "--output-json"),  # a directory
+    (["--tasks", "wikitext,piqa"], "task piqa: missing data file"),  # before the model loads, so no wikitext run
+    (["--tasks", " , "], "--tasks names no task"),
+])
+def test_eval_refuses_bad_options_before_loading_the_model(rtn_artifact, tmp_path, options, match):
+    result = cli("eval", rtn_artifact, "--data-dir", _wikitext_rows(tmp_path / "data"), *options)
+    assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
+    assert "evaluating" not in result.output and "Traceback" not in result.output
+
+
+def test_quantkit_warnings_read_as_the_tools(synthetic, tmp_path):
+    """A warning of quantkit's own (here: random calibration windows that must overlap) prints as `warning: ...`,
+    not as Python's source line of the call."""
+    from quantkit.synthetic import write_calibration_text
+
+    text = write_calibration_text(tmp_path / "calib.txt").read_text().splitlines()
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(text[:12]))  # about 4000 tokens, for 256 windows of 32
+    done = subprocess.run([sys.executable, "-m", "quantkit.cli", "quantize", str(synthetic), "--recipe",
+                           "rtn-w4a16-g128", "--calib", str(short), "--num-samples", "256", "--seq-len", "32", "-o",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600)  # pytest would
+    # catch the warning itself in this process
+    lines = [line for line in done.stderr.splitlines() if "necessarily overlap" in line]
+    assert done.returncode == 0 and lines and lines[0].startswith("warning: "), done.stderr
+    assert "UserWarning" not in done.stderr
+
+
+def test_validate_refuses_no_tokens(rtn_artifact):
+    result = cli("validate", rtn_artifact, "--tokens", "0")
+    assert result.exit_code == 2 and "--tokens" in result.output
+
+
+@pytest.mark.parametrize("name,damage,match", [
+    ("config.json", "garbage", "config.json: cannot read it"),
+    ("config.json", "{}", "config.json: cannot read it (no 'model_type', no 'num_hidden_layers')"),
+    ("model.safetensors.index.json", "[1]", "model.safetensors.index.json: cannot read it (not a JSON object)"),
+    ("quantkit_recipe.yaml", "a: [", "quantkit_recipe.yaml: cannot read it"),
+    ("quantkit_manifest.json", "no weights", "a damaged manifest (weights missing or of the wrong type)"),
+])
+def test_damaged_artifact_metadata_is_named(rtn_artifact, tmp_path, name, damage, match):
+    """The artifact's small files damaged at their size (a copy gone wrong, an edit) give a short error naming the
+    file, from eval and inspect alike, not a traceback."""
+    import shutil
+
+    out = shutil.copytree(rtn_artifact, tmp_path / "art")
+    file = out / name
+    if damage == "no weights":
+        manifest = json.loads(file.read_text())
+        del manifest["weights"]
+        file.write_text(json.dumps(manifest))
+    else:  # at the recorded size, which the size check cannot see
+        file.write_text(damage.ljust(file.stat().st_size))
+    data = _wikitext_rows(tmp_path / "data")
+    for args in (["eval", out, "--data-dir", data, "--limit", "1", "--seq-len", "64"], ["inspect", out]):
+        if args[0] == "inspect" and name != "quantkit_manifest.json":
+            continue  # inspect reads the manifest alone
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert match in " ".join(result.output.split()) and "Traceback" not in result.output, (args, result.output)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing", "corrupt"])
 def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystories_txt, tmp_path, damage):
     """A shard cut short or gone (a copy that did not finish) is caught from the manifest's recorded sizes before
@@ -384,7 +550,8 @@ def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystorie
     else:
         shard.write_bytes(data[:8] + b"@" * 16 + data[24:])  # the header's JSON, same size
         match = f"{shard.name}: cannot read this safetensors file"
-    for args in (["eval", out, "--tasks", "wikitext", "--data-dir", tmp_path], ["validate", out], ["inspect", out]):
+    data = _wikitext_rows(tmp_path / "data")  # eval checks its data before it reads the model
+    for args in (["eval", out, "--tasks", "wikitext", "--data-dir", data], ["validate", out], ["inspect", out]):
         if damage == "corrupt" and args[0] != "eval":
             continue  # inspect reads the manifest alone, and validate has no kernel for compressed-tensors
         result = cli(*args)

@@ -79,3 +79,9 @@ def test_set_errors():
         load_recipe("rtn-w8a8", ["weights.nope=1"])
     with pytest.raises(RecipeError, match="no pass 'gptq'"):
         load_recipe("rtn-w8a8", ["passes.gptq.damp=1"])
+
+
+@pytest.mark.parametrize("value", [".inf", "0", "-3", ".nan"])
+def test_token_weights_must_be_positive_and_finite(value):
+    with pytest.raises(RecipeError, match="sink_weight must be positive and finite"):
+        load_recipe("gptq-w4a16-g128", [f"calibration.sink_weight={value}"])

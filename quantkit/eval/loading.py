@@ -3,7 +3,6 @@ engine would reconstruct it, with the activation and KV-cache simulation its rec
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from quantkit import simulate
-from quantkit.artifact import MANIFEST, RECIPE, load_manifest, read_safetensors
+from quantkit.artifact import MANIFEST, RECIPE, ArtifactError, load_manifest, read_artifact_json, read_safetensors
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
@@ -73,7 +72,20 @@ def _quant_method(config: Any) -> str | None:
 
 def artifact_recipe(path: Path) -> Recipe:
     """The resolved recipe an artifact was made with."""
-    return parse_recipe(yaml.safe_load((path / RECIPE).read_text()), where=RECIPE)
+    try:
+        content = yaml.safe_load((path / RECIPE).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ArtifactError(f"{path / RECIPE}: cannot read it ({exc}); the artifact is damaged (copy it again, or "
+                            "quantize again)") from None
+    return parse_recipe(content, where=RECIPE)
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """Where each tensor of artifact `path` is: its shard index's weight map."""
+    weight_map = read_artifact_json(path, "model.safetensors.index.json", ("weight_map",))["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ArtifactError(f"{path / 'model.safetensors.index.json'}: no weight map; the artifact is damaged")
+    return weight_map
 
 
 def artifact_specs(manifest: dict) -> dict[str, QuantSpec]:
@@ -98,10 +110,10 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
     layer's shards at a time."""
     manifest = load_manifest(path)
     packer = get_packer(manifest["format"])(artifact_recipe(path), None)
-    config = json.loads((path / "config.json").read_text())
+    config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
     adapter = adapter_for(config["model_type"])
     specs = artifact_specs(manifest)
-    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map = _weight_map(path)
     for i in range(config["num_hidden_layers"]) if layers is None else layers:
         prefix = adapter.layer_prefix(i)
         tensors: dict[str, torch.Tensor] = {}
@@ -116,7 +128,7 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
 def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
     manifest = load_manifest(path)
     recipe = artifact_recipe(path)
-    config_data = json.loads((path / "config.json").read_text())
+    config_data = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
     model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
@@ -133,9 +145,8 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
         for role, name in adapter.linear_names(list(specs)):
             quantized[f"{adapter.layer_prefix(i)}{name}"] = (i, name, role)
     runtime: list[dict[str, simulate.LinearRuntime]] = [{} for _ in range(config.num_hidden_layers)]
-    index = json.loads((path / "model.safetensors.index.json").read_text())
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(index["weight_map"].values())):
+    for shard in sorted(set(_weight_map(path).values())):
         tensors = read_safetensors(path / shard)
         for module, (i, name, role) in quantized.items():
             parts = linear_parts(tensors, module, packer)

@@ -32,8 +32,8 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
     return Path(value) if value else None
 
 
-def wikitext_rows(data_dir: str | Path | None) -> list[str]:
-    """The WikiText-2 raw test rows (HF layout: one JSON object with "text" per line)."""
+def wikitext_file(data_dir: str | Path | None) -> Path:
+    """The local file of the WikiText-2 raw test rows, or an error that says what to pass."""
     root = resolve_data_dir(data_dir)
     if root is None:
         raise DataNotFoundError(
@@ -43,6 +43,12 @@ def wikitext_rows(data_dir: str | Path | None) -> list[str]:
     path = root / WIKITEXT_FILE
     if not path.is_file():
         raise DataNotFoundError(f"WikiText-2 test rows not found: {path} is missing (task wikitext)")
+    return path
+
+
+def wikitext_rows(data_dir: str | Path | None) -> list[str]:
+    """The WikiText-2 raw test rows (HF layout: one JSON object with "text" per line)."""
+    path = wikitext_file(data_dir)
     return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 

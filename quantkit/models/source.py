@@ -123,6 +123,8 @@ class ModelSource:
         return self.adapter.lm_head + ".weight" not in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            raise ModelError(f"{self.origin}: tensor {name!r} not found in the checkpoint")
         return self._shapes[name]
 
     def names(self) -> list[str]:
@@ -178,14 +180,15 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
 def open_model(spec: str | os.PathLike, trust_remote_code: bool = False, cache_dir: Path | None = None) -> ModelSource:
     """Resolve MODEL (local dir, `.gguf` file or dir holding one, or hub id) into a local ModelSource."""
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(gguf_to_safetensors(path, cache_dir), trust_remote_code, origin=str(path))
+    if path.is_file() and path.suffix == ".gguf":  # local models by their absolute path: the same however spelt
+        return ModelSource(gguf_to_safetensors(path, cache_dir), trust_remote_code, origin=str(path.resolve()))
     if path.is_dir():
         if (path / "config.json").is_file():
-            return ModelSource(path, trust_remote_code)
+            return ModelSource(path, trust_remote_code, origin=str(path.resolve()))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource(gguf_to_safetensors(ggufs[0], cache_dir), trust_remote_code, origin=str(ggufs[0]))
+            return ModelSource(gguf_to_safetensors(ggufs[0], cache_dir), trust_remote_code,
+                               origin=str(ggufs[0].resolve()))
         raise ModelError(
             f"{path}: not a model directory (no config.json"
             + (f"; several .gguf files, pass one of {', '.join(p.name for p in ggufs)}" if ggufs else "")
