@@ -518,8 +518,16 @@ def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: i
 
 def _describe_weights(w: dict) -> str:
     """One line for a manifest's weight spec, e.g. "4-bit sym, group 128, INT8 re-expression (QQQ)"."""
+    if w.get("codebook"):  # codes index per-row tables of centroids: no symmetry or groups to speak of
+        low = w.get("min_bits") or w["bits"]
+        widths = f"{low}..{w['bits']}-bit" if low != w["bits"] else f"{w['bits']}-bit"
+        return f"{widths} lookup tables per row (non-uniform{', Any-Precision bitplanes' if low != w['bits'] else ''})"
     parts = [f"{w['bits']}-bit {'sym' if w['symmetric'] else 'asym'}",
              f"group {w['group_size']}" if w["granularity"] == "group" else f"per {w['granularity']}"]
+    if w.get("outliers"):
+        parts.append(f"{w['outliers']} INT8 outlier columns (Atom)")
+    if (w.get("row_block") or 1) > 1:
+        parts.append(f"a scale per {w['row_block']} rows")
     if w.get("progressive"):
         parts.append("LiquidQuant two-level" if w.get("level2") == "lqq" else "QoQ progressive (INT8 level 1)")
     if w.get("zero_form") == "scaled":

@@ -573,3 +573,18 @@ def test_inspect_verify_hashes_every_file(stories260k, tinystories_txt, tmp_path
     shard.write_bytes(bytes(data))
     result = cli("inspect", out, "--verify")
     assert result.exit_code == 1 and "1 file(s) differ" in result.output and shard.name in result.output
+
+
+def test_inspect_describes_outliers_and_lookup_tables():
+    """inspect's weight line says what Atom and Any-Precision store, not only bits and groups."""
+    from dataclasses import asdict
+
+    from quantkit.cli import _describe_weights
+    from quantkit.quantizers import QuantSpec
+
+    atom = asdict(QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128, outliers=128, row_block=2))
+    assert _describe_weights(atom) == ("4-bit sym, group 128, 128 INT8 outlier columns (Atom), a scale per 2 rows")
+    anyprec = asdict(QuantSpec(bits=8, granularity="channel", codebook=True, min_bits=3))
+    assert _describe_weights(anyprec) == "3..8-bit lookup tables per row (non-uniform, Any-Precision bitplanes)"
+    squeeze = asdict(QuantSpec(bits=3, granularity="channel", codebook=True))
+    assert _describe_weights(squeeze) == "3-bit lookup tables per row (non-uniform)"
