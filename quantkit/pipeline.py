@@ -48,7 +48,15 @@ from quantkit.files import atomic_write
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
-from quantkit.models.source import ModelEdges, ModelError, ModelSource, content_digest, default_cache_dir, open_model
+from quantkit.models.source import (
+    FiniteScan,
+    ModelEdges,
+    ModelError,
+    ModelSource,
+    content_digest,
+    default_cache_dir,
+    open_model,
+)
 from quantkit.passes import LayerWork, get_pass
 from quantkit.passes.base import Pass
 from quantkit.quantizers import QuantSpec
@@ -403,7 +411,6 @@ def _run_layers(
     """Calibrate, quantize and write every block; `x` (the embedded calibration tokens) becomes each block's
     inputs in turn."""
     recipe, adapter = job.recipe, source.adapter
-    total = source.num_layers + 1
     runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size, job.device)
     act_sim, kv_sim = simulate.sims_for(recipe)
     if not recipe.engine.simulate_activations:
@@ -414,25 +421,37 @@ def _run_layers(
     ctx = _LayerContext(job, source, packer, specs, runner, act_sim, kv_sim, prep, quantizer, linear_names, fisher)
     reports: list[LayerReport] = []
     reporter.start(source.num_layers, "quantizing layers")
-    for i in range(source.num_layers):
-        t_layer = time.time()
-        shard_path = out.work / shard_name(i + 1, total)
-        done = journal["layers"].get(str(i))
-        if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
-            _replay_layer(ctx, i, shard_path, x)
-            report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True,
-                                 step_seconds=done.get("step_seconds", {}))
-        else:
-            rel, notes, metrics, steps = _quantize_layer(ctx, i, shard_path, x)
-            report = LayerReport(i, rel, time.time() - t_layer, notes, metrics, step_seconds=steps)
-            journal["layers"][str(i)] = {
-                "shard": shard_path.name, "sha256": sha256_file(shard_path), "rel_error": rel,
-                "seconds": report.seconds, "notes": notes, "metrics": metrics, "step_seconds": steps,
-            }
-            out.save_journal(journal)
-        reports.append(report)
-        reporter.layer_done(report)
+    scan = FiniteScan(source)  # a NaN/Inf weight anywhere stops the run at the next layer, not at its own
+    try:
+        for i in range(source.num_layers):
+            scan.raise_if_bad()
+            reports.append(_run_layer(ctx, i, out, journal, x))
+            reporter.layer_done(reports[-1])
+        scan.raise_if_bad()
+    finally:
+        scan.stop()
     return reports
+
+
+def _run_layer(ctx: _LayerContext, i: int, out: OutputDir, journal: dict[str, Any], x: torch.Tensor) -> LayerReport:
+    """Replay layer `i` from its shard when the journal has it, else calibrate, quantize and record it."""
+    total = ctx.source.num_layers + 1
+    t_layer = time.time()
+    shard_path = out.work / shard_name(i + 1, total)
+    done = journal["layers"].get(str(i))
+    if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
+        _replay_layer(ctx, i, shard_path, x)
+        report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True,
+                             step_seconds=done.get("step_seconds", {}))
+    else:
+        rel, notes, metrics, steps = _quantize_layer(ctx, i, shard_path, x)
+        report = LayerReport(i, rel, time.time() - t_layer, notes, metrics, step_seconds=steps)
+        journal["layers"][str(i)] = {
+            "shard": shard_path.name, "sha256": sha256_file(shard_path), "rel_error": rel,
+            "seconds": report.seconds, "notes": notes, "metrics": metrics, "step_seconds": steps,
+        }
+        out.save_journal(journal)
+    return report
 
 
 @dataclass

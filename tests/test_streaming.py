@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,63 @@ def test_content_digest_follows_the_bytes_not_the_mtime(tmp_path):
     os.utime(f, ns=(1, 1))  # same size and mtime as the memo holds (a stat memo's known blind spot) ...
     (cache / "digests.json").write_text("{not json")  # ... so damage the memo: it must be re-hashed, not trusted
     assert content_digest(f, cache) == hashlib.sha256(b"y" * 1000).hexdigest()
+
+
+def _with_nan(model: Path, name: str) -> None:
+    """Put one NaN into tensor `name` of a synthetic checkpoint, in place."""
+    from safetensors.torch import load_file
+
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = model / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][-1, -1] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def test_finite_scan_finds_a_late_nan_ahead_of_the_run(tmp_path):
+    """FiniteScan reads every tensor, a slice of rows at a time, in a thread: a NaN in the last layer is named
+    (with its rows) as soon as the scan gets there; a clean checkpoint passes whole."""
+    from quantkit.models.source import FiniteScan
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=3)
+    model = write_synthetic_llama(tmp_path / "m", spec)
+    clean = FiniteScan(open_model(model))
+    clean.wait(60)
+    clean.raise_if_bad()
+    assert clean.checked == len(open_model(model).names())
+    name = "model.layers.2.mlp.down_proj.weight"
+    _with_nan(model, name)
+    scan = FiniteScan(open_model(model), scan_bytes=1024)  # many slices: the bad one is the last
+    scan.wait(60)
+    with pytest.raises(ModelError, match=rf"'{name}' has 1 NaN/Inf values \(rows"):
+        scan.raise_if_bad()
+
+
+def test_a_nan_stops_the_run_at_the_next_layer(tmp_path):
+    """A NaN in lm_head (read by the run only at its end) stops it once the scan has found it, before the next
+    layer, with the tensor named and the finished layers kept for --resume."""
+    import threading
+
+    from quantkit.errors import QuantkitError
+    from quantkit.pipeline import QuantizeJob, Reporter, run_quantize
+    from quantkit.recipe import load_recipe
+    from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
+                                                                  num_hidden_layers=3))
+    _with_nan(model, "lm_head.weight")
+
+    class WaitForScan(Reporter):  # the scan done before the next layer, however fast the layers are
+        def layer_done(self, report) -> None:
+            for thread in threading.enumerate():
+                if thread.name == "quantkit-finite-scan":
+                    thread.join(60)
+
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=2", "calibration.seq_len=32"])
+    job = QuantizeJob(model=str(model), recipe=recipe, output=tmp_path / "out",
+                      calib=str(write_calibration_text(tmp_path / "calib.txt")))
+    with pytest.raises(QuantkitError, match="'lm_head.weight' has 1 NaN/Inf"):
+        run_quantize(job, WaitForScan())
+    journal = json.loads((tmp_path / "out.partial" / "quantkit_journal.json").read_text())
+    assert sorted(journal["layers"]) == ["0"]

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +170,64 @@ class ModelSource:
 
     def non_layer_names(self) -> list[str]:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
+
+
+class FiniteScan:
+    """Checks every tensor of a checkpoint for NaN/Inf in a thread of its own, a slice of rows at a time (at most
+    `scan_bytes` held), the layers in order after the rest: a bad weight in a late layer then stops a run at its next
+    layer rather than when that layer's turn comes, hours later on a large model. The run calls `raise_if_bad()`
+    between layers and `stop()` at its end; it reads every tensor itself too, and reports any other read error."""
+
+    SCAN_BYTES = 16 << 20
+
+    def __init__(self, source: ModelSource, scan_bytes: int = SCAN_BYTES) -> None:
+        self.scan_bytes = scan_bytes
+        a = source.adapter
+        layers = [n for i in range(source.num_layers) for n in source.names() if n.startswith(a.layer_prefix(i))]
+        names = [n for n in source.non_layer_names() if n not in layers] + layers
+        self.error: ModelError | None = None
+        self.checked = 0  # tensors checked so far
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(source, names), name="quantkit-finite-scan",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, source: ModelSource, names: list[str]) -> None:
+        try:
+            for name in names:
+                file = source._where[name]
+                with safe_open(file, framework="pt") as f:
+                    part = f.get_slice(name)
+                    shape = part.get_shape()
+                    rows = shape[0] if shape else 1
+                    row_bytes = max(1, torch.Size(shape[1:]).numel() * 4)
+                    step = max(1, self.scan_bytes // row_bytes)
+                    for r in range(0, rows, step):
+                        if self._stop.is_set():
+                            return
+                        t = part[r:r + step] if shape else f.get_tensor(name)
+                        if t.is_floating_point() and not _all_finite(t):
+                            bad = (~torch.isfinite(t)).sum().item()
+                            self.error = ModelError(f"{source.origin}: tensor {name!r} has {bad} NaN/Inf values "
+                                                    f"(rows {r}..{min(r + step, rows) - 1}); refusing to quantize it")
+                            return
+                self.checked += 1
+        except Exception:  # the run's own reads name any file this one cannot read
+            return
+
+    def raise_if_bad(self) -> None:
+        """Raise the ModelError of the first non-finite tensor found so far, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """End the scan (it stops at its next slice) and wait for it."""
+        self._stop.set()
+        self._thread.join()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the scan has read every tensor (or found a bad one)."""
+        self._thread.join(timeout)
 
 
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
