@@ -92,6 +92,11 @@ class OutputDir:
             if model.resolve() == final or final in model.resolve().parents:
                 raise ArtifactError(f"the output {self.final} would replace the model being quantized ({model}); "
                                     "choose another output path")
+        for path in (self.final, None if resume else self.work):  # --overwrite replaces only quantkit's output
+            if path is not None and path.exists() and not _ours(path):
+                raise ArtifactError(
+                    f"{path} already exists and is not quantkit's output (no {MANIFEST} or {JOURNAL}); choose "
+                    "another output path, or empty it yourself")
         if self.final.exists() and not overwrite:
             raise ArtifactError(
                 f"{self.final} already exists; pass --overwrite to replace it"
@@ -103,12 +108,6 @@ class OutputDir:
             raise ArtifactError(
                 f"{self.work} holds an interrupted run; pass --resume to continue it or --overwrite to restart"
             )
-        if overwrite:
-            for path in (self.final, self.work if not resume else None):
-                if path is not None and path.exists() and not _ours(path):
-                    raise ArtifactError(
-                        f"{path} is not quantkit's output (no {MANIFEST} or {JOURNAL}), and --overwrite replaces "
-                        "only that; choose another output path, or empty it yourself")
 
     def prepare(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> dict[str, Any] | None:
         """Create or reopen the work dir; returns the journal when resuming."""

@@ -37,3 +37,14 @@ def record_rewritten_file(artifact: Path, path: Path) -> None:
     manifest = json.loads((artifact / MANIFEST).read_text())
     manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def wikitext_rows(data: Path) -> Path:
+    """A data directory whose WikiText-2 test file holds a few rows of text (eval checks its data before it reads
+    the model)."""
+    from quantkit.eval.perplexity import WIKITEXT_FILE
+
+    (data / WIKITEXT_FILE).parent.mkdir(parents=True, exist_ok=True)
+    rows = [" = A heading = ", " The quick brown fox jumps over the lazy dog . " * 40, ""] * 20
+    (data / WIKITEXT_FILE).write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    return data

@@ -235,7 +235,7 @@ def test_anyprec_packer_round_trip():
 def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch):
     """anyprec-3to8 on a synthetic Llama: the anyprec artifact and the quantkit simulation artifact of the same
     run give identical weights at every width, narrower widths differ, and a width outside 3..8 is refused."""
-    from helpers import cli, cli_ok
+    from helpers import cli, cli_ok, wikitext_rows
 
     from quantkit.eval.loading import load_for_eval
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
@@ -258,7 +258,7 @@ def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch)
     fp = load_for_eval(model, dtype=torch.float16).model.model.layers[1].mlp.down_proj.weight.detach()
     errors = [float((weights[b].float() - fp.float()).pow(2).mean()) for b in (3, 5, 8)]
     assert errors[0] > errors[1] > errors[2]
-    result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1")
+    result = cli("eval", tmp_path / "ap", "--bits", "2", "--limit", "1", "--data-dir", wikitext_rows(tmp_path / "d"))
     assert result.exit_code != 0 and "widths 3..8" in result.output
     assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output  # every width, emulated
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import artifact_digest, cli, cli_ok
+from helpers import artifact_digest, cli, cli_ok, wikitext_rows
 
 from quantkit.artifact import read_safetensors
 from quantkit.errors import QuantkitError
@@ -301,7 +301,7 @@ def test_output_exists_is_refused(stories260k, tinystories_txt, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     result = cli("quantize", stories260k, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", tinystories_txt)
-    assert result.exit_code == 2 and "already exists; pass --overwrite" in result.output
+    assert result.exit_code == 2 and "already exists and is not quantkit's output" in result.output
     assert (out / "keep.txt").read_text() == "precious"
 
 
@@ -314,6 +314,7 @@ def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path)
     sibling.mkdir()
     (sibling / "backup.txt").write_text("mine")
     cli_ok(*args, "-o", out)
+    assert "already exists; pass --overwrite" in cli(*args, "-o", out).output
     (out / "stale.txt").write_text("from the first run")
     cli_ok(*args, "-o", out, "--overwrite")
     assert not (out / "stale.txt").exists() and (out / "quantkit_manifest.json").is_file()
@@ -324,7 +325,7 @@ def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path)
     precious.mkdir()
     (precious / "thesis.txt").write_text("precious")
     result = cli(*args, "-o", precious, "--overwrite")
-    assert result.exit_code == 2 and "is not quantkit's output" in " ".join(result.output.split()), result.output
+    assert result.exit_code == 2 and "already exists and is not quantkit's output" in " ".join(result.output.split())
     assert (precious / "thesis.txt").read_text() == "precious"
     assert not (tmp_path / "docs.partial").exists()
 
@@ -446,16 +447,6 @@ def test_eval_missing_data_names_file(stories260k, tmp_path):
         "test.jsonl" in result.output
 
 
-def _wikitext_rows(data: Path) -> Path:
-    """A data directory whose WikiText-2 test file holds a few rows of text."""
-    from quantkit.eval.perplexity import WIKITEXT_FILE
-
-    (data / WIKITEXT_FILE).parent.mkdir(parents=True, exist_ok=True)
-    rows = [" = A heading = ", " The quick brown fox jumps over the lazy dog . " * 40, ""] * 20
-    (data / WIKITEXT_FILE).write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    return data
-
-
 @pytest.fixture(scope="module")
 def rtn_artifact(synthetic, tmp_path_factory) -> Path:
     """An RTN artifact of the synthetic model (calibration text is read for the error measure alone)."""
@@ -475,7 +466,7 @@ def rtn_artifact(synthetic, tmp_path_factory) -> Path:
     (["--tasks", " , "], "--tasks names no task"),
 ])
 def test_eval_refuses_bad_options_before_loading_the_model(rtn_artifact, tmp_path, options, match):
-    result = cli("eval", rtn_artifact, "--data-dir", _wikitext_rows(tmp_path / "data"), *options)
+    result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "data"), *options)
     assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
     assert "evaluating" not in result.output and "Traceback" not in result.output
 
@@ -522,7 +513,7 @@ def test_damaged_artifact_metadata_is_named(rtn_artifact, tmp_path, name, damage
         file.write_text(json.dumps(manifest))
     else:  # at the recorded size, which the size check cannot see
         file.write_text(damage.ljust(file.stat().st_size))
-    data = _wikitext_rows(tmp_path / "data")
+    data = wikitext_rows(tmp_path / "data")
     for args in (["eval", out, "--data-dir", data, "--limit", "1", "--seq-len", "64"], ["inspect", out]):
         if args[0] == "inspect" and name != "quantkit_manifest.json":
             continue  # inspect reads the manifest alone
@@ -550,7 +541,7 @@ def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystorie
     else:
         shard.write_bytes(data[:8] + b"@" * 16 + data[24:])  # the header's JSON, same size
         match = f"{shard.name}: cannot read this safetensors file"
-    data = _wikitext_rows(tmp_path / "data")  # eval checks its data before it reads the model
+    data = wikitext_rows(tmp_path / "data")  # eval checks its data before it reads the model
     for args in (["eval", out, "--tasks", "wikitext", "--data-dir", data], ["validate", out], ["inspect", out]):
         if damage == "corrupt" and args[0] != "eval":
             continue  # inspect reads the manifest alone, and validate has no kernel for compressed-tensors
