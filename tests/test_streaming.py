@@ -127,8 +127,8 @@ def _with_nan(model: Path, name: str) -> None:
 
 
 def test_finite_scan_finds_a_late_nan_ahead_of_the_run(tmp_path):
-    """FiniteScan reads every tensor, a slice of rows at a time, in a thread: a NaN in the last layer is named
-    (with its rows) as soon as the scan gets there; a clean checkpoint passes whole."""
+    """FiniteScan reads every tensor, a few bytes at a time here, in a thread: a NaN in the last layer is named
+    (with its place) as soon as the scan gets there; a clean checkpoint passes whole."""
     from quantkit.models.source import FiniteScan
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
@@ -140,9 +140,9 @@ def test_finite_scan_finds_a_late_nan_ahead_of_the_run(tmp_path):
     assert clean.checked == len(open_model(model).names())
     name = "model.layers.2.mlp.down_proj.weight"
     _with_nan(model, name)
-    scan = FiniteScan(open_model(model), scan_bytes=1024)  # many slices: the bad one is the last
+    scan = FiniteScan(open_model(model), scan_bytes=1000)  # many reads: the bad one the last
     scan.wait(60)
-    with pytest.raises(ModelError, match=rf"'{name}' has 1 NaN/Inf values \(rows"):
+    with pytest.raises(ModelError, match=rf"'{name}' has a NaN/Inf value \(the first at row 255, column 511\)"):
         scan.raise_if_bad()
 
 
@@ -169,7 +169,7 @@ def test_a_nan_stops_the_run_at_the_next_layer(tmp_path):
     recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=2", "calibration.seq_len=32"])
     job = QuantizeJob(model=str(model), recipe=recipe, output=tmp_path / "out",
                       calib=str(write_calibration_text(tmp_path / "calib.txt")))
-    with pytest.raises(QuantkitError, match="'lm_head.weight' has 1 NaN/Inf"):
+    with pytest.raises(QuantkitError, match="'lm_head.weight' has a NaN/Inf value"):
         run_quantize(job, WaitForScan())
     journal = json.loads((tmp_path / "out.partial" / "quantkit_journal.json").read_text())
     assert sorted(journal["layers"]) == ["0"]

@@ -172,48 +172,69 @@ class ModelSource:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
 
 
-class FiniteScan:
-    """Checks every tensor of a checkpoint for NaN/Inf in a thread of its own, a slice of rows at a time (at most
-    `scan_bytes` held), the layers in order after the rest: a bad weight in a late layer then stops a run at its next
-    layer rather than when that layer's turn comes, hours later on a large model. The run calls `raise_if_bad()`
-    between layers and `stop()` at its end; it reads every tensor itself too, and reports any other read error."""
+_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
-    SCAN_BYTES = 16 << 20
+
+class FiniteScan:
+    """Checks every floating tensor of a checkpoint for NaN/Inf in a thread of its own, reading `scan_bytes` at a
+    time into one buffer with plain file reads (a memory map would keep each tensor's pages in the process's RSS),
+    the layers in order after the rest: a bad weight in a late layer then stops a run at its next layer rather than
+    when that layer's turn comes, hours later on a large model. The run calls `raise_if_bad()` between layers and
+    `stop()` at its end; it reads every tensor itself too, and reports any other read error."""
+
+    SCAN_BYTES = 2 << 20
 
     def __init__(self, source: ModelSource, scan_bytes: int = SCAN_BYTES) -> None:
-        self.scan_bytes = scan_bytes
         a = source.adapter
         layers = [n for i in range(source.num_layers) for n in source.names() if n.startswith(a.layer_prefix(i))]
-        names = [n for n in source.non_layer_names() if n not in layers] + layers
+        names = [n for n in source.non_layer_names() if n not in set(layers)] + layers
         self.error: ModelError | None = None
         self.checked = 0  # tensors checked so far
+        self._buffer = bytearray(max(8, scan_bytes // 8 * 8))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, names), name="quantkit-finite-scan",
                                         daemon=True)
         self._thread.start()
 
     def _run(self, source: ModelSource, names: list[str]) -> None:
+        layouts: dict[Path, tuple[int, dict[str, dict]]] = {}
         try:
             for name in names:
                 file = source._where[name]
-                with safe_open(file, framework="pt") as f:
-                    part = f.get_slice(name)
-                    shape = part.get_shape()
-                    rows = shape[0] if shape else 1
-                    row_bytes = max(1, torch.Size(shape[1:]).numel() * 4)
-                    step = max(1, self.scan_bytes // row_bytes)
-                    for r in range(0, rows, step):
-                        if self._stop.is_set():
-                            return
-                        t = part[r:r + step] if shape else f.get_tensor(name)
-                        if t.is_floating_point() and not _all_finite(t):
-                            bad = (~torch.isfinite(t)).sum().item()
-                            self.error = ModelError(f"{source.origin}: tensor {name!r} has {bad} NaN/Inf values "
-                                                    f"(rows {r}..{min(r + step, rows) - 1}); refusing to quantize it")
-                            return
+                if file not in layouts:
+                    with open(file, "rb") as f:
+                        base = 8 + struct.unpack("<Q", f.read(8))[0]
+                    layouts[file] = (base, check_safetensors(file))
+                base, entries = layouts[file]
+                if not self._check(source, name, file, base, entries[name]) or self._stop.is_set():
+                    return
                 self.checked += 1
         except Exception:  # the run's own reads name any file this one cannot read
             return
+
+    def _check(self, source: ModelSource, name: str, file: Path, base: int, entry: dict) -> bool:
+        """Whether tensor `name` is finite (integers always are); else sets `error` naming its first bad value."""
+        dtype = _FLOAT_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return True
+        start, stop = entry["data_offsets"]
+        size = torch.finfo(dtype).bits // 8
+        shape = entry.get("shape") or [1]
+        cols = max(1, int(torch.Size(shape[1:]).numel()))
+        view = memoryview(self._buffer)
+        with open(file, "rb", buffering=0) as f:
+            f.seek(base + start)
+            for at in range(start, stop, len(self._buffer)):
+                if self._stop.is_set():
+                    return True
+                got = f.readinto(view[:min(len(self._buffer), stop - at)])
+                t = torch.frombuffer(self._buffer, dtype=dtype, count=got // size)
+                if not _all_finite(t):
+                    first = (at - start) // size + int((~torch.isfinite(t)).nonzero()[0, 0])
+                    self.error = ModelError(f"{source.origin}: tensor {name!r} has a NaN/Inf value (the first at "
+                                            f"row {first // cols}, column {first % cols}); refusing to quantize it")
+                    return False
+        return True
 
     def raise_if_bad(self) -> None:
         """Raise the ModelError of the first non-finite tensor found so far, if any."""
@@ -221,7 +242,7 @@ class FiniteScan:
             raise self.error
 
     def stop(self) -> None:
-        """End the scan (it stops at its next slice) and wait for it."""
+        """End the scan (it stops at its next read) and wait for it."""
         self._stop.set()
         self._thread.join()
 
