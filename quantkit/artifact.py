@@ -65,6 +65,18 @@ def shard_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
+def _json_object(file: Path, keys: tuple[str, ...] = ()) -> tuple[Any, str]:
+    """The JSON object in `file` and "", or what is wrong with the file: unreadable, not an object, or without one
+    of `keys`."""
+    try:
+        content = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, str(exc)
+    if not isinstance(content, dict):
+        return None, "not a JSON object"
+    return content, ", ".join(f"no {key!r}" for key in keys if key not in content)
+
+
 def _ours(path: Path) -> bool:
     """Whether directory `path` is quantkit's to replace: an artifact, an interrupted run, or empty."""
     return (path / MANIFEST).is_file() or (path / JOURNAL).is_file() or not any(path.iterdir())
@@ -113,15 +125,10 @@ class OutputDir:
         """Create or reopen the work dir; returns the journal when resuming."""
         self.check(resume, overwrite, protect)
         if resume:
-            journal_path = self.work / JOURNAL
-            try:
-                journal = json.loads(journal_path.read_text())
-                problem = "" if isinstance(journal, dict) and isinstance(journal.get("layers"), dict) else "no layers"
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                problem = str(exc)
-            if problem:
-                raise ArtifactError(f"--resume: {journal_path} is damaged ({problem}); rerun with --overwrite to "
-                                    "start afresh")
+            journal, problem = _json_object(self.work / JOURNAL, ("layers",))
+            if problem or not isinstance(journal["layers"], dict):
+                raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem or 'no layers'}); rerun "
+                                    "with --overwrite to start afresh")
             return journal
         if self.work.exists():
             shutil.rmtree(self.work)
@@ -157,12 +164,7 @@ def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dic
     """The JSON object in file `name` of artifact `path` (config.json, the shard index), holding `keys`, or an
     ArtifactError naming the file."""
     file = Path(path) / name
-    try:
-        content = json.loads(file.read_text())
-        problem = "" if isinstance(content, dict) else "not a JSON object"
-        problem = problem or ", ".join(f"no {key!r}" for key in keys if key not in content)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problem = str(exc)
+    content, problem = _json_object(file, keys)
     if problem:
         raise ArtifactError(f"{file}: cannot read it ({problem}); the artifact is damaged (copy it again, or "
                             "quantize again)")
