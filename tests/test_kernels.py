@@ -1076,6 +1076,7 @@ def test_anyprec_tc_bound_catches_one_wrong_weight():
 @pytest.mark.parametrize(("fmt", "group", "splits", "m"), [
     ("qserve", None, 16, 9), ("qserve", 128, 5, 9), ("qqq", None, 8, 9), ("qqq", 128, 3, 9), ("liquidquant", 64, 4, 9),
     ("liquidquant", 64, 4, 3),  # liquidquant_w4a8_gemm8
+    ("qqq", None, 16, 9), ("qqq", 128, 16, 9),  # SPLITK_RED_PLAN's 16 copies a QQQ block, meeting in one slot
 ])
 def test_split_k_gpu_kernel_matches_the_emulation(fmt, group, splits, m):
     """The split-K path on the device: the copies' partial sums through shared memory, at split counts up to the
