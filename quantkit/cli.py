@@ -38,7 +38,9 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="quantkit")
-@click.option("-v", "--verbose", is_flag=True, help="Log debug details (per-pass notes, library warnings).")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Log what quantkit resolved and did: the model, the calibration data, each layer's step times and "
+                   "metrics, the files written.")
 def main(verbose: bool) -> None:
     """quantkit: offline, recipe-driven post-training quantization of Llama-family LLMs.
 
@@ -49,7 +51,8 @@ def main(verbose: bool) -> None:
     quantkit inspect OUT                                       # what an artifact holds
     quantkit validate OUT                                      # packed layers through the kernels' emulation
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("quantkit").setLevel(logging.DEBUG if verbose else logging.NOTSET)  # libraries stay quiet
     warnings.showwarning = _show_warning
 
 
@@ -238,7 +241,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         raise QuantkitError("--tasks names no task")
     lm_tasks = [t for t in names if t != "wikitext"]
     if lm_tasks:
-        from quantkit.eval.lmeval import LM_EVAL_TASKS, check_task_data
+        from quantkit.eval.lmeval import LM_EVAL_TASKS, check_task_data, require_lm_eval
 
         unknown = [t for t in lm_tasks if t not in LM_EVAL_TASKS]
         if unknown:
@@ -248,6 +251,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         wikitext_file(data_dir)
     if lm_tasks:
         check_task_data(lm_tasks, data_dir)
+        require_lm_eval()
     if output_json and not Path(output_json).parent.is_dir():
         raise QuantkitError(f"--output-json: {Path(output_json).parent} is not a directory")
     loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits)

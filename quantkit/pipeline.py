@@ -44,6 +44,7 @@ from quantkit.calib import (
     resolve_named_set,
 )
 from quantkit.errors import QuantkitError
+from quantkit.eval.perplexity import WIKITEXT_FILE
 from quantkit.files import atomic_write
 from quantkit.formats import Packer, get_packer
 from quantkit.models.adapters import ROLES
@@ -313,7 +314,13 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     protect = (model_path,) if model_path.exists() else ()  # a local model: never the output to replace
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
+    log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
+             source.num_layers, str(source.dtype).removeprefix("torch."), source.path)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
+    if job.calib is not None:  # the saved recipe names the data calibrated on, so that it reproduces the run
+        named = str(job.calib) in named_sets()
+        dataset = str(job.calib) if named else str(Path(job.calib).expanduser().resolve())
+        job = replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
     recipe = job.recipe
     packer = get_packer(recipe.export.format)(recipe, source.dtype)
     packer.check_recipe()
@@ -328,6 +335,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
                          "the calibration text with the model's own tokenizer (tokenizer.json, or tokenizer.model, "
                          "with tokenizer_config.json)")
     calib = resolve_calibration(job, source, tokenizer, reporter)
+    if calib.source.endswith(WIKITEXT_FILE):
+        reporter.warn(f"calibrating on the WikiText-2 test split ({calib.source}), the text `quantkit eval` measures "
+                      "perplexity on: that perplexity will be optimistic; provide the train split "
+                      "(<data dir>/wikitext-2-raw-v1/train.jsonl) for results comparable to the papers")
+    log.info("calibration: %s, %s sampling, %d x %d tokens, sha256 %s", calib.source, calib.sampling,
+             calib.tokens.shape[0], calib.tokens.shape[1], calib.sha256)
     journal = out.prepare(resume=job.resume, overwrite=job.overwrite, protect=protect)
     recipe_yaml = to_yaml(recipe)
     try:
@@ -373,6 +386,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
         raise
     out.commit()
+    log.info("wrote %s (%s format)", out.final, packer.name)
     manifest = json.loads((out.final / MANIFEST).read_text())
     return RunSummary(
         output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
@@ -451,6 +465,8 @@ def _run_layer(ctx: _LayerContext, i: int, out: OutputDir, journal: dict[str, An
             "seconds": report.seconds, "notes": notes, "metrics": metrics, "step_seconds": steps,
         }
         out.save_journal(journal)
+    log.debug("layer %d%s: rel. error %.5f; steps %s; metrics %s", i, " (replayed)" if report.replayed else "",
+              report.rel_error, {k: round(v, 2) for k, v in report.step_seconds.items()}, report.metrics)
     return report
 
 

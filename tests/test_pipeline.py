@@ -579,3 +579,50 @@ def test_inspect_describes_outliers_and_lookup_tables():
     assert _describe_weights(anyprec) == "3..8-bit lookup tables per row (non-uniform, Any-Precision bitplanes)"
     squeeze = asdict(QuantSpec(bits=3, granularity="channel", codebook=True))
     assert _describe_weights(squeeze) == "3-bit lookup tables per row (non-uniform)"
+
+
+def test_saved_recipe_names_the_calibration_data_and_verbose_logs_the_run(synthetic, calib_txt, tmp_path, caplog):
+    """--calib goes into the saved recipe (the absolute path of a file; a named set by name), so that quantizing
+    again from the saved recipe calibrates on the same tokens; -v logs the model, the calibration and each layer."""
+    import logging
+
+    import yaml
+
+    out = tmp_path / "out"
+    try:
+        with caplog.at_level(logging.DEBUG, logger="quantkit"):
+            cli_ok("-v", "quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    finally:
+        logging.getLogger("quantkit").setLevel(logging.NOTSET)
+    saved = yaml.safe_load((out / "quantkit_recipe.yaml").read_text())
+    assert saved["calibration"]["dataset"] == str(Path(calib_txt).resolve())
+    messages = [r.getMessage() for r in caplog.records if r.name == "quantkit"]
+    assert any(m.startswith("calibration: ") and str(calib_txt) in m for m in messages), messages
+    assert any(m.startswith("layer 2: rel. error") for m in messages) and any(m.startswith("model ") for m in messages)
+    again = tmp_path / "again"
+    cli_ok("quantize", synthetic, "--recipe", out / "quantkit_recipe.yaml", "-o", again)
+    calibration = [json.loads((d / "quantkit_manifest.json").read_text())["calibration"] for d in (out, again)]
+    assert calibration[0]["sha256"] == calibration[1]["sha256"]
+
+
+def test_eval_without_lm_eval_says_so_before_the_model(rtn_artifact, tmp_path, monkeypatch):
+    """Without the eval extra, lm-eval tasks are refused before any model time (the wikitext run before them was
+    thrown away)."""
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    data = wikitext_rows(tmp_path / "data")
+    (data / "piqa").mkdir()
+    (data / "piqa" / "validation.jsonl").write_text("")
+    result = cli("eval", rtn_artifact, "--tasks", "wikitext,piqa", "--data-dir", data)
+    assert result.exit_code == 2 and "pip install 'quantkit[eval]'" in result.output, result.output
+    assert "evaluating" not in result.output
+
+
+def test_calibrating_on_the_wikitext_test_split_warns(synthetic, tmp_path):
+    """The WikiText-2 test rows (the only split in shared/, and what atom-w4a4's default set finds there) as
+    calibration text: the run says that its WikiText-2 perplexity will be optimistic."""
+    from quantkit.eval.perplexity import WIKITEXT_FILE
+
+    data = wikitext_rows(tmp_path / "data")
+    result = cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "out", "--calib",
+                    data / WIKITEXT_FILE, "--num-samples", "2", "--seq-len", "32")
+    assert "calibrating on the WikiText-2 test split" in " ".join(result.output.split()), result.output

@@ -36,6 +36,7 @@ __all__ = [
     "UnknownEvalTaskError",
     "check_task_data",
     "render_task_configs",
+    "require_lm_eval",
     "resolve_data_dir",
     "run_lm_eval",
 ]
@@ -151,6 +152,19 @@ def resolve_data_dir(data_dir: str | Path | None = None) -> Path | None:
     if data_dir is None or str(data_dir) == "":
         data_dir = os.environ.get(DATA_DIR_ENV) or None
     return None if data_dir is None else Path(data_dir).expanduser().resolve()
+
+
+def require_lm_eval() -> None:
+    """Raise a QuantkitError naming the extra to install unless lm-eval and its Hugging Face backend import."""
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.models.huggingface import HFLM  # noqa: F401
+        from lm_eval.tasks import TaskManager  # noqa: F401
+    except ImportError as exc:
+        raise QuantkitError(
+            f"lm-eval tasks need lm-eval with its Hugging Face backend ({exc}); "
+            "install the extra: pip install 'quantkit[eval]'"
+        ) from exc
 
 
 def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) -> Path:
@@ -317,15 +331,10 @@ def run_lm_eval(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_length is not None and max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError as exc:
-        raise QuantkitError(
-            f"lm-eval tasks need lm-eval with its Hugging Face backend ({exc}); "
-            "install the extra: pip install 'quantkit[eval]'"
-        ) from exc
+    require_lm_eval()
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     was_training = model.training
     with (
