@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -334,8 +335,6 @@ def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path)
     result = cli(*args, "-o", a_file, "--overwrite")
     assert result.exit_code == 2 and "is not a directory" in result.output and a_file.read_text() == "notes"
 
-    import shutil
-
     model = shutil.copytree(synthetic, tmp_path / "model")
     for target in (model, tmp_path):  # the model, and a directory holding it
         result = cli("quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o", target,
@@ -369,8 +368,6 @@ def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, c
 
 
 def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tmp_path):
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     bare = shutil.copytree(synthetic, tmp_path / "bare")
@@ -503,8 +500,6 @@ def test_validate_refuses_no_tokens(rtn_artifact):
 def test_damaged_artifact_metadata_is_named(rtn_artifact, tmp_path, name, damage, match):
     """The artifact's small files damaged at their size (a copy gone wrong, an edit) give a short error naming the
     file, from eval and inspect alike, not a traceback."""
-    import shutil
-
     out = shutil.copytree(rtn_artifact, tmp_path / "art")
     file = out / name
     if damage == "no weights":
