@@ -81,6 +81,7 @@ class _RichReporter:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
             console=console, transient=False,
+            disable=not console.is_terminal,  # a log gets the lines below instead, not a bar cut at 80 columns
         )
         self.task = None
         self.phases: dict[str, Any] = {}
