@@ -35,7 +35,8 @@ SAFETENSORS_DTYPES = {"F16", "BF16", "F32", "F64", "I8", "U8", "I16", "I32", "I6
 
 
 def check_safetensors(path: Path) -> dict[str, dict]:
-    """Parse and validate a safetensors header (sizes, offsets, dtypes); returns the tensor entries."""
+    """Parse and validate a safetensors header (sizes, offsets, dtypes); returns the tensor entries, each with its
+    data's byte range in the file as `file_offsets` beside the header's `data_offsets` (from the data's start)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -63,6 +64,8 @@ def check_safetensors(path: Path) -> dict[str, dict]:
     if end != data_size:
         what = "truncated" if end > data_size else "corrupt (trailing bytes)"
         raise ModelError(f"{path}: {what} safetensors: tensors need {end} data bytes, file has {data_size}")
+    for entry in entries.values():
+        entry["file_offsets"] = [8 + n + offset for offset in entry["data_offsets"]]
     return entries
 
 
@@ -187,7 +190,7 @@ class FiniteScan:
     def __init__(self, source: ModelSource, scan_bytes: int = SCAN_BYTES) -> None:
         a = source.adapter
         layers = [n for i in range(source.num_layers) for n in source.names() if n.startswith(a.layer_prefix(i))]
-        names = [n for n in source.non_layer_names() if n not in set(layers)] + layers
+        names = source.non_layer_names() + layers
         self.error: ModelError | None = None
         self.checked = 0  # tensors checked so far
         self._buffer = bytearray(max(8, scan_bytes // 8 * 8))
@@ -197,33 +200,30 @@ class FiniteScan:
         self._thread.start()
 
     def _run(self, source: ModelSource, names: list[str]) -> None:
-        layouts: dict[Path, tuple[int, dict[str, dict]]] = {}
+        headers: dict[Path, dict[str, dict]] = {}
         try:
             for name in names:
                 file = source._where[name]
-                if file not in layouts:
-                    with open(file, "rb") as f:
-                        base = 8 + struct.unpack("<Q", f.read(8))[0]
-                    layouts[file] = (base, check_safetensors(file))
-                base, entries = layouts[file]
-                if not self._check(source, name, file, base, entries[name]) or self._stop.is_set():
+                if file not in headers:
+                    headers[file] = check_safetensors(file)
+                if not self._check(source, name, file, headers[file][name]) or self._stop.is_set():
                     return
                 self.checked += 1
         except Exception:  # the run's own reads name any file this one cannot read
             return
 
-    def _check(self, source: ModelSource, name: str, file: Path, base: int, entry: dict) -> bool:
+    def _check(self, source: ModelSource, name: str, file: Path, entry: dict) -> bool:
         """Whether tensor `name` is finite (integers always are); else sets `error` naming its first bad value."""
         dtype = _FLOAT_DTYPES.get(entry["dtype"])
         if dtype is None:
             return True
-        start, stop = entry["data_offsets"]
+        start, stop = entry["file_offsets"]
         size = torch.finfo(dtype).bits // 8
         shape = entry.get("shape") or [1]
         cols = max(1, int(torch.Size(shape[1:]).numel()))
         view = memoryview(self._buffer)
         with open(file, "rb", buffering=0) as f:
-            f.seek(base + start)
+            f.seek(start)
             for at in range(start, stop, len(self._buffer)):
                 if self._stop.is_set():
                     return True
