@@ -4,9 +4,9 @@
    bit, the split-K paths included, and a quantize run on the GPU must match the CPU's. The Hopper (wgmma)
    kernels' tests (-m hopper) run first in a process of their own: if they fail, every later step runs with
    QUANTKIT_WGMMA=0, so that a broken wgmma kernel (a sticky CUDA error ends the process's context) costs none of
-   the other kernels' results. The tensor-copy wgmma loop's tests (-m tma; QK_WGMMA_TMA, off by default) and the
-   bulk-copy decode kernel's (-m bulk; off by default) follow, each in a process of their own with a short limit,
-   neither gating the later steps. With --kernel sim, the kernel tests of tests/test_kernels.py
+   the other kernels' results. The cp.async wgmma loop's tests (-m cpasync; QK_WGMMA_TMA=0, the default until
+   run 10) and the bulk-copy decode kernel's (-m bulk; off by default) follow, each in a process of their own with
+   a short limit, neither gating the later steps. With --kernel sim, the kernel tests of tests/test_kernels.py
    instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
@@ -147,11 +147,11 @@ def main() -> None:
                        "--defines", "" if args.skip_timeline else "QK_TIMELINE=1"],
              args.out, results, 180)
         if not args.skip_tests:
-            if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk and not tma"], args.out, results, 120) != 0:
+            if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk and not cpasync"], args.out, results, 120) != 0:
                 env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
-            # the tensor-copy loop (off by default) apart too: a failure there must not take the default wgmma
-            # kernels out of the later steps
-            step("tma-tests", [*pytest, "-m", "tma"], args.out, results, 90, env)
+            # the cp.async ring (the default until run 10) apart too: a failure there must not take the default
+            # wgmma kernels out of the later steps
+            step("cp-async-tests", [*pytest, "-m", "cpasync"], args.out, results, 90, env)
             # the bulk-copy decode kernel (off by default) apart: a wrong mbarrier count would hang only this step
             step("bulk-tests", [*pytest, "-m", "bulk"], args.out, results, 60, env)
             step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240,

@@ -112,17 +112,23 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # the W4A8 register kernels' split-K meeting with copy 0 adding every copy's stored sums after the block's
     # barrier, not each copy adding its own by shared-memory atomics as it finishes (the default until run 6)
     "NO-RED": ({**U8, "QK_SPLITK_RED": 0}, SPLIT),
-    # the W4A8 register kernels' copies a block planned by the one slot of sums they meet in under RED, not by a slot
-    # a copy (SPLITK_RED_PLAN): QQQ's blocks then hold 16 copies where they held 8, so a tile meets across 2 blocks
-    # in device memory at N = 4096 (4 before) and none at 6144 (96 blocks of 16 copies, where 384 held 4 each)
-    "RED-PLAN": (U8, {**SPLIT, "SPLITK_RED_PLAN": True}),
+    # the W4A8 register kernels' copies a block planned by a slot of sums a copy everywhere (SLOT-PLAN,
+    # SPLITK_RED_PLAN 0), or by the one slot they meet in under RED everywhere (RED-ALL, 2), not only where that
+    # makes a tile one block (the default, 1). In run 9 (H200) RED-ALL against SLOT-PLAN took QQQ at 6144 x 4096
+    # from 4 blocks of 4 copies a tile to one of 16 (0.86-0.94x), at 4096 x 4096 from 4 blocks of 8 to 2 of 16
+    # (1.01-1.02x), at 4096 x 14336 the same (0.98-1.05x)
+    "SLOT-PLAN": (U8, {**SPLIT, "SPLITK_RED_PLAN": 0}),
+    "RED-ALL": (U8, {**SPLIT, "SPLITK_RED_PLAN": 2}),
     # the meeting of a tile's blocks in device memory fenced by fence.acq_rel.gpu, not __threadfence's fence.sc.gpu
     # (QK_SPLITK_FENCE_SC; QQQ at N = 4096 and 6144, where a tile is 4 blocks)
     "MEET-ACQREL": ({**U8, "QK_SPLITK_FENCE_SC": 0}, SPLIT),
-    # the decode kernels that load their epilogue's parameters after the split-K meeting (QServe per group, QQQ,
-    # LiquidQuant from 9 tokens) load them once their K loop is done, in flight while the copies meet
-    # (QK_EPILOGUE_MID)
-    "EPI-MID": ({**U8, "QK_EPILOGUE_MID": 1}, SPLIT),
+    # the decode kernels without registers for their epilogue's parameters across the K loop (QServe per group, QQQ
+    # per channel, LiquidQuant from 9 tokens) loading them after the split-K meeting, not once their K loop is done,
+    # in flight while the copies meet (QK_EPILOGUE_MID 0, the default until run 9, where EPI-MID took 0.88-1.00x);
+    # and QQQ per group loading them before the meeting too (QK_EPILOGUE_MID_QQQ_GROUP; in run 9 1.00-1.10x on three
+    # shapes, 0.96-0.99x at 4096 x 4096)
+    "EPI-AFTER": ({**U8, "QK_EPILOGUE_MID": 0}, SPLIT),
+    "EPI-MID-QG": ({**U8, "QK_EPILOGUE_MID_QQQ_GROUP": 1}, SPLIT),
     # QServe's and QQQ's tiles split over 2 or 4 blocks as one thread-block cluster, meeting in the first block's
     # shared memory, not in device memory by atomics, a fence and a count (SPLITK_CLUSTER; QQQ at N = 4096 and 6144)
     "CLUSTER": (U8, {**SPLIT, "SPLITK_CLUSTER": True}),
@@ -142,8 +148,8 @@ W4A8 = ("qserve", "liquidquant", "qqq")
 SCOPES: dict[str, tuple[str, ...]] = {
     "U6": W4A8, "ATOM-A2": ("atom",),
     "LQQ-4B": ("liquidquant",), "LQQ-W4": ("liquidquant",), "LQQ-A10": ("liquidquant",), "LQQ-S1": ("liquidquant",),
-    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8, "EPI-MID": W4A8,
-    "RED-PLAN": ("qqq",),  # QServe's and LiquidQuant's blocks are bound by their 512 threads either way
+    "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8, "EPI-AFTER": W4A8, "EPI-MID-QG": ("qqq",),
+    "SLOT-PLAN": ("qqq",), "RED-ALL": ("qqq",),  # QServe's and LiquidQuant's blocks are bound by 512 threads either way
     "CLUSTER": ("qqq",), "MEET-ACQREL": ("qqq",),  # QServe splits no tile over blocks here
     "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
@@ -162,28 +168,35 @@ def scope(name: str, large: bool = False) -> tuple[str, ...] | None:
 # --large: the Hopper kernels (kernels/qk_common.cuh WgmmaTiles) at M = 1024, the first the default. Each step's copy
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the
 # 256-channel kernels (*_wgmma2: one block of 17 KiB stages an SM, where the 128-channel kernel fits two of 13 KiB).
+CP_ASYNC = {"QK_WGMMA_TMA": 0}  # the activation tiles by cp.async, as the weights
 LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
-    "W5L3": ({}, {}),  # the built-in ring: QK_WGMMA_STAGES 5, QK_WGMMA_LEAD 3 (no define: the default build)
-    "W5L4": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 4}, {}),
-    "W8L6": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
-    "W8L7": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {}),
+    # the built-in ring: each stage's activation tile by one TMA copy from x's tensor map, completing on the stage's
+    # mbarrier, so the loop needs no proxy fence (QK_WGMMA_TMA), 8 stages with copies 6 steps ahead (no define: the
+    # default build). Run 10 (H200) took it as the default: 0.72-0.91x the cp.async ring's time (W5L3) per channel and
+    # for LiquidQuant, 0.96-1.01x per group; TMA with W5L3's ring took 0.73-1.04x, with OVERLAP's retirement 0.82-1.05x
+    "TMA-W8L6": ({}, {}),
+    "TMA-W8L7": ({"QK_WGMMA_LEAD": 7}, {}),
+    "TMA-W5L3": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {}),
+    "TMA-OVERLAP": ({"QK_WGMMA_RETIRE": 2}, {}),
+    # the activation tiles by cp.async, with the proxy fence before each step's barrier (the default until run 10),
+    # with the ring 5 deep and copies 3 steps ahead (W5L3, the default then), and other rings
+    "W5L3": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {}),
+    "W5L4": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 4}, {}),
+    "W8L6": ({**CP_ASYNC, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
+    "W8L7": ({**CP_ASYNC, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {}),
+    # 256 channels a block (one block an SM), with the default ring and deeper ones
     "WIDE": ({}, {"WGMMA_WIDE": True}),
     "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
     "WIDE12": ({"QK_WGMMA_STAGES": 12, "QK_WGMMA_LEAD": 11}, {"WGMMA_WIDE": True}),
-    # when a step's wgmmas retire (QK_WGMMA_RETIRE; by default just before the next step's fragments, after its
-    # barrier and copy issue: RETIRE-LATE, 0.85-0.95x on every row of run 5): at the end of the next step, while its
-    # fragments are unpacked into a second register set; or at the end of their own step (the default until run 5)
-    "OVERLAP": ({"QK_WGMMA_RETIRE": 2}, {}),
-    "RETIRE-END": ({"QK_WGMMA_RETIRE": 0}, {}),
-    # diagnostic (DIAGNOSTIC): without the proxy fence of the completed copies, what its MEMBAR costs a step
-    "NOFENCE": ({"QK_WGMMA_PROXY_FENCE": 0}, {}),
-    # each stage's activation tile by one TMA copy from x's tensor map, completing on the stage's mbarrier: the
-    # loop needs no proxy fence (QK_WGMMA_TMA), the fix NOFENCE (0.80-0.99x in run 5) measured the room for
-    "TMA": ({"QK_WGMMA_TMA": 1}, {}),
-    # the same with the ring deeper (its copies cost a thread 0 instruction each, where cp.async took every thread
-    # two), or with each step's wgmmas retiring at the end of the next step (OVERLAP's second register set)
-    "TMA-W8L6": ({"QK_WGMMA_TMA": 1, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
-    "TMA-OVERLAP": ({"QK_WGMMA_TMA": 1, "QK_WGMMA_RETIRE": 2}, {}),
+    # when the cp.async ring's wgmmas retire (QK_WGMMA_RETIRE; by default just before the next step's fragments,
+    # after its barrier and copy issue: RETIRE-LATE, 0.85-0.95x on every row of run 5): at the end of the next step,
+    # while its fragments are unpacked into a second register set; or at the end of their own step (the default
+    # until run 5)
+    "OVERLAP": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_RETIRE": 2}, {}),
+    "RETIRE-END": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_RETIRE": 0}, {}),
+    # diagnostic (DIAGNOSTIC): the cp.async ring without the proxy fence of the completed copies, what its MEMBAR
+    # costs a step (0.80-0.99x in run 5; TMA needs none)
+    "NOFENCE": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_PROXY_FENCE": 0}, {}),
 }
 # Configurations timed to learn what holds a kernel back, never to be run: `fastest` passes over them.
 DIAGNOSTIC = frozenset({"NOFENCE"})
@@ -198,16 +211,16 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     return LARGE_CONFIGS if large else CONFIGS
 
 
-# The plan for the next lent GPU: three changes to the end of a decode call, not yet timed (RED-PLAN, EPI-MID,
-# MEET-ACQREL; two of them time QQQ alone), the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1,
-# AP-MULHI), to confirm the new defaults against them a second time, then the configurations that were within noise
-# or mixed (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2). `--configs pending` times them after the default in this
-# order, so that a run cut short still has the untimed changes and then the defaults' confirmation.
-PENDING: tuple[str, ...] = ("RED-PLAN", "EPI-MID", "MEET-ACQREL", "NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "CLUSTER",
-                             "QS-S2", "AP-EARLY", "AP-W8", "Z2", "ATOM-A2")
-# --large --configs pending: the tensor copies first, the wgmma loop's other retirement modes (the default is
-# RETIRE-LATE), then the diagnostic.
-LARGE_PENDING: tuple[str, ...] = ("TMA", "TMA-W8L6", "TMA-OVERLAP", "OVERLAP", "RETIRE-END", "NOFENCE")
+# The plan for the next lent GPU: the settings that run 9 replaced (EPI-AFTER, SLOT-PLAN), the two halves of what it
+# did not take (RED-ALL, EPI-MID-QG) and MEET-ACQREL (0.96-1.00x for QQQ per channel where its tiles meet across
+# blocks, 0.99-1.02x per group), then the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1, AP-MULHI),
+# then the configurations that were within noise or mixed (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2).
+# `--configs pending` times them after the default in this order, so that a run cut short still has the first.
+PENDING: tuple[str, ...] = ("EPI-AFTER", "SLOT-PLAN", "RED-ALL", "EPI-MID-QG", "MEET-ACQREL", "NO-RED", "EPI-LATE",
+                             "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8", "Z2", "ATOM-A2")
+# --large --configs pending: the old cp.async ring against the new default, then the TMA ring's variants and the
+# 256-channel blocks under it.
+LARGE_PENDING: tuple[str, ...] = ("W5L3", "TMA-W8L7", "TMA-W5L3", "TMA-OVERLAP", "WIDE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:

@@ -699,9 +699,10 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
             for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 32, 32)] = at(copy, nb, lane)[i];
         for (int nb = 0; nb < 8; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
         qk::splitk_add(&mine[0][0], partials.data(), lane, 32, 32, splits);
-        const qk::QQQEpilogue epi = QK_EPILOGUE_MID ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
+        const bool mid = qk::qqq_epilogue_mid(args.s_group != nullptr);
+        const qk::QQQEpilogue epi = mid ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
         for (int nb = 0; nb < 8; ++nb) {
-          if (QK_EPILOGUE_MID) qk::store_with(args, epi, mt, c, nb, lane, mine[nb]);  // as the kernels build
+          if (mid) qk::store_with(args, epi, mt, c, nb, lane, mine[nb]);  // as the kernels build
           else qk::store(args, mt, c, nb, lane, mine[nb]);
         }
       }

@@ -34,14 +34,20 @@ typedef unsigned long long uint64_t;
 #ifndef QK_EPILOGUE_EARLY
 #define QK_EPILOGUE_EARLY 1
 #endif
-// QK_EPILOGUE_MID = 1 (bench/smallm_tune.py's EPI-MID; not yet timed, so 0): the decode kernels without the registers
-// to hold their epilogue's parameters across the K loop (QServe per group, QQQ, LiquidQuant from 9 tokens) have copy
-// 0 load them as soon as its own K loop is done, before the split-K meeting, so that they are in flight while it
-// waits for the block's other copies (and the tile's other blocks), not issued after. The phase timeline of the H100
-// (bench/results/kernels_h100_timeline.json, M = 1, 4096 x 4096) puts 0.9-1.2 us between QQQ's meeting and its
-// stores. The same arithmetic in the same order: the same bits.
+// QK_EPILOGUE_MID = 1: the decode kernels without the registers to hold their epilogue's parameters across the K
+// loop (QServe per group, QQQ per channel, LiquidQuant from 9 tokens) have copy 0 load them as soon as its own K loop
+// is done, before the split-K meeting, so that they are in flight while it waits for the block's other copies (and
+// the tile's other blocks), not issued after (0, smallm_tune's EPI-AFTER). The phase timeline of the H100
+// (bench/results/kernels_h100_timeline.json, M = 1, 4096 x 4096) put 0.9-1.2 us between QQQ's meeting and its stores;
+// the H200 run of 35670a6 (kernels_h200_smallm_tune.json, run 9) timed it at 0.88-0.97x for QQQ per channel,
+// 0.91-1.00x for QServe per group and LiquidQuant at 16 tokens. QQQ per group takes it only with
+// QK_EPILOGUE_MID_QQQ_GROUP = 1 (EPI-MID-QG): 1.00-1.10x on three of the four shapes in that run. The same arithmetic
+// in the same order: the same bits.
 #ifndef QK_EPILOGUE_MID
-#define QK_EPILOGUE_MID 0
+#define QK_EPILOGUE_MID 1
+#endif
+#ifndef QK_EPILOGUE_MID_QQQ_GROUP
+#define QK_EPILOGUE_MID_QQQ_GROUP 0
 #endif
 
 namespace qk {
@@ -559,13 +565,27 @@ QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
          ((uint64_t)2 << 62);
 }
 
+// QK_WGMMA_TMA = 1, the default: each stage's activation tile arrives by one
+// tensor copy (cp.async.bulk.tensor.2d, issued by thread 0 from `x_map`, the tensor map of x [M, K] that
+// quantkit.kernels encodes: a box of 64 bytes x 128 rows, 64-byte swizzle, zeros past M), which writes through the
+// async proxy and completes on the stage's mbarrier (after the ring in shared memory); the weights still come by
+// cp.async. The wgmmas read only the activation tile from shared memory, so the loop needs no proxy fence (NOFENCE,
+// the old loop without it, took 0.80-0.99x its time on an H100). The TMA's 64-byte swizzle is the layout copy_rows
+// writes (16-byte chunk c of row r at chunk c ^ (r / 2) % 4, in stages aligned to 1024 bytes), which the B
+// descriptors read (wgmma_desc_sw64). The kernels take x_map as their last argument only when built with the knob.
+// With 0 (smallm_tune --large's W5L3) the activation tiles come by cp.async too, and a proxy fence before each
+// step's barrier makes them visible to the wgmmas. The H200 run of 35670a6 (kernels_h200_smallm_tune.json, run 10)
+// timed TMA-W8L6 (this, eight stages) at 0.72-0.91x W5L3's time per channel and for LiquidQuant, 0.96-1.01x per group.
+#ifndef QK_WGMMA_TMA
+#define QK_WGMMA_TMA 1
+#endif
 // The ring's depth (QK_WGMMA_STAGES) and how many steps ahead its copies go (QK_WGMMA_LEAD) are compile-time knobs
 // for tuning on a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py --large); they change no bit of any output.
 // Each step's wgmmas retire before the barrier of the next, so a copy may go into the slot of the step before this
 // one: LEAD <= STAGES - 1. Two blocks of five 13 KiB stages fit an SM (W = 1), so would two of eight; W = 2 takes
 // 17 KiB a stage, one block an SM (its 512 threads hold all the registers).
 #ifndef QK_WGMMA_STAGES
-#define QK_WGMMA_STAGES 5
+#define QK_WGMMA_STAGES (QK_WGMMA_TMA ? 8 : 5)
 #endif
 #ifndef QK_WGMMA_LEAD
 #define QK_WGMMA_LEAD (QK_WGMMA_STAGES - 2)
@@ -1065,17 +1085,6 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 #endif
 #ifndef QK_WGMMA_PROXY_FENCE
 #define QK_WGMMA_PROXY_FENCE 1
-#endif
-// QK_WGMMA_TMA = 1 (bench/smallm_tune.py --large's TMA; not yet timed): each stage's activation tile arrives by one
-// tensor copy (cp.async.bulk.tensor.2d, issued by thread 0 from `x_map`, the tensor map of x [M, K] that
-// quantkit.kernels encodes: a box of 64 bytes x 128 rows, 64-byte swizzle, zeros past M), which writes through the
-// async proxy and completes on the stage's mbarrier (after the ring in shared memory); the weights still come by
-// cp.async. The wgmmas read only the activation tile from shared memory, so the loop needs no proxy fence (NOFENCE,
-// the old loop without it, took 0.80-0.99x its time on an H100). The TMA's 64-byte swizzle is the layout copy_rows
-// writes (16-byte chunk c of row r at chunk c ^ (r / 2) % 4, in stages aligned to 1024 bytes), which the B
-// descriptors read (wgmma_desc_sw64). The kernels take x_map as their last argument only when built with the knob.
-#ifndef QK_WGMMA_TMA
-#define QK_WGMMA_TMA 0
 #endif
 #if QK_WGMMA_TMA
 #define QK_X_MAP_PARAM , const void* x_map

@@ -185,6 +185,9 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
 // The epilogue's parameters of a lane of tile (mt, c), loaded ahead (by the decode kernels once their K loop is done,
 // before the split-K meeting, under QK_EPILOGUE_MID, qk_common.cuh): s_channel of columns 2q, 2q + 1 of each n8
 // block, s_x of rows g and g + 8 (past M, the last row's: never stored).
+QK_FN constexpr bool qqq_epilogue_mid(bool grouped) {
+  return QK_EPILOGUE_MID && (!grouped || QK_EPILOGUE_MID_QQQ_GROUP);
+}
 struct QQQEpilogue {
   float s_channel[8][2], s_x[2];
 };
@@ -375,12 +378,13 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
   // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   splitk_begin<32, QK_SPLITK_RED>(lane, copy, 32, splits);
   pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
+  constexpr bool mid = qk::qqq_epilogue_mid(GROUPED);
   qk::QQQEpilogue epi{};
-  if (QK_EPILOGUE_MID && copy == 0) epi = qk::epilogue_params(args, mt, c, lane);  // in flight while the copies meet
+  if (mid && copy == 0) epi = qk::epilogue_params(args, mt, c, lane);  // in flight while the copies meet
   if (!splitk_reduce<32, QK_SPLITK_RED>(&acc[0][0], lane, copy, 32, splits)) return;
   if (!splitk_meet<32, Z>(&acc[0][0], lane, splits, zsplit, sums, arrived)) return;
   for (int nb = 0; nb < 8; ++nb) {
-    if (QK_EPILOGUE_MID) qk::store_with(args, epi, mt, c, nb, lane, acc[nb]);
+    if (mid) qk::store_with(args, epi, mt, c, nb, lane, acc[nb]);
     else qk::store(args, mt, c, nb, lane, acc[nb]);
   }
   QK_STAMP(QK_T_STORED);

@@ -238,11 +238,13 @@ SPLITK_MAX_THREADS = 512
 # dynamic shared memory holds that one slot; with 0 (smallm_tune's NO-RED) it holds a slot for every copy but the
 # first. The bulk kernels always store theirs (bulk_plan).
 SPLITK_RED = _define("QK_SPLITK_RED", 1) != 0
-# Plan the register kernels' copies a block by the one slot they take under SPLITK_RED, not by a slot a copy (the
-# plan measured so far): QQQ's 4 KiB of sums a warp then lets a block hold 16 copies where 8 fit, so its tiles meet
-# across fewer blocks in device memory (about 2 us of a 13 us call on 4096 x 4096 on an H100: the phase timeline).
-# smallm_tune's RED-PLAN; not yet timed, so off.
-SPLITK_RED_PLAN = False
+# How the register kernels' split-K plans count a block's slots of partial sums (split_plan's `red`): 0, a slot a copy
+# (the plan before QK_SPLITK_RED); 1, the default, by the one slot they meet in under SPLITK_RED where that brings a
+# tile's copies into one block, which the slot-a-copy plan spreads over several meeting in device memory (QQQ at
+# 6144 x 4096: 16 copies a block, not 4 blocks of 4); 2, by the one slot everywhere (QQQ at 4096 x 4096 then 2
+# blocks of 16, not 4 of 8). The H200 run of 35670a6 (bench/results/kernels_h200_smallm_tune.json, run 9) timed 2
+# against 0: 0.86-0.94x where a tile came into one block, 1.00-1.05x where it did not.
+SPLITK_RED_PLAN = 1
 
 
 def splitk_shared(splits: int, partial_bytes: int, red: bool) -> int:
@@ -253,8 +255,8 @@ def splitk_shared(splits: int, partial_bytes: int, red: bool) -> int:
 
 
 def red_plan() -> bool:
-    """Whether the register kernels' split-K plans count one slot of partial sums a block (SPLITK_RED_PLAN)."""
-    return SPLITK_RED and SPLITK_RED_PLAN
+    """Whether every register kernel's split-K plan counts one slot of partial sums a block (SPLITK_RED_PLAN 2)."""
+    return SPLITK_RED and SPLITK_RED_PLAN == 2
 
 
 def split_count(blocks: int, warps_per_copy: int, steps: int, partial_bytes: int, max_splits: int = 16,
@@ -328,6 +330,16 @@ def split_plan(tiles: int, steps: int, partial_bytes: int, red: bool = False) ->
     return total // zsplit, zsplit
 
 
+def register_split_plan(tiles: int, steps: int, partial_bytes: int) -> tuple[int, int]:
+    """split_plan for a register kernel, its block's slots counted as SPLITK_RED_PLAN says: by the one slot of sums
+    the copies meet in (under SPLITK_RED) where that makes a tile one block, or everywhere with 2."""
+    plan = split_plan(tiles, steps, partial_bytes)
+    if not SPLITK_RED or SPLITK_RED_PLAN == 0:
+        return plan
+    one_slot = split_plan(tiles, steps, partial_bytes, red=True)
+    return one_slot if SPLITK_RED_PLAN == 2 or one_slot[1] == 1 < plan[1] else plan
+
+
 def meeting_point(tiles: int, count: int, zsplit: int) -> list[np.ndarray | None]:
     """The workspace of split-K across blocks (splitk_blocks): `count` int32 sums a lane of a warp for each tile and
     a count of the blocks arrived, zeros; nulls when a tile is one block."""
@@ -371,12 +383,12 @@ TILES = {
     "atom": Tiles(128, 64, 64, 256, 128 * 64 + 64 * 64 + 4 * 128 + 8 * 64),  # a K step per group of 128 INT4
 }
 # The Hopper path of the W4A8 layouts (qk_common.cuh WgmmaTiles, sm_90a only): the tiled policy's stages rounded up
-# to 1 KiB, QK_WGMMA_STAGES (5) deep, wgmma.mma_async with the weights in registers.
-# With QK_WGMMA_TMA (bench/smallm_tune.py --large's TMA, not yet timed) each stage's activation tile comes by a TMA
-# copy of x's tensor map, the kernels' last argument, completing on one of the stages' mbarriers after the ring.
-WGMMA_TMA = bool(_define("QK_WGMMA_TMA", 0))
+# to 1 KiB, QK_WGMMA_STAGES deep, wgmma.mma_async with the weights in registers.
+# With QK_WGMMA_TMA (the default) each stage's activation tile comes by a TMA copy of x's tensor map, the kernels' last
+# argument, completing on one of the stages' mbarriers after the ring, 8 stages deep; without it, by cp.async, 5 deep.
+WGMMA_TMA = bool(_define("QK_WGMMA_TMA", 1))
 WGMMA = {fmt: replace(TILES[fmt], stage_bytes=-(-TILES[fmt].stage_bytes // 1024) * 1024,
-                      stages=_define("QK_WGMMA_STAGES", 5), kernel="wgmma", slack=1024)
+                      stages=_define("QK_WGMMA_STAGES", 8 if WGMMA_TMA else 5), kernel="wgmma", slack=1024)
          for fmt in ("qserve", "qqq", "liquidquant")}
 # The same kernels on 256 channels a block (the *_wgmma2 kernels, WgmmaTiles<F, 2>): four warpgroups share each
 # activation tile, which then crosses from L2 once per 256 channels, not 128 (a third less L2 traffic per MAC); a
@@ -512,7 +524,8 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
     partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
     bulk = use_bulk(bulk)
     if splits is None:
-        splits, zsplit = split_plan(tiles, steps, partial_bytes, red_plan() and not bulk)
+        splits, zsplit = register_split_plan(tiles, steps, partial_bytes) if not bulk else split_plan(
+            tiles, steps, partial_bytes)
     zsplit = zsplit or 1
     grid = (n // width, -(-m // 16), zsplit)
     if bulk:

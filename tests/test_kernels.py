@@ -240,6 +240,13 @@ def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
     assert kernels.split_plan(96, 256, 4096, red=True) == (16, 1)
     assert kernels.split_plan(448, 256, 4096, red=True) == (4, 1)
     assert kernels.split_plan(128, 128, 2048, red=True) == (16, 1)
+    # a register kernel takes the one-slot plan where it makes a tile one block (SPLITK_RED_PLAN 1), or everywhere (2)
+    assert [kernels.register_split_plan(t, 256, 4096) for t in (64, 96, 448)] == [(8, 4), (16, 1), (4, 1)]
+    assert kernels.register_split_plan(64, 896, 4096) == (8, 4)  # QQQ 4096 x 14336: (16, 2) was slower
+    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", 2)
+    assert [kernels.register_split_plan(t, 256, 4096) for t in (64, 96, 448)] == [(16, 2), (16, 1), (4, 1)]
+    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", 0)
+    assert [kernels.register_split_plan(t, 256, 4096) for t in (64, 96, 448)] == [(8, 4), (4, 4), (4, 1)]
     monkeypatch.setattr(kernels, "SPLITK_BLOCKS_MAX", 1)
     assert kernels.split_plan(64, 256, 4096) == (8, 1)
     assert kernels.split_plan(96, 256, 4096) == (8, 1)
@@ -249,9 +256,10 @@ def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
 @pytest.mark.parametrize("red", [True, False])
 def test_register_launches_reserve_the_shared_memory_their_meeting_takes(red, monkeypatch):
     """A register kernel's block reserves the split-K slots its compiled meeting uses (kernels/qk_common.cuh
-    splitk_slots): one that every copy adds into under QK_SPLITK_RED, else one a copy but the first; SPLITK_RED_PLAN
-    plans QQQ's copies by that one slot (16 a block at N = 6144, no meeting across blocks), and only under RED and
-    off the bulk kernels, which always store their sums."""
+    splitk_slots): one that every copy adds into under QK_SPLITK_RED, else one a copy but the first. SPLITK_RED_PLAN
+    plans QQQ's copies by that one slot where a tile then needs no meeting across blocks (16 a block at N = 6144, not
+    4 blocks of 4; at 4096 the old plan), or everywhere (2), only under RED and off the bulk kernels, which always
+    store their sums."""
     monkeypatch.setattr(kernels, "SPLITK_RED", red)
     assert [kernels.splitk_shared(s, 4096, red) for s in (1, 2, 8)] == ([0, 4096, 4096] if red else [0, 4096, 28672])
 
@@ -260,14 +268,17 @@ def test_register_launches_reserve_the_shared_memory_their_meeting_takes(red, mo
         return kernels.warp_tile_launch("qqq_w4a8", [], out, 1, n, 64, 32, 256, None, None, bulk,
                                         lambda c: kernels.qqq_bulk_slot_bytes(c, 1, False), "gemm_pc")
 
-    launch = qqq(6144)
-    assert (launch.block, launch.grid[2], launch.shared_mem) == (128, 4, 4096 if red else 3 * 4096)
-    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", True)
-    launch = qqq(6144)
+    launch = qqq(6144)  # SPLITK_RED_PLAN 1: one block of 16 copies a tile under RED, no meeting in device memory
     assert (launch.block, launch.grid[2]) == ((512, 1) if red else (128, 4))
     assert launch.shared_mem == (4096 if red else 3 * 4096)
     assert (launch.args[-1] is None) == red  # one block a tile: no workspace in device memory to meet in
+    assert (qqq(4096).block, qqq(4096).grid[2]) == (256, 4)  # 2 blocks of 16 would still meet in device memory
     assert qqq(6144, bulk=True).block == 128  # the bulk kernel's plan counts a slot a copy
+    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", 0)
+    launch = qqq(6144)
+    assert (launch.block, launch.grid[2], launch.shared_mem) == (128, 4, 4096 if red else 3 * 4096)
+    monkeypatch.setattr(kernels, "SPLITK_RED_PLAN", 2)
+    assert (qqq(4096).block, qqq(4096).grid[2]) == ((512, 2) if red else (256, 4))
 
 
 @needs_compiler
@@ -356,7 +367,8 @@ def test_hopper_path_matches_the_emulation(fmt, group, wide, m, n, k, monkeypatc
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    wgmma=True)
     tiles = kernels.WGMMA2[fmt] if wide else kernels.WGMMA[fmt]
-    assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem
+    mbarriers = 8 * tiles.stages if kernels.WGMMA_TMA else 0  # the tensor copies complete on one a stage
+    assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem + mbarriers
     assert launch.grid == (n // tiles.bn, -(-m // 128)) and launch.block == tiles.threads
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
@@ -649,16 +661,18 @@ def test_tuning_never_picks_a_diagnostic_configuration():
     """A configuration timed only to learn what holds a kernel back (smallm_tune.DIAGNOSTIC: NOFENCE leaves out a
     fence the memory model asks for) is never the one to bench again, however fast; the next fastest is."""
     tune = bench_module("smallm_tune")
-    assert tune.DIAGNOSTIC.issubset(tune.LARGE_CONFIGS) and tune.DIAGNOSTIC.issubset(tune.LARGE_PENDING)
+    assert tune.DIAGNOSTIC.issubset(tune.LARGE_CONFIGS)
     rows = [f"{v.label}|4096x4096|1024" for v in tune.variants(True)]
 
     def run(config, seconds):
         return {"config": config, "checked": {row.split("|")[0]: True for row in rows},
                 "seconds": dict.fromkeys(rows, seconds), "threads": {}}
 
-    best = tune.fastest([run("W5L3", 10), run("NOFENCE", 5), run("OVERLAP", 8)], large=True)
-    assert best["config"] == "OVERLAP" and best["defines"] == {"QK_WGMMA_RETIRE": 2}
-    assert tune.fastest([run("W5L3", 10), run("NOFENCE", 5)], large=True)["default"]
+    default = next(iter(tune.LARGE_CONFIGS))
+    best = tune.fastest([run(default, 10), run("NOFENCE", 5), run("OVERLAP", 8)], large=True)
+    assert best["config"] == "OVERLAP" and best["defines"] == tune.LARGE_CONFIGS["OVERLAP"][0]
+    assert best["defines"]["QK_WGMMA_RETIRE"] == 2
+    assert tune.fastest([run(default, 10), run("NOFENCE", 5)], large=True)["default"]
 
 
 def test_tuning_scopes_take_in_every_layout_their_knobs_reach():
@@ -686,7 +700,7 @@ def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     pending = tune.config_names("pending")
     assert pending[0] == "U8" and pending[1:] == list(tune.PENDING) and set(tune.PENDING) <= set(tune.CONFIGS)
     assert all(tune.CONFIGS[name] != tune.CONFIGS["U8"] for name in tune.PENDING)
-    assert tune.config_names("pending", True) == ["W5L3", *tune.LARGE_PENDING]
+    assert tune.config_names("pending", True) == ["TMA-W8L6", *tune.LARGE_PENDING]
     assert tune.config_names("U8,AP-EARLY") == ["U8", "AP-EARLY"]
     with pytest.raises(ValueError, match="unknown configurations NOPE"):
         tune.config_names("U8,NOPE")
@@ -1231,14 +1245,14 @@ def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatc
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
 
-@pytest.mark.tma
+@pytest.mark.cpasync
 @needs_hopper
-def test_hopper_gpu_kernels_with_tensor_copies_match_the_emulation():
-    """QK_WGMMA_TMA (in a process of its own, whose kernels are built with it): the *_wgmma kernels with each
-    activation tile by a TMA copy from x's tensor map (encoded by the driver, 64-byte swizzle, zeros past M) give
-    the emulation's bits, as test_hopper_gpu_kernel_matches_the_emulation checks them (the simulator cannot: its
-    twins copy the tiles themselves)."""
-    done = pytest_under_defines("QK_WGMMA_TMA=1", "test_hopper_gpu_kernel_matches_the_emulation")
+def test_hopper_gpu_kernels_with_cp_async_copies_match_the_emulation():
+    """QK_WGMMA_TMA=0 (in a process of its own, whose kernels are built with it): the *_wgmma kernels with each
+    activation tile by cp.async, fenced into the async proxy before each step's barrier, give the emulation's bits, as
+    test_hopper_gpu_kernel_matches_the_emulation checks the default's tensor copies (encoded by the driver, 64-byte
+    swizzle, zeros past M: only the device runs them; the simulator's twins copy the tiles themselves)."""
+    done = pytest_under_defines("QK_WGMMA_TMA=0", "test_hopper_gpu_kernel_matches_the_emulation")
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
@@ -1502,16 +1516,16 @@ def test_kernels_built_ahead_are_the_ones_a_run_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(repo)}
     cmd = [sys.executable, str(repo / "bench" / "build_kernels.py"), "--modules", "qqq_w4a8", "--configs",
-           "U8,QS-PC10", "--large-configs", "W8L7", "--defines", "QK_LQQ_AHEAD=10 QK_SMALLM_AHEAD=6"]
+           "U8,QS-PC10", "--large-configs", "TMA-W8L7", "--defines", "QK_LQQ_AHEAD=10 QK_SMALLM_AHEAD=6"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     built = {path.name for path in (tmp_path / "kernels").iterdir()}
     assert kernels.module_defines("qqq_w4a8", ("QK_QSERVE_PC_AHEAD=10", "QK_SMALLM_AHEAD=6")) == ("QK_SMALLM_AHEAD=6",)
     wanted = {kernels.cubin_path("qqq_w4a8", arch, defines).name for arch, defines in [
-        ("sm_90", ()), (kernels.HOPPER_ARCH, ()), (kernels.HOPPER_ARCH, ("QK_WGMMA_STAGES=8", "QK_WGMMA_LEAD=7")),
+        ("sm_90", ()), (kernels.HOPPER_ARCH, ()), (kernels.HOPPER_ARCH, ("QK_WGMMA_LEAD=7",)),
         ("sm_90", ("QK_SMALLM_AHEAD=6",)), (kernels.HOPPER_ARCH, ("QK_SMALLM_AHEAD=6",))]}
     assert len(wanted) == 5 and built == wanted, (built, wanted)
-    assert "qqq_w4a8 sm_90 [built-in, U8, QS-PC10]" in first.stdout and "sm_90 [W8L7]" not in first.stdout
+    assert "qqq_w4a8 sm_90 [built-in, U8, QS-PC10]" in first.stdout and "sm_90 [TMA-W8L7]" not in first.stdout
     assert "qqq_w4a8 sm_90 [--defines]" in first.stdout
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count("cached") == 5 and "built in" not in second.stdout
@@ -1531,9 +1545,12 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
     ("QK_LQQ_TILE_WARPS=4", "liquidquant and not bulk or split_k"),  # four warps a LiquidQuant block, as before
     ("QK_EPILOGUE_EARLY=0", "split_k_matches or qserve_kernel_matches or liquidquant_kernel_matches or block_split"),
     ("QK_LQQ16_SLICES=1", "liquidquant and (two_block or split_k)"),  # 16 channels a warp from 9 tokens, as before
-    # the decode kernels' parameters loaded after their K loop (QServe per group, QQQ, LiquidQuant from 9 tokens)
-    ("QK_EPILOGUE_MID=1", "split_k_matches or kernel_matches_the_emulation or block_split or two_block"),
-], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-mid"])
+    # the decode kernels' parameters loaded after the split-K meeting (QServe per group, QQQ per channel,
+    # LiquidQuant from 9 tokens), as before; and QQQ per group's loaded before it too
+    ("QK_EPILOGUE_MID=0", "split_k_matches or kernel_matches_the_emulation or block_split or two_block"),
+    ("QK_EPILOGUE_MID_QQQ_GROUP=1", "qqq and (split_k_matches or kernel_matches_the_emulation or block_split)"),
+], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-after",
+        "epilogue-mid-qqq-group"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
@@ -1546,8 +1563,8 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
 @pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
                     reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
                     "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
-@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2", "QK_WGMMA_TMA=1",
-                                     "QK_WGMMA_TMA=1 QK_WGMMA_RETIRE=2"])
+@pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2", "QK_WGMMA_TMA=0",
+                                     "QK_WGMMA_TMA=0 QK_WGMMA_RETIRE=2"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
@@ -1568,15 +1585,16 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
         assert frame == ("0", "0", "0") and registers <= 128, log
     sass_loops = bench_module("sass_loops")
     sass = sass_loops.parse(sass_loops.sass_of(name, True, defines.split(), sass_loops.find_cuobjdump()))
-    tma = "QK_WGMMA_TMA=1" in defines  # the activation tiles by tensor copies: no proxy fence (MEMBAR) a step
+    tma = "QK_WGMMA_TMA=0" not in defines  # the activation tiles by tensor copies: no proxy fence (MEMBAR) a step
     for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):
         assert any(i.opcode == "IGMMA" for i in sass[kernel]), kernel
         assert sass_loops.wgmma_hazards(sass[kernel]) == [], kernel
         loop = sass_loops.main_loop(sass[kernel])
         assert (loop["MEMBAR"] == 0) == tma and (loop["UTMALDG"] > 0) == tma, (kernel, loop)
-    ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", "-std=c++17", "-ptx", str(src / f"{name}.cu"),
-                          "-o", "-"], capture_output=True, text=True).stdout
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx and "fence.proxy.async.shared::cta" in ptx
+    ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", *knobs, "-std=c++17", "-ptx",
+                          str(src / f"{name}.cu"), "-o", "-"], capture_output=True, text=True).stdout
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx
+    assert ("cp.async.bulk.tensor.2d" in ptx) == tma and "fence.proxy.async.shared::cta" in ptx
 
 
 @needs_gpu
