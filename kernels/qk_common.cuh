@@ -565,17 +565,17 @@ QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
          ((uint64_t)2 << 62);
 }
 
-// QK_WGMMA_TMA = 1, the default: each stage's activation tile arrives by one
-// tensor copy (cp.async.bulk.tensor.2d, issued by thread 0 from `x_map`, the tensor map of x [M, K] that
-// quantkit.kernels encodes: a box of 64 bytes x 128 rows, 64-byte swizzle, zeros past M), which writes through the
-// async proxy and completes on the stage's mbarrier (after the ring in shared memory); the weights still come by
-// cp.async. The wgmmas read only the activation tile from shared memory, so the loop needs no proxy fence (NOFENCE,
-// the old loop without it, took 0.80-0.99x its time on an H100). The TMA's 64-byte swizzle is the layout copy_rows
-// writes (16-byte chunk c of row r at chunk c ^ (r / 2) % 4, in stages aligned to 1024 bytes), which the B
-// descriptors read (wgmma_desc_sw64). The kernels take x_map as their last argument only when built with the knob.
-// With 0 (smallm_tune --large's W5L3) the activation tiles come by cp.async too, and a proxy fence before each
-// step's barrier makes them visible to the wgmmas. The H200 run of 35670a6 (kernels_h200_smallm_tune.json, run 10)
-// timed TMA-W8L6 (this, eight stages) at 0.72-0.91x W5L3's time per channel and for LiquidQuant, 0.96-1.01x per group.
+// QK_WGMMA_TMA = 1, the default: each stage's activation tile arrives by one tensor copy (cp.async.bulk.tensor.2d,
+// issued by thread 0 from `x_map`, the tensor map of x [M, K] that quantkit.kernels encodes: a box of 64 bytes x 128
+// rows, 64-byte swizzle, zeros past M), which writes through the async proxy and completes on the stage's mbarrier
+// (after the ring in shared memory); the weights still come by cp.async. The wgmmas read only the activation tile from
+// shared memory, so the loop needs no proxy fence (NOFENCE, the old loop without it, took 0.80-0.99x its time on an
+// H100). The TMA's 64-byte swizzle is the layout copy_rows writes (16-byte chunk c of row r at chunk c ^ (r / 2) % 4,
+// in stages aligned to 1024 bytes), which the B descriptors read (wgmma_desc_sw64). The kernels take x_map as their
+// last argument only when built with the knob. With 0 (smallm_tune --large's W5L3) the activation tiles come by
+// cp.async too, and a proxy fence before each step's barrier makes them visible to the wgmmas. The H200 run of 35670a6
+// (kernels_h200_smallm_tune.json, run 10) timed TMA-W8L6 (this, eight stages) at 0.72-0.91x W5L3's time per channel and
+// for LiquidQuant, 0.96-1.01x per group.
 #ifndef QK_WGMMA_TMA
 #define QK_WGMMA_TMA 1
 #endif

@@ -243,7 +243,7 @@ SPLITK_RED = _define("QK_SPLITK_RED", 1) != 0
 # tile's copies into one block, which the slot-a-copy plan spreads over several meeting in device memory (QQQ at
 # 6144 x 4096: 16 copies a block, not 4 blocks of 4); 2, by the one slot everywhere (QQQ at 4096 x 4096 then 2
 # blocks of 16, not 4 of 8). The H200 run of 35670a6 (bench/results/kernels_h200_smallm_tune.json, run 9) timed 2
-# against 0: 0.86-0.94x where a tile came into one block, 1.00-1.05x where it did not.
+# against 0: 0.86-0.94x where a tile came into one block, 0.98-1.05x where it did not.
 SPLITK_RED_PLAN = 1
 
 
