@@ -185,12 +185,14 @@ QK_FN void store(const QQQArgs& a, int mt, int c, int nb, int lane, const int32_
 // The epilogue's parameters of a lane of tile (mt, c), loaded ahead (by the decode kernels once their K loop is done,
 // before the split-K meeting, under QK_EPILOGUE_MID, qk_common.cuh): s_channel of columns 2q, 2q + 1 of each n8
 // block, s_x of rows g and g + 8 (past M, the last row's: never stored).
-QK_FN constexpr bool qqq_epilogue_mid(bool grouped) {
-  return QK_EPILOGUE_MID && (!grouped || QK_EPILOGUE_MID_QQQ_GROUP);
-}
 struct QQQEpilogue {
   float s_channel[8][2], s_x[2];
 };
+// Whether a decode kernel loads them so (per group only with QK_EPILOGUE_MID_QQQ_GROUP: slower on three of four
+// shapes on the H200).
+QK_FN constexpr bool qqq_epilogue_mid(bool grouped) {
+  return QK_EPILOGUE_MID && (!grouped || QK_EPILOGUE_MID_QQQ_GROUP);
+}
 QK_FN QQQEpilogue epilogue_params(const QQQArgs& a, int mt, int c, int lane) {
   QQQEpilogue e{};
   const int g = frag_group(lane), q = frag_quad(lane);

@@ -523,9 +523,9 @@ def warp_tile_launch(module: str, args: list, out: np.ndarray, m: int, n: int, w
     tiles = (n // width) * -(-m // 16)
     partial_bytes = 32 * count * 4  # a warp's sums, for the block's split-K
     bulk = use_bulk(bulk)
-    if splits is None:
-        splits, zsplit = register_split_plan(tiles, steps, partial_bytes) if not bulk else split_plan(
-            tiles, steps, partial_bytes)
+    if splits is None:  # the bulk kernels store every copy's sums: a slot a copy
+        plan = split_plan if bulk else register_split_plan
+        splits, zsplit = plan(tiles, steps, partial_bytes)
     zsplit = zsplit or 1
     grid = (n // width, -(-m // 16), zsplit)
     if bulk:
