@@ -165,7 +165,7 @@ def main() -> None:
         ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
         if args.profile_large and ncu:  # where the M = 1024 (wgmma) kernels' time goes: before the tuning, whose
             # configurations it is to explain
-            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma2?$",
+            step("profile-large", [ncu, "--kernel-name", "regex:_wgmma(2|_tall)?$",
                                    *(f"--section={s}" for s in (*PROFILE, *PROFILE_LARGE)), "--metrics",
                                    STALL_METRICS, py,
                                    "bench/profile_smallm.py", "--large"], args.out, results, 150, env)

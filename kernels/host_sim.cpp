@@ -284,26 +284,29 @@ void wgmma_warpgroup(int32_t d[128][64], const uint32_t a[128][4], const uint8_t
 // copy has been issued where that copy goes into another step's slot (LEAD <= STAGES - 2; the latest moment
 // wgmma_wait<1> would allow), else before it. A copy into a stage still being read would show. Shared
 // address 0 is the ring's start (aligned, as the kernel aligns it); the accumulators start as garbage, which the
-// first wgmma of each sum must ignore.
-template <class F, int W = 1>
+// first wgmma of each sum must ignore. The accumulators of the tile's 128-token half h (H = 2: 256 tokens a block)
+// are acc[h THREADS + t][64] for thread t.
+template <class F, int W = 1, int H = 1>
 void wgmma_host(const typename F::Args& args) {
-  using T = qk::WgmmaTiles<F, W>;
+  using T = qk::WgmmaTiles<F, W, H>;
   constexpr int KS = T::BK / 32;
   std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
-  std::vector<int32_t> acc((size_t)T::THREADS * 64);
+  std::vector<int32_t> acc((size_t)H * T::THREADS * 64);
   std::vector<uint32_t> fa((size_t)T::THREADS * KS * 4);
   const int steps = T::steps(args);
   auto copy = [&](int m0, int n0, int kt) {
     for (int tid = 0; tid < T::THREADS; ++tid)
       T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, kt, tid);
   };
-  auto run_wgmmas = [&](int kt) {  // both warpgroups, step kt, from the fragments loaded at step kt
+  auto run_wgmmas = [&](int kt) {  // every warpgroup, step kt, from the fragments loaded at step kt
     for (int wg = 0; wg < T::THREADS / 128; ++wg) {
       for (int kk = 0; kk < KS; ++kk) {
         uint32_t a[128][4];
         for (int t = 0; t < 128; ++t) std::memcpy(a[t], &fa[((size_t)(128 * wg + t) * KS + kk) * 4], sizeof(a[t]));
-        wgmma_warpgroup(reinterpret_cast<int32_t(*)[64]>(&acc[(size_t)128 * wg * 64]), a, smem.data(), smem.size(),
-                        T::b_desc((uint32_t)((kt % T::STAGES) * T::STAGE_BYTES), kk), kt > 0 || kk > 0);
+        for (int h = 0; h < H; ++h)
+          wgmma_warpgroup(reinterpret_cast<int32_t(*)[64]>(&acc[((size_t)h * T::THREADS + 128 * wg) * 64]), a,
+                          smem.data(), smem.size(), T::b_desc((uint32_t)((kt % T::STAGES) * T::STAGE_BYTES), kk, h),
+                          kt > 0 || kk > 0);
       }
     }
   };
@@ -324,7 +327,7 @@ void wgmma_host(const typename F::Args& args) {
       run_wgmmas(steps - 1);
       for (int t = 0; t < T::THREADS; ++t) {  // the epilogue's two phases, a barrier between them
         typename T::Acc mine;
-        std::memcpy(mine.d, &acc[(size_t)t * 64], sizeof(mine.d));
+        for (int h = 0; h < H; ++h) std::memcpy(mine.d + 64 * h, &acc[((size_t)h * T::THREADS + t) * 64], 64 * 4);
         T::stage_out(args, smem.data(), m0, n0, t / 32, t % 32, mine);
       }
       for (int t = 0; t < T::THREADS; ++t) T::write_out(args, smem.data(), m0, n0, t);
@@ -349,6 +352,9 @@ extern "C" bool qk_tiles(const char* fmt, int out[6]) {
   else if (std::strcmp(fmt, "qserve-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma, 2>>(out);
   else if (std::strcmp(fmt, "qqq-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma, 2>>(out);
   else if (std::strcmp(fmt, "liquidquant-wgmma2") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma, 2>>(out);
+  else if (std::strcmp(fmt, "qserve-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma, 1, 2>>(out);
+  else if (std::strcmp(fmt, "qqq-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma, 1, 2>>(out);
+  else if (std::strcmp(fmt, "liquidquant-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma, 1, 2>>(out);
   else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
   else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
   else if (std::strcmp(fmt, "atom") == 0) tiles_of<qk::AtomTiled>(out);
@@ -402,6 +408,21 @@ extern "C" void liquidquant_w4a8_wgmma2_host(const int8_t* x, const float* s_x, 
                                              const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
                                              int k) {
   wgmma_host<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+}
+extern "C" void qserve_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const float* t_x,
+                                            const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                            const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
+                                            int group) {
+  wgmma_host<qk::QServeWgmma, 1, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+}
+extern "C" void qqq_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
+                                         const qk_half* s_group, qk_half* out, int m, int n, int k) {
+  wgmma_host<qk::QQQWgmma, 1, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+}
+extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
+                                                 const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
+                                                 int k) {
+  wgmma_host<qk::LiquidWgmma, 1, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its

@@ -426,5 +426,12 @@ extern "C" __global__ void __launch_bounds__(512) liquidquant_w4a8_wgmma2(const 
                                                                           int n, int k QK_X_MAP_PARAM) {
   wgmma_gemm<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
 }
+// The same on 256 tokens a block: grid (N / 128, ceil(M / 256)), block 256, one block an SM, stages of
+// WgmmaTiles<LiquidWgmma, 1, 2>::STAGE_BYTES.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    liquidquant_w4a8_wgmma_tall(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
+                                const qk_half* s1, qk_half* out, int m, int n, int k QK_X_MAP_PARAM) {
+  wgmma_gemm<qk::LiquidWgmma, 1, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
+}
 #endif
 #endif

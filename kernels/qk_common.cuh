@@ -590,20 +590,29 @@ QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
 #ifndef QK_WGMMA_LEAD
 #define QK_WGMMA_LEAD (QK_WGMMA_STAGES - 2)
 #endif
-template <class F, int W = 1>
+// H = 2 (the *_wgmma_tall kernels): 256 tokens a block, each warpgroup's A fragments (its dequantized weights) fed
+// to two m64n128 wgmmas, one a 128-token half of the activation tile, so that each weight is unpacked once per 256
+// tokens, not 128: the per-group loops issue about as many instructions a step as the tensor cores take cycles for
+// one m64n128 (bench/sass_loops.py: issue-bound), and this halves their issue a multiply-add. One block an SM (128
+// accumulators a thread), where the 128-token kernel fits two.
+template <class F, int W = 1, int H = 1>
 struct WgmmaTiles {
   using Tiled = typename F::Tiled;
   using Args = typename F::Args;
-  static constexpr int BM = Tiled::BM, BN = W * Tiled::BN, BK = Tiled::BK, THREADS = 256 * W, ALIGN = 1024;
+  static constexpr int BM = H * Tiled::BM, BN = W * Tiled::BN, BK = Tiled::BK, THREADS = 256 * W, ALIGN = 1024;
   static constexpr int STAGES = QK_WGMMA_STAGES, LEAD = QK_WGMMA_LEAD;
-  // A stage: the activation tile (Tiled::W_OFF bytes), then W regions of REGION bytes, each the weights (and group
-  // parameters) of 128 channels at the offsets the Tiled policy gives them; W = 1 is the Tiled policy's stage.
-  static constexpr int REGION = Tiled::STAGE_BYTES - Tiled::W_OFF;
-  static constexpr int STAGE_BYTES = (Tiled::W_OFF + W * REGION + ALIGN - 1) / ALIGN * ALIGN;
+  // A stage: the activation tile (A_BYTES), then W regions of REGION bytes, each the weights (and group parameters)
+  // of 128 channels at the offsets the Tiled policy gives them, from region_at(r) on (the Tiled policy's stage moved
+  // by the activation rows it does not hold); W = H = 1 is the Tiled policy's stage.
+  static constexpr int A_BYTES = BM * BK, REGION = Tiled::STAGE_BYTES - Tiled::W_OFF;
+  static constexpr int STAGE_BYTES = (A_BYTES + W * REGION + ALIGN - 1) / ALIGN * ALIGN;
   static_assert(Tiled::BM == 128 && Tiled::BN == 128 && BK == 64 && Tiled::THREADS == 256, "one m64n128 a warpgroup");
-  static_assert(Tiled::W_OFF == BM * BK && (W == 1 || W == 2), "the activation tile first, then the weights");
+  static_assert(Tiled::W_OFF == Tiled::BM * BK && (W == 1 || W == 2) && (H == 1 || H == 2) && (W == 1 || H == 1),
+                "the activation tile first, then the weights; 256 channels or 256 tokens a block, not both");
   static_assert(LEAD >= 1 && LEAD <= STAGES - 1, "a copy goes into a slot no warpgroup still reads");
-  struct Acc { int32_t d[64]; };  // d[4 j + 2 h + e]: channel 16 warp + g + 8 h, token 8 j + 2 q + e
+  // d[64 t + 4 j + 2 h + e]: channel 16 warp + g + 8 h, token 128 t + 8 j + 2 q + e
+  struct Acc { int32_t d[64 * H]; };
+  QK_FN static constexpr int region_at(int r) { return A_BYTES - Tiled::W_OFF + r * REGION; }
 
   QK_FN static int steps(const Args& a) { return Tiled::steps(a); }
   QK_FN static void copy_stage(const Args& a, uint8_t* stage, int m0, int n0, int kt, int tid) {
@@ -613,15 +622,18 @@ struct WgmmaTiles {
   // The stage's weight regions alone (the activation tile comes by a tensor copy: QK_WGMMA_TMA).
   QK_FN static void copy_weights(const Args& a, uint8_t* stage, int n0, int kt, int tid) {
     for (int r = 0; r < W; ++r)
-      Tiled::template copy_weights<THREADS>(a, stage + r * REGION, n0 + r * Tiled::BN, kt, tid);
+      Tiled::template copy_weights<THREADS>(a, stage + region_at(r), n0 + r * Tiled::BN, kt, tid);
   }
   // Warp w's A fragments: warp w % 8 of the 128 channels of region w / 8.
   QK_FN static void load_a(const Args& a, const uint8_t* stage, int warp, int lane, uint32_t fa[BK / 32][4]) {
-    if (W == 1) F::load_a(a, stage, warp, lane, fa);
-    else F::load_a(a, stage + warp / 8 * REGION, warp % 8, lane, fa);
+    if (W == 1) F::load_a(a, stage + region_at(0), warp, lane, fa);
+    else F::load_a(a, stage + region_at(warp / 8), warp % 8, lane, fa);
   }
-  // The B descriptor of k32 step kk of the stage at shared address `stage`: 32 kk bytes into each row.
-  QK_FN static uint64_t b_desc(uint32_t stage, int kk) { return wgmma_desc_sw64(stage + 32 * kk); }
+  // The B descriptor of k32 step kk of the stage at shared address `stage`, tokens 128 t on: 32 kk bytes into each
+  // row of the t-th 128-row half of the activation tile.
+  QK_FN static uint64_t b_desc(uint32_t stage, int kk, int t = 0) {
+    return wgmma_desc_sw64(stage + t * Tiled::W_OFF + 32 * kk);
+  }
 
   // The epilogue goes through shared memory (the ring's, free once every wgmma is done), so that the outputs leave
   // as whole 16-byte stores along each token's row rather than 2-byte stores scattered over four rows a warp.
@@ -629,12 +641,12 @@ struct WgmmaTiles {
   static constexpr int OUT_STRIDE = 2 * BN + 16;
   static_assert(BM * OUT_STRIDE <= STAGES * STAGE_BYTES, "the staged outputs fit in the ring");
 
-  // Phase 1: the thread's 64 outputs into the staged tile [BM tokens][BN channels], in chunks of 16 (8 tokens x 2
+  // Phase 1: the thread's 64 H outputs into the staged tile [BM tokens][BN channels], in chunks of 16 (8 tokens x 2
   // channels) so that each scale is loaded once a chunk and the chunk's values cost few registers.
   QK_FN static void stage_out(const Args& a, uint8_t* smem, int m0, int n0, int warp, int lane, const Acc& acc) {
     const int g = frag_group(lane), q = frag_quad(lane);
 #pragma unroll
-    for (int c = 0; c < 64; c += 16) {
+    for (int c = 0; c < 64 * H; c += 16) {
       qk_half y[16];
 #pragma unroll
       for (int i = c; i < c + 16; ++i) {
@@ -1093,9 +1105,9 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 #define QK_X_MAP_PARAM
 #define QK_X_MAP nullptr
 #endif
-template <class F, int W = 1>
+template <class F, int W = 1, int H = 1>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const void* x_map = nullptr) {
-  using T = qk::WgmmaTiles<F, W>;
+  using T = qk::WgmmaTiles<F, W, H>;
   constexpr int KS = T::BK / 32, RETIRE = T::LEAD <= T::STAGES - 2 ? QK_WGMMA_RETIRE : 0;
   static_assert(QK_WGMMA_RETIRE >= 0 && QK_WGMMA_RETIRE <= 2, "QK_WGMMA_RETIRE is 0, 1 or 2");
   extern __shared__ uint4 qk_stages[];
@@ -1108,7 +1120,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   // declared written here, by no instruction: zeroing them would make ptxas serialize the wgmmas.
   typename T::Acc acc;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "=r"(acc.d[i]));
+  for (int i = 0; i < 64 * H; ++i) asm volatile("" : "=r"(acc.d[i]));
   // QK_WGMMA_TMA: a stage's mbarrier (one arrival, thread 0's, and the tile's bytes), after the ring.
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + T::STAGES * T::STAGE_BYTES);
   if (QK_WGMMA_TMA) {
@@ -1160,7 +1172,9 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
-      wgmma_s8_m64n128k32(acc.d, mine[kk], T::b_desc(base + slot, kk), kt > 0 || kk > 0);
+#pragma unroll
+      for (int t = 0; t < H; ++t)  // the same A fragments for each 128-token half
+        wgmma_s8_m64n128k32(acc.d + 64 * t, mine[kk], T::b_desc(base + slot, kk, t), kt > 0 || kk > 0);
     wgmma_commit();
     if (RETIRE == 0) wgmma_wait<0>();
     if (RETIRE == 2) {  // the previous step's wgmmas retire, this step's run on into the next
@@ -1192,7 +1206,7 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   wgmma_wait<0>();
   cp_async_wait<0>();
 #pragma unroll
-  for (int i = 0; i < 64; ++i) fence_operand(acc.d[i]);
+  for (int i = 0; i < 64 * H; ++i) fence_operand(acc.d[i]);
   if (QK_WGMMA_TMA) fence_proxy_async();  // the tensor copies' writes before the staged outputs' over them
   __syncthreads();  // every warpgroup done with the ring: the outputs are staged where the stages were
   T::stage_out(args, smem, m0, n0, warp, lane, acc);

@@ -401,6 +401,16 @@ WGMMA2 = {fmt: replace(t, bn=256, threads=512, kernel="wgmma2",
 # 128-channel kernels' time at M = 1024, slower on 19 of 20 rows (bench/results/kernels_h100_smallm_tune.json, run
 # 2); validate checks whichever a launch would take.
 WGMMA_WIDE = False
+# The same kernels on 256 tokens a block (the *_wgmma_tall kernels, WgmmaTiles<F, 1, 2>): each warpgroup's
+# dequantized weights feed two m64n128 wgmmas, one a 128-token half of a 256-row activation tile, so a weight is
+# unpacked once per 256 tokens; one block of 256 threads an SM (128 accumulators a thread).
+WGMMA_TALL_TILES = {fmt: replace(t, bm=256, kernel="wgmma_tall",
+                                 stage_bytes=-(-(256 * t.bk + TILES[fmt].stage_bytes - 128 * t.bk) // 1024) * 1024)
+                    for fmt, t in WGMMA.items()}
+# Whether a Hopper launch takes the 256-token kernel (over WGMMA_WIDE's). The per-group wgmma loops issue about as
+# many instructions a step as the tensor cores take cycles (bench/sass_loops.py: issue-bound), so they stand to gain
+# most (smallm_tune --large's TALL); not yet timed, so off.
+WGMMA_TALL = False
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
 # M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
@@ -436,8 +446,10 @@ def use_wgmma(fmt: str, m: int, n: int, k: int, tiled: bool | None, wgmma: bool 
 
 
 def wgmma_tiles(fmt: str, n: int, k: int) -> Tiles:
-    """The Hopper kernel a launch of layout `fmt` on [N, K] takes: 256 channels a block where WGMMA_WIDE is on and
-    N allows it, else 128."""
+    """The Hopper kernel a launch of layout `fmt` on [N, K] takes: 256 tokens a block where WGMMA_TALL is on, else
+    256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
+    if WGMMA_TALL:
+        return WGMMA_TALL_TILES[fmt]
     return WGMMA2[fmt] if WGMMA_WIDE and WGMMA2[fmt].fits(n, k) else WGMMA[fmt]
 
 
@@ -1036,7 +1048,8 @@ def _module(name: str, hopper: bool = False) -> Any:
 # JSON object of some of them, sets them at import, so that a benchmark process can take what a tuning run found
 # fastest (bench/gpu_check.py --bench-tuned) without an edit here; `quantkit bench --json` records them (tuning()).
 TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "SPLITK_RED_PLAN", "BULK_DECODE",
-           "BULK_SLOTS", "WGMMA_WIDE", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST", "ANYPREC_TC_FEW")
+           "BULK_SLOTS", "WGMMA_WIDE", "WGMMA_TALL", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST",
+           "ANYPREC_TC_FEW")
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

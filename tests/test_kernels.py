@@ -351,25 +351,29 @@ def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
 
 @needs_compiler
 @pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
-@pytest.mark.parametrize("wide,m,n,k", [(False, 1, 128, 128), (False, 128, 128, 256), (False, 130, 256, 384),
-                                        (False, 200, 128, 640), (True, 1, 256, 128), (True, 130, 512, 384),
-                                        (True, 200, 256, 640)])
-def test_hopper_path_matches_the_emulation(fmt, group, wide, m, n, k, monkeypatch):
+@pytest.mark.parametrize("block,m,n,k", [("", 1, 128, 128), ("", 128, 128, 256), ("", 130, 256, 384),
+                                         ("", 200, 128, 640), ("wide", 1, 256, 128), ("wide", 130, 512, 384),
+                                         ("wide", 200, 256, 640), ("tall", 1, 128, 128), ("tall", 200, 256, 384),
+                                         ("tall", 300, 128, 640), ("tall", 520, 256, 128)])
+def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypatch):
     """The *_wgmma kernels as the simulator models wgmma (weights as the A operand from registers, activations
     through a 64-byte-swizzle descriptor, the first product of a sum ignoring the garbage accumulators, each step's
     products run as late as the ring allows): the emulation's bits, with fewer K steps than the ring holds, more
-    than it holds, and token counts that end inside a block. With `wide`, the 256-channel *_wgmma2 kernels (four
-    warpgroups on one activation tile, two 128-channel weight regions a stage), several blocks each way."""
-    monkeypatch.setattr(kernels, "WGMMA_WIDE", wide)
+    than it holds, and token counts that end inside a block. `wide`: the 256-channel *_wgmma2 kernels (four
+    warpgroups on one activation tile, two 128-channel weight regions a stage); `tall`: the 256-token *_wgmma_tall
+    (each warpgroup's A fragments through two wgmmas, one a 128-token half of the tile, the second half partial or
+    all past M); several blocks each way."""
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", block == "wide")
+    monkeypatch.setattr(kernels, "WGMMA_TALL", block == "tall")
     tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
     x = activations(m, k, seed=k)
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    wgmma=True)
-    tiles = kernels.WGMMA2[fmt] if wide else kernels.WGMMA[fmt]
+    tiles = {"wide": kernels.WGMMA2, "tall": kernels.WGMMA_TALL_TILES}.get(block, kernels.WGMMA)[fmt]
     mbarriers = 8 * tiles.stages if kernels.WGMMA_TMA else 0  # the tensor copies complete on one a stage
     assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem + mbarriers
-    assert launch.grid == (n // tiles.bn, -(-m // 128)) and launch.block == tiles.threads
+    assert launch.grid == (n // tiles.bn, -(-m // tiles.bm)) and launch.block == tiles.threads
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -405,6 +409,9 @@ def test_wide_hopper_kernel_only_where_n_allows_it(monkeypatch):
     monkeypatch.setattr(kernels, "WGMMA_WIDE", True)
     assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
     assert kernels.wgmma_tiles("qqq", 512, 4096) is kernels.WGMMA2["qqq"]
+    monkeypatch.setattr(kernels, "WGMMA_TALL", True)  # 256 tokens a block, whatever N, over WGMMA_WIDE
+    assert kernels.wgmma_tiles("qqq", 512, 4096) is kernels.WGMMA_TALL_TILES["qqq"]
+    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA_TALL_TILES["qserve"]
 
 
 @needs_compiler
@@ -435,7 +442,7 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
     assert kernels.host_library().qk_tiles(fmt.encode(), values)
     t = kernels.TILES[fmt]
     assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
-    for name, table in (("wgmma", kernels.WGMMA), ("wgmma2", kernels.WGMMA2)):
+    for name, table in (("wgmma", kernels.WGMMA), ("wgmma2", kernels.WGMMA2), ("wgmma_tall", kernels.WGMMA_TALL_TILES)):
         if fmt in table:
             assert kernels.host_library().qk_tiles(f"{fmt}-{name}".encode(), values)
             t = table[fmt]
@@ -705,11 +712,12 @@ def test_tuning_configurations_are_named_all_pending_or_one_by_one():
     with pytest.raises(ValueError, match="unknown configurations NOPE"):
         tune.config_names("U8,NOPE")
     # each configuration is checked before it is timed on the kernels of one token block and of two, the second
-    # partial (LQQ-S1 and AP-EARLY change only the latter), and at M = 1024 on two token tiles
+    # partial (LQQ-S1 and AP-EARLY change only the latter), and at M = 1024 on two token tiles, the second partial
+    # (one 256-token block for TALL), and on two 256-token blocks, the last one's second half past M
     small = tune.CHECK_MS[False]
     assert any(m <= kernels.DECODE_MAX_M for m in small)
     assert any(kernels.DECODE_MAX_M < m < 16 for m in small)
-    assert all(128 < m < 256 for m in tune.CHECK_MS[True])
+    assert any(128 < m < 256 for m in tune.CHECK_MS[True]) and any(256 < m <= 384 for m in tune.CHECK_MS[True])
 
 
 def test_hopper_kernel_is_the_default_only_once_its_threshold_is_set(monkeypatch):
@@ -1228,19 +1236,20 @@ def test_large_m_gpu_kernel_matches_the_emulation(fmt, group):
 @needs_hopper
 @pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
 @pytest.mark.parametrize("m", [1, 300])
-@pytest.mark.parametrize("wide", [False, True])
-def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, wide, monkeypatch):
-    """The *_wgmma kernels (with `wide`, the 256-channel *_wgmma2) on the device, built by NVRTC for sm_90a: what the
-    simulator's model of wgmma (operand layouts, descriptor, swizzle) and of the asynchronous ring stands for, over
-    several blocks each way and more K steps than stages."""
-    monkeypatch.setattr(kernels, "WGMMA_WIDE", wide)
-    n, k = 512 if wide else 384, 1024
+@pytest.mark.parametrize("block", ["", "wide", "tall"])
+def test_hopper_gpu_kernel_matches_the_emulation(fmt, group, m, block, monkeypatch):
+    """The *_wgmma kernels (`wide`: the 256-channel *_wgmma2; `tall`: the 256-token *_wgmma_tall) on the device,
+    built by NVRTC for sm_90a: what the simulator's model of wgmma (operand layouts, descriptor, swizzle) and of the
+    asynchronous ring stands for, over several blocks each way and more K steps than stages."""
+    monkeypatch.setattr(kernels, "WGMMA_WIDE", block == "wide")
+    monkeypatch.setattr(kernels, "WGMMA_TALL", block == "tall")
+    n, k = 512 if block == "wide" else 384, 1024
     tensors = synthetic(fmt, n, k, seed=m, group=group)
     x = activations(m, k, seed=n)
     reference = emulate(fmt, tensors, x)
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    wgmma=True)
-    assert launch.name.endswith("_wgmma2" if wide else "_wgmma")
+    assert launch.name.endswith({"wide": "_wgmma2", "tall": "_wgmma_tall"}.get(block, "_wgmma"))
     out = kernels.run(launch, "cuda")
     np.testing.assert_array_equal(out.view(np.uint16), reference.out.view(np.uint16))
 
@@ -1568,7 +1577,8 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
-    registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM), and ptxas does
+    registers (no stack frame, at most 128 registers so that two blocks of 256 threads share an SM; the 256-token
+    *_wgmma_tall, one block an SM, at most 255), and ptxas does
     not serialize the wgmmas (which it does, with a warning, when other instructions touch their registers while
     they are in flight); under each ring setting, each other retirement of a step's wgmmas and the tensor copies
     too. In the SASS no instruction writes a register of a wgmma in flight (the simulator cannot see that; the H200
@@ -1580,13 +1590,14 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     knobs = [f"-D{d}" for d in defines.split()]
     log = ptxas_log(["-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", *knobs, str(src / f"{name}.cu")], tmp_path)
     assert "serialized" not in log, log
-    for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):  # 2 blocks of 256 threads an SM, or 1 of 512
+    # 2 blocks of 256 threads an SM, or 1 of 512; the 256-token kernel 1 of 256, with 128 accumulators a thread
+    for kernel, most in ((f"{name}_wgmma", 128), (f"{name}_wgmma2", 128), (f"{name}_wgmma_tall", 255)):
         frame, registers = kernel_resources(log, kernel)
-        assert frame == ("0", "0", "0") and registers <= 128, log
+        assert frame == ("0", "0", "0") and registers <= most, log
     sass_loops = bench_module("sass_loops")
     sass = sass_loops.parse(sass_loops.sass_of(name, True, defines.split(), sass_loops.find_cuobjdump()))
     tma = "QK_WGMMA_TMA=0" not in defines  # the activation tiles by tensor copies: no proxy fence (MEMBAR) a step
-    for kernel in (f"{name}_wgmma", f"{name}_wgmma2"):
+    for kernel in (f"{name}_wgmma", f"{name}_wgmma2", f"{name}_wgmma_tall"):
         assert any(i.opcode == "IGMMA" for i in sass[kernel]), kernel
         assert sass_loops.wgmma_hazards(sass[kernel]) == [], kernel
         loop = sass_loops.main_loop(sass[kernel])
