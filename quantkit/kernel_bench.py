@@ -11,12 +11,15 @@ shared with the kernel tests.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -413,32 +416,86 @@ def baselines(m: int, n: int, k: int, warmup: int, iters: int) -> list[Row]:
     return rows
 
 
+# cublasGemmEx's enums (cuda_runtime's cudaDataType, cublas_api.h's cublasComputeType_t, cublasOperation_t,
+# cublasGemmAlgo_t): CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I, CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_GEMM_DEFAULT.
+_R_8I, _R_32I, _COMPUTE_32I, _OP_N, _OP_T, _DEFAULT_ALGO = 3, 10, 72, 0, 1, -1
+
+
 def gemmex_int8(m: int, n: int, k: int) -> Callable[[], None]:
     """cuBLAS's INT8 GEMM called directly (cublasGemmEx, int32 compute, the "TN" layout its IMMA kernels want):
-    out[M, N] int32 = x[M, K] @ w[N, K]^T, with random operands, on torch's current stream, with a workspace of its
-    own. CuPy refuses cuBLAS calls while a stream is being captured (CuPy 14), so `timing`'s graph replay fails for
-    it with a warning and it is timed by single launches, which carry a few microseconds of launch overhead."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-
+    out[M, N] int32 = x[M, K] @ w[N, K]^T, with random operands, on torch's current stream. Through a cuBLAS handle
+    of quantkit's own (`own_cublas`), which CUDA graphs capture like the other rows; CuPy's handle, the fallback
+    where that one cannot be made, refuses stream capture (CuPy 14), so `timing` then falls back to single
+    launches, which carry a few microseconds of launch overhead. Where torch._int_mm takes the shape, the first
+    call's sums are checked against its."""
     x = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
     w = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
     out = torch.empty(m, n, device="cuda", dtype=torch.int32)
+    shape = (_OP_T, _OP_N, n, m, k)  # column-major out^T [N, M] = (w as [K, N])^T @ (x as [K, M])
+    try:
+        lib, handle, _ = own_cublas()
+    except (OSError, RuntimeError) as e:
+        logging.getLogger(__name__).info("cuBLAS through CuPy's handle (%s)", e)
+        call = _cupy_gemmex(shape, x, w, out)
+    else:
+        alpha, beta = ctypes.c_int32(1), ctypes.c_int32(0)
+
+        def call() -> None:
+            _cublas_check(lib.cublasSetStream_v2(handle, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
+                          "cublasSetStream")
+            _cublas_check(lib.cublasGemmEx(handle, *shape, ctypes.byref(alpha), ctypes.c_void_p(w.data_ptr()), _R_8I,
+                                           k, ctypes.c_void_p(x.data_ptr()), _R_8I, k, ctypes.byref(beta),
+                                           ctypes.c_void_p(out.data_ptr()), _R_32I, n, _COMPUTE_32I, _DEFAULT_ALGO),
+                          "cublasGemmEx")
+
+        call.keep = (x, w, out, alpha, beta)  # the buffers live as long as the call
+    if m % 8 == 0 and n % 8 == 0 and k % 8 == 0:  # torch._int_mm's shape rules
+        call()
+        if not torch.equal(out, torch._int_mm(x, w.t())):
+            raise RuntimeError(f"cublasGemmEx's int32 sums differ from torch._int_mm's on {m} x {n} x {k}")
+    return call
+
+
+def _cupy_gemmex(shape: tuple[int, ...], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """gemmex_int8's call through CuPy's cuBLAS handle, with a workspace of its own."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    (_, _, n, _, k) = shape
     workspace = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
     alpha, beta = np.ones(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
     handle = cupy.cuda.device.get_cublas_handle()
     if hasattr(cublas, "setWorkspace"):  # CuPy 13+
         cublas.setWorkspace(handle, workspace.data_ptr(), workspace.numel())
-    r_8i, r_32i, compute_32i, op_n, op_t, default_algo = 3, 10, 72, 0, 1, -1  # cudaDataType, cublasComputeType_t
 
     def call() -> None:
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            # column-major out^T [N, M] = (w as [K, N])^T @ (x as [K, M])
-            cublas.gemmEx(handle, op_t, op_n, n, m, k, alpha.ctypes.data, w.data_ptr(), r_8i, k, x.data_ptr(), r_8i,
-                          k, beta.ctypes.data, out.data_ptr(), r_32i, n, compute_32i, default_algo)
+            cublas.gemmEx(handle, *shape, alpha.ctypes.data, w.data_ptr(), _R_8I, k, x.data_ptr(), _R_8I, k,
+                          beta.ctypes.data, out.data_ptr(), _R_32I, n, _COMPUTE_32I, _DEFAULT_ALGO)
 
-    call.keep = (x, w, out, workspace, alpha, beta)  # the buffers live as long as the call
+    call.keep = (x, w, out, workspace, alpha, beta)
     return call
+
+
+def _cublas_check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed (cublasStatus_t {status})")
+
+
+@cache
+def own_cublas() -> tuple[ctypes.CDLL, ctypes.c_void_p, torch.Tensor]:
+    """(libcublas, a handle, its 32 MiB workspace) for gemmex_int8: the cuBLAS that torch loaded (found in the
+    process's memory map; else by its soname), a handle of quantkit's own bound to no stream until each call, with
+    a fixed workspace, so that a CUDA graph can capture its GEMMs. OSError where there is no cuBLAS to load."""
+    path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if "/libcublas.so" in line), None) if Path("/proc/self/maps").exists() else None
+    lib = ctypes.CDLL(path or "libcublas.so.13")
+    handle = ctypes.c_void_p()
+    _cublas_check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+    workspace = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
+    _cublas_check(lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(workspace.data_ptr()),
+                                            ctypes.c_size_t(workspace.numel())), "cublasSetWorkspace")
+    return lib, handle, workspace
 
 
 @dataclass
