@@ -176,6 +176,8 @@ def load_manifest(path: Path) -> dict[str, Any]:
     lists must be there with the size it records (a stat each, no hashing): a missing or truncated shard is an
     error that names it before anything reads the artifact."""
     manifest = Path(path) / MANIFEST
+    if not Path(path).exists():
+        raise ArtifactError(f"{path} does not exist")
     if not manifest.is_file():
         partial = Path(str(path) + ".partial")
         extra = f"; {partial} holds an unfinished run (quantkit quantize ... --resume)" if partial.exists() else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -50,6 +51,7 @@ def main(verbose: bool) -> None:
     quantkit recipes                                           # what recipes ship
     quantkit inspect OUT                                       # what an artifact holds
     quantkit validate OUT                                      # packed layers through the kernels' emulation
+    quantkit bench [OUT]                                       # the kernels against cuBLAS, on a GPU
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     logging.getLogger("quantkit").setLevel(logging.DEBUG if verbose else logging.NOTSET)  # libraries stay quiet
@@ -350,14 +352,22 @@ def inspect(output: Path, verify: bool) -> None:
         Console().print(f"note: {note}", highlight=False)
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A number option that must be finite (click's FloatRange lets NaN and infinity through)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 @main.command()
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Activation rows per check (the GEMM's M); above 8 the kernels also run on the first row alone, "
-              "which takes the decode kernels.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random activations.")
-@click.option("--tolerance", type=float, default=4e-3, show_default=True,
-              help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs.")
+              help="Activation rows per check (the GEMM's M); above 8 the W4A8 kernels also run on the first row "
+              "alone, which takes the decode kernels.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random activations.")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=4e-3, show_default=True, callback=_finite,
+              help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs (a finite number).")
 @click.option("--kernel", type=click.Choice(["auto", "cuda", "sim", "none"]), default="auto", show_default=True,
               help="Also run each linear's CUDA kernels (kernels/) and require their fp16 output to equal the "
               "emulation's bit for bit (Any-Precision's tensor-core kernel: within its stated bound): on the GPU "
@@ -368,7 +378,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     must equal the reference integer product exactly and the fp16 outputs match the dequantized reference; and
     run the CUDA kernels themselves (on the GPU, or their lane code in the warp simulator), whose output must
     equal the emulation's bit for bit (Any-Precision's tensor-core kernel: within `anyprec_tc_bound`).
-    Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Exits 1 on any mismatch."""
+    Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Only the shards' sizes are checked
+    against the manifest (`quantkit inspect --verify` hashes them). Exits 1 on any mismatch, naming the linears, and
+    2 on an error (no artifact, a damaged one, a kernel that cannot run here)."""
     import numpy as np
 
     from quantkit import kernels
@@ -405,8 +417,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     table.add_column("linear", min_width=len("self_attn.q_proj"), overflow="fold")
     for column in ["int32", "plain", "outliers"] + (["kernel"] if device else []):
         table.add_column(column, justify="right")
-    failures, ran = 0, {}
+    failures, ran, checked = [], {}, 0
     for linear in packed_linears(output):
+        checked += 1
         i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
         weight = q.dequantize()
         k = weight.shape[1]
@@ -426,20 +439,55 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
             checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
         same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
                                      for x in (plain, heavy))
-        ok = same and all(c.exact and c.rel_error <= tolerance for c in checks)
-        failures += not ok
+        exact, close = all(c.exact for c in checks), all(c.rel_error <= tolerance for c in checks)
+        ok = same and exact and close
+        if not ok:
+            why = [what for what, good in (("int32", exact), (f"error above {tolerance:g}", close),
+                                           ("kernel", same)) if not good]
+            failures.append(f"layer {i} {name} ({', '.join(why)})")
         style = "" if ok else "[bold red]"
         table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
                       *(f"{style}{c.rel_error:.2e}" for c in checks),
                       *([style + ("yes" if same else "NO")] if device else []))
-    Console().print(table)
+    out = Console()  # the verdict goes where the table goes, so that a log of either holds both
+    out.print(table)
+    if not checked:
+        raise QuantkitError(f"{output}: no packed linear to check (its config.json and manifest name none)")
     if ran:
-        console.print("kernels run against the emulation: " + ", ".join(f"{label} on {count} linear(s)"
-                                                                      for label, count in ran.items()))
+        out.print("kernels run against the emulation: " + ", ".join(f"{label} on {count} linear(s)"
+                                                                  for label, count in ran.items()))
+    elif device is None:
+        out.print("note: no kernel ran (" + ("--kernel none" if kernel == "none" else
+                                             "no CUDA device, and no C++ compiler for the warp simulator") +
+                  "): the emulation alone was checked", highlight=False)
     if failures:
-        console.print(f"[bold red]{failures} linear(s) do not match their reference[/]")
+        out.print(f"[bold red]{len(failures)} linear(s) do not match their reference:[/] " + "; ".join(failures),
+                  highlight=False)
         sys.exit(1)
-    console.print("every packed linear matches its reference")
+    out.print("every packed linear matches its reference")
+
+
+def _token_counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """--m as positive token counts, refused with the reason before anything runs."""
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        raise click.BadParameter(f"{value!r}: give positive token counts, comma-separated (e.g. 1,16,1024)")
+    return tuple(int(p) for p in parts)
+
+
+def _bench_formats(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    """--formats as layout names, each one a layout bench has kernels for."""
+    if value is None:
+        return None
+    from quantkit.kernel_bench import VARIANTS
+
+    known = {v.fmt for v in VARIANTS}
+    names = tuple(p.strip() for p in value.split(",") if p.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise click.BadParameter(f"{', '.join(unknown) if unknown else repr(value)}: not a layout bench times "
+                                 f"({', '.join(sorted(known))})")
+    return names
 
 
 def _bench_shapes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[tuple[int, int], ...]:
@@ -459,24 +507,32 @@ def _bench_shapes(ctx: click.Context, param: click.Parameter, value: str) -> tup
               "qkv, o, fused gate_up and down projections (llama3-8b, whose shapes issue #6's bars are set on and "
               "Mistral-7B shares; llama2-7b, llama3-70b, qwen2-7b), or shapes of one's own as NxK,NxK,... (N output "
               "channels, K input, multiples of 128).")
-@click.option("--layer", type=int, default=0, show_default=True, help="With OUTPUT, the layer whose linears to time.")
-@click.option("--m", "ms", default="1,4,16,1024", show_default=True,
-              help="Comma-separated token counts (the GEMM's M); the Any-Precision GEMV runs only for M <= 16.")
-@click.option("--formats", default=None, help="Comma-separated layouts to time (qserve, liquidquant, qqq, atom, "
-              "anyprec); default: all.")
+@click.option("--layer", type=click.IntRange(min=0), default=None,
+              help="With OUTPUT, the layer whose linears to time [default: 0].")
+@click.option("--m", "ms", default="1,4,16,1024", show_default=True, callback=_token_counts,
+              help="Comma-separated token counts (the GEMM's M), positive; the Any-Precision GEMV runs only for "
+              "M <= 16.")
+@click.option("--formats", default=None, callback=_bench_formats,
+              help="Without OUTPUT, comma-separated layouts to time (qserve, liquidquant, qqq, atom, anyprec); "
+              "default: all.")
 @click.option("--paths", type=click.Choice(["auto", "all"]), default="auto", show_default=True,
-              help="auto: each layout's kernel as its launch picks it by M and shape; all: every kernel of a layout "
+              help="Without OUTPUT, auto: each layout's kernel as its launch picks it by M and shape; all: every "
+              "kernel of a layout "
               "at every M (W4A8: small-M, tiled and, on a Hopper GPU, wgmma; Any-Precision: CUDA cores and tensor "
               "cores), to set the thresholds between them.")
-@click.option("--warmup", type=int, default=10, show_default=True, help="Untimed calls before timing each case.")
-@click.option("--iters", type=int, default=50, show_default=True, help="Timed calls per case; the median is shown.")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Untimed calls before timing each case.")
+@click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Timed calls per case; the median is shown.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Times the whole run is repeated (kernels and baselines alike); each row shows the median of its "
               "rounds, so that a slow spell of the device during one round moves no bar. 1 for a quick look.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every row and bar, with the device and its copy bandwidth, to this JSON file.")
-def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: int, ms: str, formats: str | None,
-              paths: str, warmup: int, iters: int, rounds: int, json_path: Path | None) -> None:
+@click.pass_context
+def bench_cmd(ctx: click.Context, output: Path | None, shapes: tuple[tuple[int, int], ...], layer: int | None,
+              ms: tuple[int, ...], formats: tuple[str, ...] | None, paths: str, warmup: int, iters: int, rounds: int,
+              json_path: Path | None) -> None:
     """Time the packed-layout kernels on a GPU against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
     (torch._int_mm and cublasGemmEx; the faster sets the bar) on the same shapes, in one run: CUDA events, warm-up,
     medians (a call under 100 us is timed per call in replayed CUDA graphs, as engines run decode GEMMs, and its
@@ -486,19 +542,26 @@ def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: i
     layer of that artifact, with its own stored tensors; otherwise every layout on synthetic tensors of the
     --shapes set. Needs a CUDA device and CuPy (pip install 'quantkit[cuda]');
     the baselines need a CUDA build of torch."""
+    from click.core import ParameterSource
+
     from quantkit import kernel_bench, kernels
 
+    given = {name for name in ("shapes", "formats", "paths")
+             if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+    if output is not None and given:
+        raise click.UsageError(f"{', '.join('--' + name for name in sorted(given))}: with OUTPUT, bench times that "
+                               "artifact's own linears (its layout, its shapes); leave them out, or OUTPUT")
+    if output is None and layer is not None:
+        raise click.UsageError("--layer picks a layer of OUTPUT; give the artifact too")
+    if output is not None:
+        kernel_bench.benchable_format(output)  # what OUTPUT is, before the GPU is asked for
     if not kernels.cuda_available():
         raise QuantkitError("quantkit bench needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); on a CPU, "
                             "`quantkit validate` checks the kernels in the warp simulator instead")
     if output is not None:
-        cases = kernel_bench.artifact_cases(output, layer)
+        cases = kernel_bench.artifact_cases(output, layer or 0)
     else:
-        wanted = set(formats.split(",")) if formats else None
-        variants = tuple(v for v in kernel_bench.VARIANTS if wanted is None or v.fmt in wanted)
-        if not variants:
-            raise QuantkitError(f"--formats {formats!r} names no kernel (layouts: "
-                                f"{', '.join(sorted({v.fmt for v in kernel_bench.VARIANTS}))})")
+        variants = tuple(v for v in kernel_bench.VARIANTS if formats is None or v.fmt in formats)
         if paths == "all":
             variants = kernel_bench.with_paths(variants, hopper=kernels.hopper_available())
         cases = kernel_bench.shape_cases(shapes, variants)
@@ -508,7 +571,7 @@ def bench_cmd(output: Path | None, shapes: tuple[tuple[int, int], ...], layer: i
     bandwidth = kernel_bench.copy_bandwidth()
     reporter, label = _RichReporter(), f"timing ({rounds} round{'s' if rounds > 1 else ''})"
     try:
-        rows = kernel_bench.run_bench(cases, tuple(int(m) for m in ms.split(",")), warmup, iters, rounds,
+        rows = kernel_bench.run_bench(cases, ms, warmup, iters, rounds,
                                       lambda done, total: reporter.phase(label, done, total))
     finally:
         reporter.stop()

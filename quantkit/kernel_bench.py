@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch, tuning
 
 # (N, K) of a model's linears: fused qkv, o, fused gate_up, down. Issue #6's bars are set on Llama-3-8B's (which
@@ -45,7 +46,7 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         n, sep, k = part.lower().partition("x")
-        if not (sep and n.isdigit() and k.isdigit()):
+        if not (sep and n.isascii() and n.isdigit() and k.isascii() and k.isdigit()):  # not "²" and the like
             raise ValueError(f"{part!r} is neither a shape set ({', '.join(SHAPE_SETS)}) nor NxK (e.g. 4096x14336)")
         if int(n) % SHAPE_MULTIPLE or int(k) % SHAPE_MULTIPLE or not int(n) or not int(k):
             raise ValueError(f"{part}: N and K must be positive multiples of {SHAPE_MULTIPLE}, so that every layout's "
@@ -515,13 +516,24 @@ def shape_cases(shapes: tuple[tuple[int, int], ...], variants: tuple[Variant, ..
             for n, k in shapes for v in variants]
 
 
+def benchable_format(path) -> str:
+    """The format of artifact `path`, one that quantkit has kernels for, else an error saying so."""
+    from quantkit.artifact import load_manifest
+
+    fmt = load_manifest(path)["format"]
+    if fmt not in {v.fmt for v in VARIANTS}:
+        raise QuantkitError(f"{path}: format {fmt!r} has no quantkit kernel to time (those of "
+                            f"{', '.join(sorted({v.fmt for v in VARIANTS}))}); a 'compressed-tensors' artifact runs in "
+                            "its engine's kernels")
+    return fmt
+
+
 def artifact_cases(path, layer: int = 0) -> list[Case]:
     """The packed linears of one layer of artifact `path`, each with its own format's kernel (Any-Precision: at
     every width it serves)."""
-    from quantkit.artifact import load_manifest
     from quantkit.eval.loading import packed_linears
 
-    fmt = load_manifest(path)["format"]
+    fmt = benchable_format(path)
     cases = []
     for linear in packed_linears(path, [layer]):
         n, k = linear.q.codes.shape

@@ -1073,4 +1073,5 @@ if os.environ.get("QUANTKIT_KERNEL_SETTINGS"):
     try:
         apply_settings(json.loads(os.environ["QUANTKIT_KERNEL_SETTINGS"]))
     except (ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
-        raise ValueError(f"$QUANTKIT_KERNEL_SETTINGS: {e}") from None
+        # a QuantkitError, so that the CLI command that imports this module reports it as one line, not a traceback
+        raise KernelUnavailable(f"$QUANTKIT_KERNEL_SETTINGS: {e}") from None

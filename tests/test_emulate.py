@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +91,66 @@ def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path
     record_rewritten_file(broken, shard_path)  # a well-formed artifact with these parameters, not a damaged one
     result = cli("validate", broken)
     assert result.exit_code == 1 and "NO" in result.output
+    # the verdict names the failing linear and why, in words a log without colours keeps
+    assert "layer 0 mlp.down_proj (int32" in " ".join(result.output.split())
+
+
+def test_validate_refuses_bad_options_and_damaged_linears(artifacts, tmp_path):
+    """Options that would make the verdict meaningless are refused (exit 2, not the mismatch's 1), and so is an
+    artifact whose shards lack a linear's tensor or whose config names more layers than were written; with no
+    kernel run the verdict says so."""
+    import shutil
+
+    for option in (["--seed", "-1"], ["--tolerance", "-1"], ["--tolerance", "nan"], ["--tolerance", "inf"]):
+        result = cli("validate", artifacts["qqq"], "--kernel", "none", *option)
+        assert result.exit_code == 2 and option[0] in result.output, (option, result.output)
+    result = cli_ok("validate", artifacts["qqq"], "--kernel", "none")
+    assert "note: no kernel ran (--kernel none)" in result.output
+    assert f"error: {tmp_path / 'nowhere'} does not exist" in cli("validate", tmp_path / "nowhere").output
+
+    lacking = tmp_path / "lacking"
+    shutil.copytree(artifacts["qqq"], lacking)
+    weight_map = json.loads((lacking / "model.safetensors.index.json").read_text())["weight_map"]
+    key = next(k for k in weight_map if k.startswith("model.layers.1.mlp.down_proj."))
+    shard_path = lacking / weight_map[key]
+    shard = load_file(str(shard_path))
+    del shard[key]
+    save_file(shard, str(shard_path))
+    record_rewritten_file(lacking, shard_path)
+    result = cli("validate", lacking, "--kernel", "none")
+    assert result.exit_code == 2 and f"layer 1 mlp.down_proj lacks its {key.rsplit('.', 1)[1]} tensor" in result.output
+
+    more = tmp_path / "more"
+    shutil.copytree(artifacts["qqq"], more)
+    config = json.loads((more / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (more / "config.json").write_text(json.dumps(config))
+    record_rewritten_file(more, more / "config.json")
+    result = cli("validate", more, "--kernel", "none")
+    assert result.exit_code == 2 and "config.json says 3 layers where the manifest wrote 2" in result.output
+
+
+def test_bench_refuses_what_it_cannot_time_before_asking_for_a_gpu(artifacts, tmp_path):
+    """quantkit bench checks its options and OUTPUT (an artifact of a layout with kernels) before it looks for a
+    GPU, so that a CPU machine names the mistake, not the missing device."""
+    for args, says in [(["--m", "abc"], "--m"), (["--m", "0,4"], "--m"), (["--iters", "0"], "--iters"),
+                       (["--warmup", "-1"], "--warmup"), (["--formats", "qqq,nope"], "nope: not a layout"),
+                       (["--layer", "1"], "--layer picks a layer of OUTPUT"), (["--shapes", "\u00b2x128"], "--shapes"),
+                       ([artifacts["qqq"], "--formats", "qqq"], "--formats: with OUTPUT"),
+                       ([artifacts["qqq"], "--shapes", "128x128"], "--shapes: with OUTPUT"),
+                       ([artifacts["qqq"], "--layer", "-1"], "--layer"),
+                       ([tmp_path / "nowhere"], "does not exist")]:
+        result = cli("bench", *args)
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+        assert "needs a CUDA device" not in result.output
+
+
+def test_packed_linears_refuse_layers_past_the_artifact(artifacts):
+    from quantkit.errors import QuantkitError
+    from quantkit.eval.loading import packed_linears
+
+    with pytest.raises(QuantkitError, match=r"has layers 0\.\.1, not 2"):
+        next(packed_linears(artifacts["qqq"], [2]))
 
 
 def test_validate_fails_when_the_kernel_differs_from_the_emulation(artifacts, monkeypatch):

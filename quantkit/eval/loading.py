@@ -114,7 +114,14 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
     adapter = adapter_for(config["model_type"])
     specs = artifact_specs(manifest)
     weight_map = _weight_map(path)
-    for i in range(config["num_hidden_layers"]) if layers is None else layers:
+    count = config["num_hidden_layers"]
+    if count != manifest["num_layers"]:
+        raise ArtifactError(f"{path}: config.json says {count} layers where the manifest wrote "
+                            f"{manifest['num_layers']}; copy the artifact again, or quantize again")
+    layers = range(count) if layers is None else list(layers)
+    if past := [i for i in layers if not 0 <= i < count]:
+        raise ArtifactError(f"{path} has layers 0..{count - 1}, not {', '.join(map(str, past))}")
+    for i in layers:
         prefix = adapter.layer_prefix(i)
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({f for key, f in weight_map.items() if key.startswith(prefix)}):
@@ -122,7 +129,12 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
                             if k.startswith(prefix)})
         for role, name in adapter.linear_names(list(specs)):
             parts = linear_parts(tensors, name, packer)
-            yield PackedLinear(i, name, role, parts, packer.unpack(dict(parts), specs[role]))
+            try:
+                q = packer.unpack(dict(parts), specs[role])
+            except KeyError as e:  # a tensor the layout needs is not in the shards
+                raise ArtifactError(f"{path}: layer {i} {name} lacks its {e.args[0]} tensor; copy the artifact "
+                                    "again, or quantize again") from None
+            yield PackedLinear(i, name, role, parts, q)
 
 
 def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
