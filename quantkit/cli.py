@@ -362,8 +362,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @main.command()
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Activation rows per check (the GEMM's M); above 8 the W4A8 kernels also run on the first row "
-              "alone, which takes the decode kernels.")
+              help="Activation rows per check (the GEMM's M); above 8 the kernels (but Atom's) also run on the first "
+              "row alone, which takes the decode kernels.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random activations.")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=4e-3, show_default=True, callback=_finite,
