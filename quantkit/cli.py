@@ -517,9 +517,8 @@ def _bench_shapes(ctx: click.Context, param: click.Parameter, value: str) -> tup
               "default: all.")
 @click.option("--paths", type=click.Choice(["auto", "all"]), default="auto", show_default=True,
               help="Without OUTPUT, auto: each layout's kernel as its launch picks it by M and shape; all: every "
-              "kernel of a layout "
-              "at every M (W4A8: small-M, tiled and, on a Hopper GPU, wgmma; Any-Precision: CUDA cores and tensor "
-              "cores), to set the thresholds between them.")
+              "kernel of a layout at every M (W4A8: small-M, tiled and, on a Hopper GPU, wgmma; Any-Precision: CUDA "
+              "cores and tensor cores), to set the thresholds between them.")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
               help="Untimed calls before timing each case.")
 @click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True,
