@@ -395,7 +395,8 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     )
     from quantkit.eval.loading import artifact_recipe, packed_linears
 
-    fmt = load_manifest(output)["format"]
+    manifest = load_manifest(output)
+    fmt = manifest["format"]
     if fmt not in EMULATED:
         raise QuantkitError(f"validate: no kernel emulation for format {fmt!r}: validate checks the layouts "
                             f"quantkit's kernels read ({', '.join(sorted(EMULATED))}); a 'quantkit' artifact is "
@@ -418,37 +419,46 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     for column in ["int32", "plain", "outliers"] + (["kernel"] if device else []):
         table.add_column(column, justify="right")
     failures, ran, checked = [], {}, 0
-    for linear in packed_linears(output):
-        checked += 1
-        i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
-        weight = q.dequantize()
-        k = weight.shape[1]
-        if device:
-            for label in kernels.path_labels(fmt, weight.shape[0], k, device, tokens):
-                ran[label] = ran.get(label, 0) + 1
-        plain = rng.standard_normal((tokens, k)).astype(np.float32)
-        heavy = plain.copy()
-        heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
-        act = recipe.activations
-        bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
-        if fmt == "atom":
-            checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
-        elif fmt == "anyprec":  # every width the artifact serves
-            checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
-        else:
-            checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
-        same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
-                                     for x in (plain, heavy))
-        exact, close = all(c.exact for c in checks), all(c.rel_error <= tolerance for c in checks)
-        ok = same and exact and close
-        if not ok:
-            why = [what for what, good in (("int32", exact), (f"error above {tolerance:g}", close),
-                                           ("kernel", same)) if not good]
-            failures.append(f"layer {i} {name} ({', '.join(why)})")
-        style = "" if ok else "[bold red]"
-        table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
-                      *(f"{style}{c.rel_error:.2e}" for c in checks),
-                      *([style + ("yes" if same else "NO")] if device else []))
+    reporter = _RichReporter()  # a layer's linears take seconds each in the simulator: progress, with an ETA
+    layers, previous = manifest["num_layers"], -1
+    try:
+        for linear in packed_linears(output):
+            if checked and linear.layer != previous:
+                reporter.phase("validating layers", previous + 1, layers)
+            checked, previous = checked + 1, linear.layer
+            i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
+            weight = q.dequantize()
+            k = weight.shape[1]
+            if device:
+                for label in kernels.path_labels(fmt, weight.shape[0], k, device, tokens):
+                    ran[label] = ran.get(label, 0) + 1
+            plain = rng.standard_normal((tokens, k)).astype(np.float32)
+            heavy = plain.copy()
+            heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
+            act = recipe.activations
+            bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
+            if fmt == "atom":
+                checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
+            elif fmt == "anyprec":  # every width the artifact serves
+                checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
+            else:
+                checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
+            same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
+                                         for x in (plain, heavy))
+            exact, close = all(c.exact for c in checks), all(c.rel_error <= tolerance for c in checks)
+            ok = same and exact and close
+            if not ok:
+                why = [what for what, good in (("int32", exact), (f"error above {tolerance:g}", close),
+                                               ("kernel", same)) if not good]
+                failures.append(f"layer {i} {name} ({', '.join(why)})")
+            style = "" if ok else "[bold red]"
+            table.add_row(str(i), name, style + ("yes" if all(c.exact for c in checks) else "NO"),
+                          *(f"{style}{c.rel_error:.2e}" for c in checks),
+                          *([style + ("yes" if same else "NO")] if device else []))
+        if checked:
+            reporter.phase("validating layers", previous + 1, layers)
+    finally:
+        reporter.stop()
     out = Console()  # the verdict goes where the table goes, so that a log of either holds both
     out.print(table)
     if not checked:

@@ -66,6 +66,7 @@ def test_emulation_matches_the_reference_dequant(artifacts, recipe):
 def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path):
     result = cli_ok("validate", artifacts[recipe], "--kernel", "sim" if compiler_available() else "none")
     assert "every packed linear matches" in result.output and "yes" in result.output
+    assert "validating layers: 2/2" in result.output  # progress, in a log one line each tenth
     # whole linear names in an 80-column log (no "self_attn.…"), the kernel's column included
     assert all(f" {name} " in result.output for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"))
     assert "…" not in result.output
