@@ -78,6 +78,7 @@ VARIANTS = (
     Variant("Atom W4A4 g128 + 128 INT8", "atom", group=128),
     Variant("Any-Precision 3-bit GEMV", "anyprec", bits=3),
 )
+LAYOUTS = tuple(sorted({v.fmt for v in VARIANTS}))  # the layouts bench times (--formats, an OUTPUT's format)
 
 # The kernels a layout has, by path: the launch keyword that forces each.
 PATHS: dict[str, dict[str, dict[str, bool]]] = {
@@ -521,10 +522,9 @@ def benchable_format(path) -> str:
     from quantkit.artifact import load_manifest
 
     fmt = load_manifest(path)["format"]
-    if fmt not in {v.fmt for v in VARIANTS}:
-        raise QuantkitError(f"{path}: format {fmt!r} has no quantkit kernel to time (those of "
-                            f"{', '.join(sorted({v.fmt for v in VARIANTS}))}); a 'compressed-tensors' artifact runs in "
-                            "its engine's kernels")
+    if fmt not in LAYOUTS:
+        raise QuantkitError(f"{path}: format {fmt!r} has no quantkit kernel to time (those of {', '.join(LAYOUTS)}); "
+                            "a 'compressed-tensors' artifact runs in its engine's kernels")
     return fmt
 
 
