@@ -169,6 +169,7 @@ def scope(name: str, large: bool = False) -> tuple[str, ...] | None:
 # goes LEAD steps ahead into a ring of STAGES (LEAD = STAGES - 1 is the most the loop allows); WIDE takes the
 # 256-channel kernels (*_wgmma2: one block of 17 KiB stages an SM, where the 128-channel kernel fits two of 13 KiB).
 CP_ASYNC = {"QK_WGMMA_TMA": 0}  # the activation tiles by cp.async, as the weights
+CP_ASYNC_W5L3 = {**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}  # the default ring until run 10
 LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # the built-in ring: each stage's activation tile by one TMA copy from x's tensor map, completing on the stage's
     # mbarrier, so the loop needs no proxy fence (QK_WGMMA_TMA), 8 stages with copies 6 steps ahead (no define: the
@@ -180,7 +181,7 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "TMA-OVERLAP": ({"QK_WGMMA_RETIRE": 2}, {}),
     # the activation tiles by cp.async, with the proxy fence before each step's barrier (the default until run 10),
     # with the ring 5 deep and copies 3 steps ahead (W5L3, the default then), and other rings
-    "W5L3": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {}),
+    "W5L3": (CP_ASYNC_W5L3, {}),
     "W5L4": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 4}, {}),
     "W8L6": ({**CP_ASYNC, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 6}, {}),
     "W8L7": ({**CP_ASYNC, "QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {}),
@@ -198,11 +199,11 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # after its barrier and copy issue: RETIRE-LATE, 0.85-0.95x on every row of run 5): at the end of the next step,
     # while its fragments are unpacked into a second register set; or at the end of their own step (the default
     # until run 5)
-    "OVERLAP": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_RETIRE": 2}, {}),
-    "RETIRE-END": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_RETIRE": 0}, {}),
+    "OVERLAP": ({**CP_ASYNC_W5L3, "QK_WGMMA_RETIRE": 2}, {}),
+    "RETIRE-END": ({**CP_ASYNC_W5L3, "QK_WGMMA_RETIRE": 0}, {}),
     # diagnostic (DIAGNOSTIC): the cp.async ring without the proxy fence of the completed copies, what its MEMBAR
     # costs a step (0.80-0.99x in run 5; TMA needs none)
-    "NOFENCE": ({**CP_ASYNC, "QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3, "QK_WGMMA_PROXY_FENCE": 0}, {}),
+    "NOFENCE": ({**CP_ASYNC_W5L3, "QK_WGMMA_PROXY_FENCE": 0}, {}),
 }
 # Configurations timed to learn what holds a kernel back, never to be run: `fastest` passes over them.
 DIAGNOSTIC = frozenset({"NOFENCE"})
