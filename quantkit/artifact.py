@@ -45,12 +45,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file at `path`; a file safetensors cannot read is an ArtifactError that
-    names it."""
+def read_safetensors(path: Path, header_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file at `path` (none with `header_only`, which reads and checks the header
+    alone); a file safetensors cannot read is an ArtifactError that names it."""
     try:
         with safe_open(path, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            names = f.keys()
+            return {} if header_only else {k: f.get_tensor(k) for k in names}
     except (SafetensorError, OSError) as exc:
         raise ArtifactError(f"{path}: cannot read this safetensors file, corrupt or truncated ({exc})") from None
 
@@ -65,7 +66,7 @@ def shard_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
-def _json_object(file: Path, keys: tuple[str, ...] = ()) -> tuple[Any, str]:
+def json_object(file: Path, keys: tuple[str, ...] = ()) -> tuple[Any, str]:
     """The JSON object in `file` and "", or what is wrong with the file: unreadable, not an object, or without one
     of `keys`."""
     try:
@@ -125,7 +126,7 @@ class OutputDir:
         """Create or reopen the work dir; returns the journal when resuming."""
         self.check(resume, overwrite, protect)
         if resume:
-            journal, problem = _json_object(self.work / JOURNAL, ("layers",))
+            journal, problem = json_object(self.work / JOURNAL, ("layers",))
             if problem or not isinstance(journal["layers"], dict):
                 raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem or 'no layers'}); rerun "
                                     "with --overwrite to start afresh")
@@ -156,15 +157,46 @@ class OutputDir:
 _MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str, "architecture": str, "num_layers": int, "recipe": str, "format": str, "weights": dict,
     "activations": (dict, type(None)), "kv_cache": (dict, type(None)), "calibration": dict, "layers": list,
-    "timings": dict, "files": dict,
+    "timings": dict, "files": dict, "notes": list,
 }
+_NUMBER = (int, float)
+# The fields inside those that readers use (inspect's summary, the weight specs), by the entry they sit in.
+_ENTRY_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "calibration": {"source": str, "num_samples": int, "seq_len": int, "sha256": str},
+    "timings": {"total_seconds": _NUMBER},
+    "weights.*": {"bits": int, "symmetric": bool, "granularity": str},
+    "layers.*": {"index": int, "rel_error": _NUMBER, "seconds": _NUMBER, "metrics": dict},
+    "files.*": {"bytes": int, "sha256": str},
+}
+
+
+def _manifest_problems(content: Any) -> list[str]:
+    """What is wrong with a manifest's content, in words: the fields missing or of the wrong type, as dotted paths
+    (e.g. "timings.total_seconds"), and any listed file that is not a plain name inside the artifact."""
+    if not isinstance(content, dict):
+        return ["not a JSON object"]
+    wrong = [name for name, kind in _MANIFEST_FIELDS.items() if not isinstance(content.get(name, ...), kind)]
+    if not wrong:
+        for where, fields in _ENTRY_FIELDS.items():
+            name, _, each = where.partition(".")
+            value = content[name]
+            entries = (value.items() if isinstance(value, dict) else enumerate(value)) if each else [(None, value)]
+            for key, entry in entries:
+                at = name if key is None else f"{name}.{key}"
+                wrong += [f"{at}.{field}" for field, kind in fields.items()
+                          if not (isinstance(entry, dict) and isinstance(entry.get(field, ...), kind))]
+    problems = [f"{', '.join(wrong)} missing or of the wrong type"] if wrong else []
+    # a file entry names a file of the artifact itself, never a path out of it
+    outside = [name for name in content.get("files") or {} if Path(name).name != name or name in ("", ".", "..")]
+    return problems + ([f"files lists {', '.join(map(repr, outside))}, not file names of the artifact"]
+                       if outside else [])
 
 
 def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """The JSON object in file `name` of artifact `path` (config.json, the shard index), holding `keys`, or an
     ArtifactError naming the file."""
     file = Path(path) / name
-    content, problem = _json_object(file, keys)
+    content, problem = json_object(file, keys)
     if problem:
         raise ArtifactError(f"{file}: cannot read it ({problem}); the artifact is damaged (copy it again, or "
                             "quantize again)")
@@ -186,13 +218,9 @@ def load_manifest(path: Path) -> dict[str, Any]:
         content = json.loads(manifest.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{manifest}: not a readable manifest ({exc})") from None
-    wrong = ([name for name, kind in _MANIFEST_FIELDS.items() if not isinstance(content.get(name, ...), kind)]
-             if isinstance(content, dict) else ["all"])
-    wrong += [f"files.{name}" for name, entry in (content.get("files") or {}).items()
-              if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int))] if not wrong else []
-    if wrong:
-        raise ArtifactError(f"{manifest}: a damaged manifest ({', '.join(wrong)} missing or of the wrong type); "
-                            "copy the artifact again, or quantize again")
+    if problems := _manifest_problems(content):
+        raise ArtifactError(f"{manifest}: a damaged manifest ({'; '.join(problems)}); copy the artifact again, or "
+                            "quantize again")
     bad = []
     for name, entry in content["files"].items():
         file = Path(path) / name

@@ -32,7 +32,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import os
 import random
 import socket
@@ -49,6 +48,7 @@ import torch
 import yaml
 
 from quantkit.errors import QuantkitError
+from quantkit.files import json_objects
 from quantkit.resources import data_path
 
 DOC_SEPARATOR = "\n\n"
@@ -301,24 +301,13 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
 
 
 def _iter_jsonl(handle: IO[str], path: Path, text_field: str) -> Iterator[str]:
-    for number, line in enumerate(handle, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            hint = " (a JSON array? convert it to JSON lines, one object per line)" if number == 1 else ""
-            raise CalibrationError(f"{path}, line {number}: not a JSON object per line{hint}: {exc}") from exc
-        if not isinstance(row, dict) or text_field not in row:
-            keys = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
-            raise CalibrationError(f"{path}, line {number}: no field {text_field!r} (found {keys}); "
-                                   "choose the field with the recipe's calibration.text_field")
+    for number, row in json_objects(handle, path, (text_field,), CalibrationError,
+                                    fix="choose the field with the recipe's calibration.text_field"):
         value = row[text_field]
         if value is None:
             continue
         if not isinstance(value, str):
-            raise CalibrationError(
-                f"{path}, line {number}: field {text_field!r} is {type(value).__name__}, not text")
+            raise CalibrationError(f"{path}, line {number}: field {text_field!r} is {type(value).__name__}, not text")
         yield value
 
 

@@ -237,7 +237,8 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     import torch
 
     from quantkit.eval.loading import load_for_eval
-    from quantkit.eval.perplexity import wikitext_file, wikitext_perplexity
+    from quantkit.eval.perplexity import wikitext_perplexity, wikitext_rows
+    from quantkit.files import atomic_write, cannot_write
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
@@ -249,14 +250,27 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         unknown = [t for t in lm_tasks if t not in LM_EVAL_TASKS]
         if unknown:
             raise QuantkitError(f"unknown task(s) {', '.join(unknown)}; known: wikitext, {', '.join(LM_EVAL_TASKS)}")
-    # everything the run needs, before any model time: each task's data and the results' destination
+    # everything the run needs, before any model time: each task's data (every problem at once) and the results'
+    # destination
+    problems, rows = [], []
     if "wikitext" in names:
-        wikitext_file(data_dir)
+        try:
+            rows = wikitext_rows(data_dir)
+        except QuantkitError as exc:
+            problems.append(str(exc))
     if lm_tasks:
-        check_task_data(lm_tasks, data_dir)
+        try:
+            check_task_data(lm_tasks, data_dir)
+        except QuantkitError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise QuantkitError("\n".join(problems))
+    if lm_tasks:
         require_lm_eval()
     if output_json and not Path(output_json).parent.is_dir():
         raise QuantkitError(f"--output-json: {Path(output_json).parent} is not a directory")
+    if output_json and (why := cannot_write(Path(output_json))):
+        raise QuantkitError(f"--output-json: cannot write in {Path(output_json).parent} ({why})")
     loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits)
     console.print(f"evaluating {loaded.description}", highlight=False)
     results: dict[str, dict] = {}
@@ -268,7 +282,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         reporter = _RichReporter()
         try:
             results["wikitext"] = wikitext_perplexity(
-                loaded.model, loaded.tokenizer, data_dir, window, limit, batch_size,
+                loaded.model, loaded.tokenizer, rows, window, limit, batch_size,
                 progress=lambda done, total: reporter.phase("wikitext windows", done, total),
             ).as_dict()
         finally:
@@ -291,9 +305,12 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     Console().print(table)
     payload = {"model": str(model), "description": loaded.description, "results": results}
     if output_json:
-        from quantkit.files import atomic_write
-
-        atomic_write(Path(output_json), json.dumps(payload, indent=2))
+        try:
+            atomic_write(Path(output_json), json.dumps(payload, indent=2))
+        except OSError as exc:  # writable when checked, not now: the results still reach the user
+            click.echo(json.dumps(payload))
+            raise QuantkitError(f"--output-json: cannot write {output_json} ({exc.strerror or exc}); the results "
+                                "are the JSON line above") from None
     else:
         click.echo(json.dumps(payload))
 
@@ -314,9 +331,15 @@ def recipes() -> None:
               "exit 1 naming the files that differ.")
 def inspect(output: Path, verify: bool) -> None:
     """Summarize an artifact: format, bits, groups, layers, bytes, recipe, calibration hash, per-layer error."""
-    from quantkit.artifact import load_manifest, verify_files
+    from quantkit.artifact import load_manifest, read_safetensors, verify_files
+    from quantkit.eval.loading import artifact_config
 
     m = load_manifest(output)
+    # what costs no tensor read: the config against the manifest, and every shard's header
+    artifact_config(output, m)
+    for name in m["files"]:
+        if name.endswith(".safetensors"):
+            read_safetensors(output / name, header_only=True)
     if verify:
         if changed := verify_files(output, m):
             console.print(f"[bold red]{output}: {len(changed)} file(s) differ from what was written:[/] "

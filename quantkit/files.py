@@ -1,4 +1,5 @@
-"""Atomic file writes: a temp file in the same directory, then a rename, so a reader never sees a partial file.
+"""Atomic file writes (a temp file in the same directory, then a rename, so a reader never sees a partial file), and
+JSON-lines reading that names the file and line of what is wrong.
 
 A floor module (it imports nothing of quantkit), so that the model sources' caches and the artifact writer share
 one implementation. Finished files get the mode a plain `open` would give them under the process's umask.
@@ -6,10 +7,12 @@ one implementation. Finished files get the mode a plain `open` would give them u
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _umask() -> int:
@@ -46,3 +49,36 @@ def atomic_write_with(path: Path, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def cannot_write(path: Path) -> str | None:
+    """Why `atomic_write(path, ...)` would fail, found by creating and removing a temp file beside it; None if it
+    would not. A check to run before long work whose result goes to `path`."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+def json_objects(lines: Iterable[str], path: Path, fields: Sequence[str], error: Callable[[str], Exception],
+                 fix: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """The line number and JSON object of each non-blank line of `lines` (read from `path`), each object holding
+    every one of `fields`; a line that is not such an object raises `error(message)` naming the file and line (and
+    `fix`, how to mend it)."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            hint = " (a JSON array? convert it to JSON lines, one object per line)" if number == 1 else ""
+            raise error(f"{path}, line {number}: not a JSON object per line{hint}: {exc}") from None
+        missing = [field for field in fields if field not in row] if isinstance(row, dict) else list(fields)
+        if missing:
+            found = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
+            raise error(f"{path}, line {number}: no field {', '.join(map(repr, missing))} (found {found})"
+                        + (f"; {fix}" if fix else ""))
+        yield number, row

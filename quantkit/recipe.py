@@ -318,15 +318,19 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     """Load a bundled recipe by name, or a YAML file by path, then apply `--set` overrides and validate."""
     path = Path(name_or_path)
     bundled = bundled_recipes()
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise RecipeError(f"recipe file {path} not found")
-    elif str(name_or_path) in bundled:
+    # A file wins over a bundled name, a bundled name over anything else there (an output directory named after
+    # its recipe, say).
+    if path.suffix in (".yaml", ".yml") and not path.is_file():
+        raise RecipeError(f"recipe file {path} not found")
+    if not path.is_file():
+        if str(name_or_path) not in bundled:
+            what = f"{path} is not a file, and there is no" if path.exists() else "unknown recipe"
+            raise RecipeError(f"{what} {str(name_or_path)!r}; bundled recipes: {', '.join(bundled)}")
         path = bundled[str(name_or_path)]
-    else:
-        raise RecipeError(f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(bundled)}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(raw, dict):

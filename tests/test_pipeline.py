@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import artifact_digest, cli, cli_ok, wikitext_rows
+from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, wikitext_rows
 
 from quantkit.artifact import read_safetensors
 from quantkit.errors import QuantkitError
@@ -510,8 +510,8 @@ def test_damaged_artifact_metadata_is_named(rtn_artifact, tmp_path, name, damage
         file.write_text(damage.ljust(file.stat().st_size))
     data = wikitext_rows(tmp_path / "data")
     for args in (["eval", out, "--data-dir", data, "--limit", "1", "--seq-len", "64"], ["inspect", out]):
-        if args[0] == "inspect" and name != "quantkit_manifest.json":
-            continue  # inspect reads the manifest alone
+        if args[0] == "inspect" and name not in ("quantkit_manifest.json", "config.json"):
+            continue  # inspect reads the manifest and the config, and only the headers of the shards
         result = cli(*args)
         assert result.exit_code == 2, (args, result.output)
         assert match in " ".join(result.output.split()) and "Traceback" not in result.output, (args, result.output)
@@ -538,8 +538,8 @@ def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystorie
         match = f"{shard.name}: cannot read this safetensors file"
     data = wikitext_rows(tmp_path / "data")  # eval checks its data before it reads the model
     for args in (["eval", out, "--tasks", "wikitext", "--data-dir", data], ["validate", out], ["inspect", out]):
-        if damage == "corrupt" and args[0] != "eval":
-            continue  # inspect reads the manifest alone, and validate has no kernel for compressed-tensors
+        if damage == "corrupt" and args[0] == "validate":
+            continue  # validate has no kernel for compressed-tensors (inspect reads every shard's header)
         result = cli(*args)
         assert result.exit_code == 2, (args, result.output)
         assert match in " ".join(result.output.split()), (args, result.output)
@@ -621,3 +621,106 @@ def test_calibrating_on_the_wikitext_test_split_warns(synthetic, tmp_path):
     result = cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "out", "--calib",
                     data / WIKITEXT_FILE, "--num-samples", "2", "--seq-len", "32")
     assert "calibrating on the WikiText-2 test split" in " ".join(result.output.split()), result.output
+
+
+def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_path):
+    """What would score a model with layers missing or weights at random values is an error, not a perplexity: a
+    config.json naming fewer layers than the manifest wrote, a tensor gone from an artifact (its manifest updated,
+    so the sizes agree) or from an FP checkpoint, and a quantkit-format artifact without its manifest."""
+    from safetensors.torch import load_file, save_file
+
+    data = wikitext_rows(tmp_path / "data")
+
+    def refused(path: Path, match: str) -> None:
+        result = cli("eval", path, "--data-dir", data, "--limit", "1", "--seq-len", "64")
+        assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
+        assert "Traceback" not in result.output
+
+    fewer = shutil.copytree(rtn_artifact, tmp_path / "fewer")
+    config = json.loads((fewer / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    (fewer / "config.json").write_text(json.dumps(config))
+    record_rewritten_file(fewer, fewer / "config.json")  # an edit the size check cannot see
+    refused(fewer, "config.json says 2 layers where the manifest wrote 3")
+    assert "config.json says 2 layers" in " ".join(cli("inspect", fewer).output.split())
+
+    lacking = shutil.copytree(rtn_artifact, tmp_path / "lacking")
+    shard = next(p for p in sorted(lacking.glob("model-*.safetensors"))
+                 if "model.layers.1.input_layernorm.weight" in load_file(str(p)))
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.input_layernorm.weight"]
+    save_file(tensors, str(shard))
+    record_rewritten_file(lacking, shard)
+    refused(lacking, "the artifact lacks tensor(s) model.layers.1.input_layernorm.weight")
+
+    fp = shutil.copytree(synthetic, tmp_path / "fp")
+    weights = next(fp.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    save_file(tensors, str(weights))
+    refused(fp, "the checkpoint lacks tensor(s) model.layers.2.mlp.down_proj.weight")
+
+    bare = shutil.copytree(rtn_artifact, tmp_path / "bare")
+    (bare / "quantkit_manifest.json").unlink()
+    config = json.loads((bare / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "quantkit"}
+    (bare / "config.json").write_text(json.dumps(config))
+    refused(bare, "is a quantkit-format artifact without its quantkit_manifest.json")
+
+
+def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_model(rtn_artifact, tmp_path):
+    """Data files that are there but not what a task reads are named with their line, every task's problem at once,
+    and an --output-json that cannot be written is refused, all before any model time."""
+    from quantkit.eval.perplexity import WIKITEXT_FILE
+
+    data = wikitext_rows(tmp_path / "data")
+    rows = (data / WIKITEXT_FILE).read_text().splitlines()
+    (data / WIKITEXT_FILE).write_text("\n".join([*rows[:3], '{"txt": "a row"}', *rows[3:]]) + "\n")
+    (data / "piqa").mkdir()
+    (data / "piqa" / "validation.jsonl").write_text('{"goal": "x", "sol1": "a", "sol2": "b", "label": 0}\n{"goal"\n')
+    result = cli("eval", rtn_artifact, "--tasks", "wikitext,piqa", "--data-dir", data)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"{WIKITEXT_FILE}, line 4: no field 'text' (found 'txt')" in text
+    assert "piqa/validation.jsonl, line 2: not a JSON object per line" in text
+    assert "evaluating" not in text
+    result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json",
+                 "/proc/quantkit-results.json")
+    assert result.exit_code == 2 and "--output-json: cannot write in /proc" in result.output, result.output
+    assert "evaluating" not in result.output
+
+
+def test_inspect_names_a_damaged_manifest_field_and_files_outside_the_artifact(rtn_artifact, tmp_path):
+    """The fields inside the manifest's entries that inspect reads are checked like its top-level ones, and a file
+    entry must name a file of the artifact itself (never a path that a size check or --verify would follow)."""
+    for damage, match in [
+        (lambda m: m["timings"].pop("total_seconds"), "timings.total_seconds missing or of the wrong type"),
+        (lambda m: m["calibration"].pop("sha256"), "calibration.sha256 missing or of the wrong type"),
+        (lambda m: m["layers"][0].pop("rel_error"), "layers.0.rel_error missing or of the wrong type"),
+        (lambda m: m["files"].update({"../outside": {"bytes": 1, "sha256": "0" * 64}}),
+         "files lists '../outside', not file names of the artifact"),
+    ]:
+        out = shutil.copytree(rtn_artifact, tmp_path / "art", dirs_exist_ok=True)
+        manifest = json.loads((out / "quantkit_manifest.json").read_text())
+        damage(manifest)
+        (out / "quantkit_manifest.json").write_text(json.dumps(manifest))
+        result = cli("inspect", out)
+        assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
+        assert "Traceback" not in result.output
+        shutil.rmtree(out)
+
+
+def test_a_directory_named_after_a_recipe_does_not_hide_it(tmp_path, monkeypatch):
+    """`-r rtn-w8a8 -o rtn-w8a8` a second time: the output directory in the working directory is not a recipe file,
+    so the bundled recipe is meant; a file of that name still wins, and a non-UTF-8 one is named."""
+    from quantkit.recipe import RecipeError, load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rtn-w8a8").mkdir()
+    assert load_recipe("rtn-w8a8").name == "rtn-w8a8"
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(RecipeError, match="elsewhere is not a file, and there is no 'elsewhere'"):
+        load_recipe("elsewhere")
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00name")
+    with pytest.raises(RecipeError, match="bin.yaml: cannot read it as UTF-8 text"):
+        load_recipe("bin.yaml")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.files import json_objects
 from quantkit.resources import data_path
 
 __all__ = [
@@ -68,6 +69,7 @@ class TaskInfo:
     data_files: tuple[str, ...]
     metrics: tuple[str, ...]
     description: str
+    fields: tuple[str, ...]  # what every row of its data files must hold (checked before any model time)
 
 
 LM_EVAL_TASKS: dict[str, TaskInfo] = {
@@ -80,6 +82,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("piqa/validation.jsonl",),
             ("acc", "acc_norm"),
             "PIQA validation (1838), 0-shot; HF layout goal/sol1/sol2/label",
+            ("goal", "sol1", "sol2", "label"),
         ),
         TaskInfo(
             "arc_easy",
@@ -88,6 +91,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("arc/ARC-Easy-Test.jsonl",),
             ("acc", "acc_norm"),
             "AI2 ARC-Easy test (2376), 0-shot; HF allenai/ai2_arc layout question/choices/answerKey",
+            ("question", "answerKey"),
         ),
         TaskInfo(
             "arc_challenge",
@@ -96,6 +100,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("arc/ARC-Challenge-Test.jsonl",),
             ("acc", "acc_norm"),
             "AI2 ARC-Challenge test (1172), 0-shot; HF allenai/ai2_arc layout question/choices/answerKey",
+            ("question", "answerKey"),
         ),
         TaskInfo(
             "hellaswag",
@@ -104,6 +109,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("hellaswag/validation.jsonl",),
             ("acc", "acc_norm"),
             "HellaSwag validation (10042), 0-shot; HF Rowan/hellaswag layout ctx_a/ctx_b/endings/label",
+            ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
         ),
         TaskInfo(
             "winogrande",
@@ -112,6 +118,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("winogrande/validation.jsonl",),
             ("acc",),
             "WinoGrande validation (1267), 0-shot partial scoring; HF layout sentence/option1/option2/answer",
+            ("sentence", "option1", "option2", "answer"),
         ),
         TaskInfo(
             "wikitext_lm",
@@ -120,6 +127,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("wikitext-2-raw-v1/document_level_test.jsonl",),
             ("word_perplexity", "byte_perplexity", "bits_per_byte"),
             "lm-eval's document-level WikiText-2 test perplexity (62 pages, rolling windows); field page",
+            ("page",),
         ),
     )
 }
@@ -185,6 +193,16 @@ def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) ->
         lines = "\n".join(f"  task {name}: missing data file {path}" for name, path in missing)
         note = "" if root.is_dir() else f" (data directory {root} does not exist)"
         raise EvalDataError(f"lm-eval data not found{note}:\n{lines}\n{how}")
+    for info in infos:  # every row of the right layout, which lm-eval would find only once the model is loaded
+        for name in info.data_files:
+            path = root / name
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise EvalDataError(f"task {info.name}: cannot read {path} as UTF-8 text ({exc})") from None
+            for _ in json_objects(lines, path, info.fields, EvalDataError,
+                                  fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
+                pass
     return root
 
 

@@ -13,7 +13,15 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from quantkit import simulate
-from quantkit.artifact import MANIFEST, RECIPE, ArtifactError, load_manifest, read_artifact_json, read_safetensors
+from quantkit.artifact import (
+    MANIFEST,
+    RECIPE,
+    ArtifactError,
+    json_object,
+    load_manifest,
+    read_artifact_json,
+    read_safetensors,
+)
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
@@ -44,7 +52,15 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     if bits is not None:
         raise QuantkitError(f"--bits applies to Any-Precision artifacts; {path} is not a quantkit artifact")
     source = open_model(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code)
+    config, _ = json_object(Path(source.path) / "config.json")
+    if _quant_method(config or {}) == "quantkit":  # transformers has no such method: it would load random weights
+        raise ArtifactError(f"{path} is a quantkit-format artifact without its {MANIFEST}; copy the artifact again, "
+                            "or quantize again")
+    model, info = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                       output_loading_info=True)
+    if missing := sorted(info["missing_keys"]):  # transformers fills them with random values and goes on
+        raise QuantkitError(f"{path}: the checkpoint lacks tensor(s) {', '.join(missing[:5])}"
+                            f"{' and more' if len(missing) > 5 else ''}, which would be evaluated as random values")
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     method = _quant_method(model.config)
     kind = f"{method} checkpoint, dequantized by transformers" if method else "unquantized"
@@ -62,8 +78,9 @@ def _describe_act(act: simulate.ActivationSim | None) -> str:
 
 
 def _quant_method(config: Any) -> str | None:
-    """The `quant_method` of a transformers config's quantization_config (a dict or a config object), if any."""
-    qc = getattr(config, "quantization_config", None)
+    """The `quant_method` of a config's quantization_config (a transformers config or config.json's dict; the
+    quantization_config itself a dict or a config object), if any."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
@@ -88,6 +105,30 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map
 
 
+def artifact_config(path: Path, manifest: dict) -> dict[str, Any]:
+    """Artifact `path`'s config.json, which must name as many layers as its manifest wrote: a config edited or
+    copied from another model would otherwise load a model with layers missing or left at random."""
+    config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
+    if config["num_hidden_layers"] != manifest["num_layers"]:
+        raise ArtifactError(f"{path}: config.json says {config['num_hidden_layers']} layers where the manifest wrote "
+                            f"{manifest['num_layers']}; copy the artifact again, or quantize again")
+    return config
+
+
+def unpack_linear(path: Path, packer: Any, parts: dict[str, torch.Tensor], spec: QuantSpec, layer: int,
+                  name: str) -> QuantizedLinear:
+    """The packer's exact unpack of one linear's stored tensors, or an ArtifactError naming the linear and what
+    its tensors lack or hold that the manifest's spec cannot read."""
+    try:
+        return packer.unpack(dict(parts), spec)
+    except KeyError as e:  # a tensor the layout needs is not in the shards
+        raise ArtifactError(f"{path}: layer {layer} {name} lacks its {e.args[0]} tensor; copy the artifact again, "
+                            "or quantize again") from None
+    except (ValueError, RuntimeError) as e:  # shapes or dtypes that the recorded spec does not fit
+        raise ArtifactError(f"{path}: layer {layer} {name}: its tensors do not fit the manifest's "
+                            f"{spec.bits}-bit spec ({e}); copy the artifact again, or quantize again") from None
+
+
 def artifact_specs(manifest: dict) -> dict[str, QuantSpec]:
     """The weight spec of each quantized role, from an artifact's manifest."""
     return {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
@@ -110,14 +151,11 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
     layer's shards at a time."""
     manifest = load_manifest(path)
     packer = get_packer(manifest["format"])(artifact_recipe(path), None)
-    config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
+    config = artifact_config(path, manifest)
     adapter = adapter_for(config["model_type"])
     specs = artifact_specs(manifest)
     weight_map = _weight_map(path)
     count = config["num_hidden_layers"]
-    if count != manifest["num_layers"]:
-        raise ArtifactError(f"{path}: config.json says {count} layers where the manifest wrote "
-                            f"{manifest['num_layers']}; copy the artifact again, or quantize again")
     layers = range(count) if layers is None else list(layers)
     if past := [i for i in layers if not 0 <= i < count]:
         raise ArtifactError(f"{path} has layers 0..{count - 1}, not {', '.join(map(str, past))}")
@@ -129,18 +167,14 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
                             if k.startswith(prefix)})
         for role, name in adapter.linear_names(list(specs)):
             parts = linear_parts(tensors, name, packer)
-            try:
-                q = packer.unpack(dict(parts), specs[role])
-            except KeyError as e:  # a tensor the layout needs is not in the shards
-                raise ArtifactError(f"{path}: layer {i} {name} lacks its {e.args[0]} tensor; copy the artifact "
-                                    "again, or quantize again") from None
+            q = unpack_linear(path, packer, parts, specs[role], i, name)
             yield PackedLinear(i, name, role, parts, q)
 
 
 def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
     manifest = load_manifest(path)
     recipe = artifact_recipe(path)
-    config_data = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
+    config_data = artifact_config(path, manifest)
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
     model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
@@ -163,7 +197,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
         for module, (i, name, role) in quantized.items():
             parts = linear_parts(tensors, module, packer)
             if parts:
-                q = packer.unpack(parts, specs[role])
+                q = unpack_linear(path, packer, parts, specs[role], i, name)
                 q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
                 state[f"{module}.weight"] = q.dequantize().to(model_dtype)
                 info = simulate.runtime_of(q)
@@ -176,7 +210,8 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:
-        raise RuntimeError(f"{path}: artifact lacks tensors {sorted(missing)[:5]}")
+        raise ArtifactError(f"{path}: the artifact lacks tensor(s) {', '.join(sorted(missing)[:5])}"
+                            f"{' and more' if len(missing) > 5 else ''}; copy the artifact again, or quantize again")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     _rebuild_buffers(model)

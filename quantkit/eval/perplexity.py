@@ -7,7 +7,6 @@ exactly as those papers' evaluation scripts compute it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -19,12 +18,17 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.files import json_objects
 
 WIKITEXT_FILE = "wikitext-2-raw-v1/test.jsonl"
 
 
 class DataNotFoundError(QuantkitError):
     """An evaluation data file is missing."""
+
+
+class DataFormatError(QuantkitError):
+    """An evaluation data file is not what its task reads."""
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
@@ -47,9 +51,20 @@ def wikitext_file(data_dir: str | Path | None) -> Path:
 
 
 def wikitext_rows(data_dir: str | Path | None) -> list[str]:
-    """The WikiText-2 raw test rows (HF layout: one JSON object with "text" per line)."""
+    """The WikiText-2 raw test rows (HF layout: one JSON object with a "text" string per line), or an error naming
+    the file and line that is not such a row."""
     path = wikitext_file(data_dir)
-    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataFormatError(f"cannot read {path} as UTF-8 text ({exc})") from None
+    fix = "the file must hold the HF `wikitext-2-raw-v1` test split as JSON lines"
+    rows = []
+    for number, row in json_objects(text.splitlines(), path, ("text",), DataFormatError, fix):
+        if not isinstance(row["text"], str):
+            raise DataFormatError(f"{path}, line {number}: field 'text' is {type(row['text']).__name__}, not text")
+        rows.append(row["text"])
+    return rows
 
 
 @dataclass
@@ -92,11 +107,12 @@ def perplexity(
 
 
 def wikitext_perplexity(
-    model: torch.nn.Module, tokenizer: Any, data_dir: str | Path | None, seq_len: int = 2048,
-    limit: int | None = None, batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
+    model: torch.nn.Module, tokenizer: Any, rows: list[str], seq_len: int = 2048, limit: int | None = None,
+    batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
-    """The papers' WikiText-2 perplexity of `model` (`progress(done, total)` after every batch of windows)."""
-    text = "\n\n".join(wikitext_rows(data_dir))
+    """The papers' WikiText-2 perplexity of `model` on the test `rows` (`wikitext_rows`; `progress(done, total)`
+    after every batch of windows)."""
+    text = "\n\n".join(rows)
     # One sequence far past the model's context, cut into windows below: verbose=False keeps the tokenizer from
     # warning of "indexing errors" that the windowing never makes.
     ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids[0]
