@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +22,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
-from quantkit.files import atomic_write, atomic_write_with
+from quantkit.files import atomic_write, atomic_write_with, cannot_write
 
 MANIFEST = "quantkit_manifest.json"
 RECIPE = "quantkit_recipe.yaml"
 JOURNAL = "quantkit_journal.json"
+LOCK = "quantkit_run.lock"  # in OUT.partial while a run writes it: the pid and host of that run
 
 
 class ArtifactError(QuantkitError):
@@ -96,10 +99,24 @@ class OutputDir:
     def check(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> None:
         """Refuse, before any work, to clobber an existing output or an interrupted run, and --overwrite to replace
         anything but quantkit's own output: a directory that is not an artifact, a file, or `protect` (the model
-        being quantized) or a directory holding it."""
+        being quantized) or a directory holding it. An output that cannot be written, or that another run is
+        writing, is refused too."""
+        if self.final.name in ("", ".", ".."):
+            raise ArtifactError(f"-o {self.final}: name the output directory itself (quantkit writes NAME.partial "
+                                "beside it, then renames it to NAME)")
         for path in (self.final, self.work):
             if path.exists() and not path.is_dir():
                 raise ArtifactError(f"{path} exists and is not a directory; choose another output path")
+        parent = self.final.parent.resolve()
+        there = next(p for p in (parent, *parent.parents) if p.exists())  # where the first directory is made
+        if not there.is_dir():
+            raise ArtifactError(f"{there} is not a directory, so {self.final} cannot be made; choose another "
+                                "output path")
+        if why := cannot_write(there / self.work.name):
+            raise ArtifactError(f"cannot write in {there} ({why}); choose another output path")
+        if owner := self.writer():
+            raise ArtifactError(f"another quantkit run ({owner}) is writing {self.work}; wait for it, or remove "
+                                f"{self.work / LOCK} if no run is")
         final = self.final.resolve()
         for model in protect:
             if model.resolve() == final or final in model.resolve().parents:
@@ -111,6 +128,9 @@ class OutputDir:
                     f"{path} already exists and is not quantkit's output (no {MANIFEST} or {JOURNAL}); choose "
                     "another output path, or empty it yourself")
         if self.final.exists() and not overwrite:
+            if resume and (self.work / JOURNAL).is_file():  # an interrupted --overwrite run
+                raise ArtifactError(f"{self.work} holds an interrupted run that replaces {self.final}; pass "
+                                    "--resume --overwrite to continue it")
             raise ArtifactError(
                 f"{self.final} already exists; pass --overwrite to replace it"
                 + (" (it is complete: nothing to resume)" if resume else "")
@@ -123,18 +143,39 @@ class OutputDir:
             )
 
     def prepare(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> dict[str, Any] | None:
-        """Create or reopen the work dir; returns the journal when resuming."""
+        """Create or reopen the work dir and take its lock; returns the journal when resuming."""
         self.check(resume, overwrite, protect)
         if resume:
-            journal, problem = json_object(self.work / JOURNAL, ("layers",))
-            if problem or not isinstance(journal["layers"], dict):
-                raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem or 'no layers'}); rerun "
-                                    "with --overwrite to start afresh")
-            return journal
-        if self.work.exists():
-            shutil.rmtree(self.work)
-        self.work.mkdir(parents=True)
-        return None
+            journal, problem = json_object(self.work / JOURNAL, ("layers", *JOURNAL_IDENTITY))
+            problem = problem or _journal_problem(journal)
+            if problem:
+                raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem}); rerun with "
+                                    "--overwrite to start afresh")
+            for leftover in self.work.glob(".*.tmp"):  # an atomic write that a kill cut short
+                leftover.unlink()
+        else:
+            if self.work.exists():
+                shutil.rmtree(self.work)
+            self.work.mkdir(parents=True)
+        atomic_write(self.work / LOCK, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        return journal if resume else None
+
+    def writer(self) -> str | None:
+        """The live run whose lock is in the work dir ("pid N on HOST"), or None: no lock, or the lock of a run that
+        has ended (a kill leaves it behind). A lock of another host counts as live: its pid cannot be checked."""
+        lock, _ = json_object(self.work / LOCK, ("pid", "host"))
+        if lock is None or not isinstance(lock.get("pid"), int):
+            return None
+        if lock["host"] == socket.gethostname():
+            if lock["pid"] == os.getpid():
+                return None
+            try:
+                os.kill(lock["pid"], 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:  # alive, another user's
+                pass
+        return f"pid {lock['pid']} on {lock['host']}"
 
     def save_journal(self, journal: dict[str, Any]) -> None:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))
@@ -143,6 +184,7 @@ class OutputDir:
         """Move the finished work dir into place (replacing an old output only now, when --overwrite: it is moved
         to a hidden sibling of a name no one else uses, then deleted)."""
         (self.work / JOURNAL).unlink(missing_ok=True)
+        (self.work / LOCK).unlink(missing_ok=True)
         if self.final.exists():
             old = self.final.with_name(f".{self.final.name}.replaced-{uuid.uuid4().hex[:12]}")
             self.final.rename(old)
@@ -150,6 +192,24 @@ class OutputDir:
             shutil.rmtree(old)
         else:
             self.work.rename(self.final)
+
+
+# What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.
+JOURNAL_IDENTITY = ("model", "weights", "recipe", "recipe_sha256", "calibration_sha256", "device")
+_JOURNAL_LAYER = {"shard": str, "sha256": str, "rel_error": (int, float), "seconds": (int, float), "notes": list,
+                  "metrics": dict}
+
+
+def _journal_problem(journal: dict[str, Any]) -> str:
+    """What is wrong with a journal's layers, or ""."""
+    if not isinstance(journal["layers"], dict):
+        return "no layers"
+    for index, entry in journal["layers"].items():
+        bad = [key for key, kind in _JOURNAL_LAYER.items()
+               if not (isinstance(entry, dict) and isinstance(entry.get(key), kind))]
+        if bad:
+            return f"layer {index} lacks {', '.join(bad)}"
+    return ""
 
 
 # The manifest's fields that readers (inspect, eval, validate) take, with their types: a manifest without one is

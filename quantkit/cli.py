@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import sys
 import time
 import warnings
@@ -27,14 +28,26 @@ def _fail(exc: QuantkitError) -> None:
     sys.exit(2)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, `docker stop`, systemd), taken as Ctrl-C is, so that a run stops the same way."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 class _Group(click.Group):
-    """Turns QuantkitError into a one-line message and exit code 2 instead of a traceback."""
+    """Turns QuantkitError into a one-line message and exit code 2 instead of a traceback, and an interrupt into the
+    shell's exit code for its signal (130 for Ctrl-C, 143 for SIGTERM)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except QuantkitError as exc:
             _fail(exc)
+        except KeyboardInterrupt as exc:
+            console.print("aborted", highlight=False)
+            sys.exit(128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -177,9 +190,11 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                       device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code)
     reporter = _RichReporter()
+    previous = signal.signal(signal.SIGTERM, _terminate)  # stop as on Ctrl-C: the run says how to resume
     try:
         summary = run_quantize(job, reporter)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         reporter.stop()
     errors = [r.rel_error for r in summary.layers]
     table = Table(title=f"quantized with {resolved.name}", show_header=False)

@@ -27,6 +27,7 @@ from torch import nn
 from quantkit import __version__, simulate
 from quantkit.artifact import (
     JOURNAL,
+    LOCK,
     MANIFEST,
     RECIPE,
     OutputDir,
@@ -327,7 +328,8 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     specs = plan_specs(source, recipe, packer)
     try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
-        problem = "" if len(tokenizer) > 1 else "an empty vocabulary"
+        # without its vocabulary file a tokenizer still loads, holding its special tokens alone
+        problem = "" if len(tokenizer) > len(set(tokenizer.all_special_ids)) else "no tokens but its special ones"
     except (OSError, ValueError, TypeError) as exc:
         problem = str(exc)
     if problem:
@@ -350,16 +352,14 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             "sha256": calib.sha256,
         }
         identity = {
-            "model": source.origin, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
+            "model": source.origin, "weights": _weights_stamp(source),
+            "recipe": recipe_yaml, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
             "calibration_sha256": calib.sha256, "device": job.device,
         }
         if journal is not None:
-            for key, value in identity.items():
-                if journal.get(key) != value:
-                    raise QuantkitError(
-                        f"--resume: the interrupted run used a different {key.replace('_', ' ')} "
-                        f"({journal.get(key)!r} vs {value!r}); rerun with --overwrite to start afresh"
-                    )
+            if differences := _identity_differences(journal, identity):
+                raise QuantkitError(f"--resume: the interrupted run differs from this one: {'; '.join(differences)}; "
+                                    "rerun with --overwrite to start afresh, or resume with what it used")
         else:
             journal = {**identity, "quantkit_version": __version__, "layers": {}}
             out.save_journal(journal)
@@ -383,7 +383,8 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, fisher)
         _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
     except KeyboardInterrupt:
-        reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with --resume to continue")
+        again = "--resume --overwrite" if out.final.exists() else "--resume"
+        reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
         raise
     out.commit()
     log.info("wrote %s (%s format)", out.final, packer.name)
@@ -393,6 +394,43 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
         format_notes=packer.notes(specs),
     )
+
+
+def _weights_stamp(source: ModelSource) -> dict[str, list[int]]:
+    """Each checkpoint file's size and mtime: what a resumed run checks, so that weights changed since the
+    interruption (a checkpoint mended in place, say) are not mixed with layers quantized from the old ones. A stat
+    per file, where hashing a 70B checkpoint would read all of it."""
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(source.path.glob("*.safetensors"))}
+
+
+def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """How an interrupted run's journal differs from this run's identity, in words: the recipe by its fields
+    (e.g. "calibration.num_samples 8 vs 4"), the weights by their files."""
+    import yaml
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):  # passes, by position
+            return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{prefix}{i}.").items()}
+        return {prefix.rstrip("."): value}
+
+    out = []
+    for key, value in identity.items():
+        was = journal.get(key)
+        if was == value or key == "recipe_sha256":
+            continue
+        if key == "recipe":
+            before, now = flat(yaml.safe_load(was)), flat(yaml.safe_load(value))
+            changed = [f"{k} {before.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(before) | set(now), key=str)
+                       if before.get(k) != now.get(k)]
+            out.append(f"recipe {', '.join(changed) or 'text'}")
+        elif key == "weights":
+            files = sorted(set(was) | set(value))
+            out.append(f"checkpoint files changed since ({', '.join(f for f in files if was.get(f) != value.get(f))})")
+        else:
+            out.append(f"{key.replace('_', ' ')} {was!r} vs {value!r}")
+    return out
 
 
 def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter) -> list[Path]:
@@ -453,7 +491,11 @@ def _run_layer(ctx: _LayerContext, i: int, out: OutputDir, journal: dict[str, An
     t_layer = time.time()
     shard_path = out.work / shard_name(i + 1, total)
     done = journal["layers"].get(str(i))
-    if done and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]:
+    intact = done is not None and shard_path.is_file() and sha256_file(shard_path) == done["sha256"]
+    if done is not None and not intact:
+        log.warning("layer %d: its shard %s is not what the journal recorded; quantizing the layer again", i,
+                    shard_path)
+    if intact:
         _replay_layer(ctx, i, shard_path, x)
         report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True,
                              step_seconds=done.get("step_seconds", {}))
@@ -654,7 +696,7 @@ def _finalize(
     import transformers
 
     notes = packer.notes(specs) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
-    files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST))
+    files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST, LOCK))
     manifest = {
         "quantkit_version": __version__,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -230,8 +230,82 @@ def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
     journal = json.loads(journal_path.read_text())
     journal["device"] = "cuda"
     journal_path.write_text(json.dumps(journal))
-    with pytest.raises(QuantkitError, match="different device"):
+    with pytest.raises(QuantkitError, match="differs from this one: device 'cuda' vs 'cpu'"):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
+def test_resume_refuses_changed_weights_and_names_what_differs(synthetic, calib_txt, tmp_path):
+    """A resumed run must quantize what the interrupted one did: weights rewritten since (a checkpoint mended in
+    place) would mix old and new layers, so they are refused, and a recipe that differs is named by its fields."""
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(model), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    other = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=8", "calibration.seq_len=64"])
+    with pytest.raises(QuantkitError, match="recipe calibration.num_samples 4 vs 8"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "recipe": other, "resume": True}))
+    shard = next(model.glob("*.safetensors"))
+    tensors = load_file(shard)
+    save_file({k: v * 2 for k, v in tensors.items()}, shard, metadata={"format": "pt"})
+    with pytest.raises(QuantkitError, match=f"checkpoint files changed since \\({shard.name}\\)"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
+def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, calib_txt, tmp_path):
+    """A temp file that a kill left in OUT.partial does not reach the artifact; a work directory whose lock names a
+    live process (another run) is refused, for a fresh start as for a resume; a dead one's lock is taken over."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    work = tmp_path / "b.partial"
+    lock = json.loads((work / "quantkit_run.lock").read_text())
+    assert lock["pid"] == os.getpid()
+    (work / ".model-00002-of-00004.safetensors.abc.tmp").write_bytes(b"cut short")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (work / "quantkit_run.lock").write_text(json.dumps({**lock, "pid": live.pid}))
+        for resume, overwrite in ((True, False), (False, True)):
+            with pytest.raises(QuantkitError, match=f"another quantkit run \\(pid {live.pid} on "):
+                run_quantize(QuantizeJob(**{**job.__dict__, "resume": resume, "overwrite": overwrite}))
+    finally:
+        live.kill()
+        live.wait()
+    run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))  # its lock is a dead process's now
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(".") or "lock" in p.name) == []
+
+
+def test_unwritable_or_unnamed_outputs_are_refused_before_the_model_is_read(synthetic, calib_txt, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for output, match in ((".", "name the output directory itself"),
+                          (tmp_path / "afile" / "sub", "afile is not a directory, so"),
+                          ("/proc/quantkit-out", "cannot write in /proc")):
+        _fails(tmp_path, "quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+               output, match=match)
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path, calib_txt):
+    """SIGTERM (a scheduler's, docker's) stops the run with the hint to resume and the shell's code for it, 143;
+    the run it leaves resumes."""
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
+                                                                   num_hidden_layers=8))
+    args = [sys.executable, "-m", "quantkit.cli", "quantize", str(model), "--recipe", "gptq-w4a16-g128",
+            "--calib", str(calib_txt), "--num-samples", "8", "--seq-len", "128", "-o", str(tmp_path / "b")]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    journal = tmp_path / "b.partial" / "quantkit_journal.json"
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        if journal.exists() and json.loads(journal.read_text())["layers"]:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 143, stderr
+    assert "rerun with --resume to continue" in " ".join(stderr.split()), stderr
+    subprocess.run([*args, "--resume"], check=True, capture_output=True)
 
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path, calib_txt):
@@ -356,13 +430,18 @@ def test_resume_takes_the_same_model_however_spelt(synthetic, calib_txt, tmp_pat
     assert manifest["model"] == str(synthetic.resolve())
 
 
-@pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}'])
+@pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}', "no sha256", "no model"])
 def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, content):
     recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
     job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
     with pytest.raises(KeyboardInterrupt):
         run_quantize(job, _InterruptAfter(1))
-    (tmp_path / "b.partial" / "quantkit_journal.json").write_text(content)
+    path = tmp_path / "b.partial" / "quantkit_journal.json"
+    if content.startswith("no "):  # a journal that reads, without a field a resume takes
+        journal = json.loads(path.read_text())
+        del (journal["layers"]["0"] if content == "no sha256" else journal)[content[3:]]
+        content = json.dumps(journal)
+    path.write_text(content)
     with pytest.raises(QuantkitError, match="quantkit_journal.json is damaged .*rerun with --overwrite"):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
@@ -371,8 +450,10 @@ def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tm
     from safetensors.torch import load_file, save_file
 
     bare = shutil.copytree(synthetic, tmp_path / "bare")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (bare / name).unlink()
+    (bare / "tokenizer.json").unlink()  # its tokenizer_config.json alone still loads, with the special tokens only
+    _fails(tmp_path, "quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match="no usable tokenizer beside the weights (no tokens but its special ones)")
+    (bare / "tokenizer_config.json").unlink()
     _fails(tmp_path, "quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
            tmp_path / "out", match="no usable tokenizer beside the weights")
     holed = shutil.copytree(synthetic, tmp_path / "holed")
@@ -384,7 +465,37 @@ def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tm
     save_file(tensors, shard, metadata={"format": "pt"})
     (holed / "model.safetensors.index.json").write_text(json.dumps(index))
     _fails(tmp_path, "quantize", holed, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
-           tmp_path / "out", match=f"tensor '{name}' not found in the checkpoint")
+           tmp_path / "out", match=f"the weights do not match config.json: it lacks {name}")
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"intermediate_size": 384},
+     "model.layers.0.mlp.gate_proj.weight is [512, 256] where config.json makes [384, 256]"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]},  # Qwen2's q/k/v biases, which Llama lacks
+     "it holds model.layers.0.self_attn.k_proj.bias, model.layers.0.self_attn.q_proj.bias"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": True, "mlp_bias": True},
+     "it lacks model.layers.0.self_attn.o_proj.bias, model.layers.0.mlp.gate_proj.bias"),
+    (None, "it lacks lm_head.weight"),  # the config does not tie it, and the checkpoint has none
+])
+def test_weights_that_disagree_with_the_config_are_refused_up_front(synthetic, calib_txt, tmp_path, edit, match):
+    """A config.json that does not describe the weights beside it (a width, a bias it asks for or lacks, an lm_head
+    it does not tie) is refused before any layer runs, naming the tensors, not in a layer's forward with a
+    traceback, nor by dropping what it has no place for."""
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    if edit is None:
+        index = json.loads((model / "model.safetensors.index.json").read_text())
+        shard = model / index["weight_map"].pop("lm_head.weight")
+        tensors = load_file(shard)
+        del tensors["lm_head.weight"]
+        save_file(tensors, shard, metadata={"format": "pt"})
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **edit}))
+    _fails(tmp_path, "quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match=f"the weights do not match config.json: {match}")
 
 
 def test_group_size_not_dividing_names_layer(stories260k, tinystories_txt, tmp_path):

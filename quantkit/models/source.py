@@ -115,6 +115,37 @@ class ModelSource:
             prefix = self.adapter.layer_prefix(i)
             if not any(n.startswith(prefix) for n in self._where):
                 raise ModelError(f"{path}: weights of layer {i} ({prefix}*) are missing")
+        self._check_against_config()
+
+    def _check_against_config(self) -> None:
+        """Every tensor the config's model has (built on the meta device: no memory), at its shape: a checkpoint
+        that disagrees with its config.json (a bias it asks for, a width it names) fails here, not in a layer's
+        forward after hours of others. An lm_head may be absent only where the config ties it to the embeddings."""
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.config)
+        except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as exc:
+            raise ModelError(f"{self.path}: config.json does not describe a model transformers can build ({exc})") \
+                from None
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        if getattr(self.config, "tie_word_embeddings", False):
+            expected.pop(self.adapter.lm_head + ".weight", None)
+        missing = [name for name in expected if name not in self._shapes]
+        # a tensor the model has no place for would be dropped (older checkpoints' RoPE buffers aside)
+        extra = [name for name in self._shapes if name not in expected and not name.endswith("rotary_emb.inv_freq")
+                 and name != self.adapter.lm_head + ".weight"]
+        wrong = [f"{name} is {list(self._shapes[name])} where config.json makes {list(shape)}"
+                 for name, shape in expected.items() if name in self._shapes and self._shapes[name] != shape]
+
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:4]) + (" and more" if len(names) > 4 else "")
+
+        problems = ([f"it lacks {some(missing)}"] if missing else []) + wrong[:4] + (
+            [f"it holds {some(extra)}, for which the model of config.json has no place"] if extra else [])
+        if problems:
+            raise ModelError(f"{self.path}: the weights do not match config.json: {'; '.join(problems)}")
 
     @property
     def dtype(self) -> torch.dtype:
