@@ -32,7 +32,7 @@ def build(cls: type[T], data: Any, where: str) -> T:
     if unknown:
         raise ConfigError(
             f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(fields)}"
+            + (f"allowed: {', '.join(fields)}" if fields else "it takes none")
         )
     hints = get_type_hints(cls)
     values = {}

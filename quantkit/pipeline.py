@@ -124,6 +124,9 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
     """The quantization spec of each target role, checked against every layer's real shapes up front."""
     adapter = source.adapter
     specs: dict[str, QuantSpec] = {}
+    grouped = recipe.weights.spec().outliers
+    widths = sorted({source.shape(f"{adapter.layer_prefix(0)}{name}.weight")[1] - grouped
+                     for _, name in adapter.linear_names(recipe.targets)})  # what one group size must divide
     for role, name in adapter.linear_names(recipe.targets):
         full = f"{adapter.layer_prefix(0)}{name}.weight"
         n, k = source.shape(full)
@@ -136,9 +139,9 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
                     f"width {n})" if spec.outliers else f"its input width {k} (output width {n})")
             if recipe.weights.indivisible != "per_channel":
                 raise ShapeError(
-                    f"{full[:-7]}: group size {spec.group_size} does not divide {what}; choose a "
-                    f"group size dividing {normal} or set weights.indivisible=per_channel to quantize such layers "
-                    "per channel"
+                    f"{full[:-7]}: group size {spec.group_size} does not divide {what}; choose a group size "
+                    f"dividing every grouped input width ({', '.join(map(str, widths))}), or set "
+                    "weights.indivisible=per_channel to quantize such layers per channel"
                 )
             spec = recipe.weights.spec("channel")
         act = recipe.activations
@@ -155,6 +158,19 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
             layer_name = f"{adapter.layer_prefix(i)}{name}"
             packer.check(layer_name, spec, source.shape(layer_name + ".weight"))
     return specs
+
+
+def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer) -> list[str]:
+    """What the artifact's specs say beyond the recipe: the roles that `weights.indivisible: per_channel` took per
+    channel, the width the errors of an Any-Precision model measure, and the export format's own caveats (who loads
+    it, what they cannot run)."""
+    fell_back = [role for role, spec in specs.items()
+                 if recipe.weights.granularity == "group" and spec.granularity != "group"]
+    widths = sorted({(s.min_bits, s.bits) for s in specs.values() if s.min_bits and s.min_bits < s.bits})
+    return ([f"weights.indivisible=per_channel: {', '.join(fell_back)} quantized per channel, not in groups of "
+             f"{recipe.weights.group_size}, which does not divide their input widths"] if fell_back else []
+            ) + [f"widths {low}..{high}: the per-layer errors are at the widest, {high} bits (`quantkit eval --bits "
+                 "B` measures another)" for low, high in widths] + packer.notes(specs)
 
 
 def _deployed_block(
@@ -392,7 +408,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     return RunSummary(
         output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
-        format_notes=packer.notes(specs),
+        format_notes=spec_notes(recipe, specs, packer),
     )
 
 
@@ -695,7 +711,7 @@ def _finalize(
     import safetensors
     import transformers
 
-    notes = packer.notes(specs) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
+    notes = spec_notes(job.recipe, specs, packer) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
     files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST, LOCK))
     manifest = {
         "quantkit_version": __version__,

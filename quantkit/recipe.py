@@ -7,6 +7,7 @@ resolved recipe (`to_yaml`) is what gets saved next to the output, so a run can 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,13 +329,37 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
             raise RecipeError(f"{what} {str(name_or_path)!r}; bundled recipes: {', '.join(bundled)}")
         path = bundled[str(name_or_path)]
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping")
+    edited = copy.deepcopy(raw)
     for assignment in overrides:
-        apply_override(raw, assignment)
-    return parse_recipe(raw, where=path.name)
+        apply_override(edited, assignment)
+    try:
+        return parse_recipe(edited, where=path.name)
+    except (ConfigError, RecipeError) as exc:
+        if not overrides:
+            raise
+        try:  # the file alone is a valid recipe: the --set values made it invalid, so say so
+            parse_recipe(raw, where=path.name)
+        except (ConfigError, RecipeError):
+            raise exc from None
+        raise RecipeError(f"{exc} (after --set {' '.join(overrides)})") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so a
+    recipe's `bits: 4` above a stray `bits: 8` would quantize to 8 bits)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)

@@ -769,7 +769,7 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     tensors = load_file(str(weights))
     del tensors["model.layers.2.mlp.down_proj.weight"]
     save_file(tensors, str(weights))
-    refused(fp, "the checkpoint lacks tensor(s) model.layers.2.mlp.down_proj.weight")
+    refused(fp, "the weights do not match config.json: it lacks model.layers.2.mlp.down_proj.weight")
 
     bare = shutil.copytree(rtn_artifact, tmp_path / "bare")
     (bare / "quantkit_manifest.json").unlink()
@@ -777,6 +777,15 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     config["quantization_config"] = {"quant_method": "quantkit"}
     (bare / "config.json").write_text(json.dumps(config))
     refused(bare, "is a quantkit-format artifact without its quantkit_manifest.json")
+    # a compressed-tensors checkpoint without quantkit's manifest is transformers' to load, and what it lacks is named
+    packed = shutil.copytree(rtn_artifact, tmp_path / "packed")
+    (packed / "quantkit_manifest.json").unlink()
+    shard = next(p for p in sorted(packed.glob("model-*.safetensors"))
+                 if "model.layers.1.mlp.up_proj.weight_scale" in load_file(str(p)))
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, str(shard))
+    refused(packed, "the checkpoint lacks tensor(s) model.layers.1.mlp.up_proj.weight_scale")
 
 
 def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_model(rtn_artifact, tmp_path):

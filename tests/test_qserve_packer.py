@@ -334,3 +334,15 @@ def test_owns_and_registration():
     assert ct.owns("weight_packed") and ct.owns("weight_scale") and not ct.owns("bias")
     assert ct.notes({"down": QuantSpec()}) == []
     assert get_packer("qserve") is QServePacker
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "warned"), [
+    ("qoq-g128", [], False),  # fold_norms, then smoothing of the o and down inputs only: every norm is one
+    ("qoq-g128", ["passes.smooth.targets=[qkv, o, down]"], True),  # the q/k/v input's smoothing divides a norm
+    ("rtn-w4a16-g128", [], True),  # norms as the checkpoint has them
+])
+def test_omniserve_norm_note_only_where_norms_are_not_ones(recipe, overrides, warned):
+    """OmniServe's loader takes every norm as ones: the manifest says so only where the recipe leaves other norms."""
+    packer = QServePacker(load_recipe(recipe, overrides), torch.float16)
+    notes = packer.notes(dict.fromkeys(("qkv", "o", "gate_up", "down"), group_spec(128)))
+    assert any("ignores every '*norm*' tensor" in n for n in notes) == warned

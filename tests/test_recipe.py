@@ -85,3 +85,20 @@ def test_set_errors():
 def test_token_weights_must_be_positive_and_finite(value):
     with pytest.raises(RecipeError, match="sink_weight must be positive and finite"):
         load_recipe("gptq-w4a16-g128", [f"calibration.sink_weight={value}"])
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """PyYAML would keep the last `weights` silently: the first, the one a reader sees, would not be used."""
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nweights: {bits: 4}\nweights: {bits: 8}\npasses: [{name: rtn}]\n")
+    with pytest.raises(RecipeError, match="r.yaml: not valid YAML \\(duplicate key 'weights'"):
+        load_recipe(path)
+
+
+def test_errors_that_a_set_value_made_say_so():
+    """A bundled recipe made invalid by --set names the --set, not only the recipe file's field; a pass that takes no
+    fields says so rather than listing nothing."""
+    with pytest.raises(RecipeError, match=r"bits must be in 2\.\.8, got 99 \(after --set weights\.bits=99\)"):
+        load_recipe("rtn-w8a8", ["weights.bits=99"])
+    with pytest.raises(RecipeError, match=r"\(rtn\): unknown field 'foo'; it takes none \(after --set passes"):
+        load_recipe("rtn-w8a8", ["passes.rtn.foo=1"])

@@ -51,19 +51,20 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
         return _load_artifact(Path(path), dtype, bits)
     if bits is not None:
         raise QuantkitError(f"--bits applies to Any-Precision artifacts; {path} is not a quantkit artifact")
-    source = open_model(path, trust_remote_code=trust_remote_code)
-    config, _ = json_object(Path(source.path) / "config.json")
+    config, _ = json_object(Path(path) / "config.json")
     if _quant_method(config or {}) == "quantkit":  # transformers has no such method: it would load random weights
         raise ArtifactError(f"{path} is a quantkit-format artifact without its {MANIFEST}; copy the artifact again, "
                             "or quantize again")
+    source = open_model(path, trust_remote_code=trust_remote_code)  # an FP checkpoint's tensors checked here
     model, info = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                        output_loading_info=True)
-    if missing := sorted(info["missing_keys"]):  # transformers fills them with random values and goes on
+    if missing := sorted(info["missing_keys"]):  # a quantized one's: transformers fills them at random and goes on
         raise QuantkitError(f"{path}: the checkpoint lacks tensor(s) {', '.join(missing[:5])}"
                             f"{' and more' if len(missing) > 5 else ''}, which would be evaluated as random values")
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     method = _quant_method(model.config)
-    kind = f"{method} checkpoint, dequantized by transformers" if method else "unquantized"
+    kind = (f"{method} checkpoint, dequantized by transformers" if method else
+            "GGUF, dequantized by transformers" if source.origin.endswith(".gguf") else "unquantized")
     return EvalModel(model.eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
 
 

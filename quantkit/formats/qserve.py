@@ -227,6 +227,19 @@ class QServePacker(Packer):
             out.append(f"{len(self.engine_unfit)} linears have N or K not a multiple of {ENGINE_TILE} ([N, K] = "
                        f"{shapes}): OmniServe's and SGLang's QServe kernels cannot run them (no bounds checks); "
                        "quantkit's kernels (validate, bench) can")
-        out.append("OmniServe's W4A8 loader ignores every '*norm*' tensor (uses ones): it serves this checkpoint "
-                   "faithfully only if the norm weights were folded into the following linears; SGLang loads norms")
+        if not self._norms_are_ones():
+            out.append("OmniServe's W4A8 loader ignores every '*norm*' tensor (uses ones), and this recipe leaves "
+                       "norm weights other than one (no fold_norms, or a smoothing of the q/k/v or gate/up input "
+                       "after it): OmniServe would not serve it faithfully; SGLang loads norms")
         return out
+
+    def _norms_are_ones(self) -> bool:
+        """Whether every norm weight the checkpoint holds is one: fold_norms folded them into the linears, and no
+        smoothing after it divided a norm again (smoothing the q/k/v or gate/up input does)."""
+        folded = False
+        for entry in (e for e in self.recipe.passes if e.enabled):
+            if entry.name == "fold_norms":
+                folded = True
+            elif entry.name == "smooth" and {"qkv", "gate_up"} & set(entry.config.targets):
+                folded = False
+        return folded

@@ -120,9 +120,12 @@ class ModelSource:
     def _check_against_config(self) -> None:
         """Every tensor the config's model has (built on the meta device: no memory), at its shape: a checkpoint
         that disagrees with its config.json (a bias it asks for, a width it names) fails here, not in a layer's
-        forward after hours of others. An lm_head may be absent only where the config ties it to the embeddings."""
+        forward after hours of others. An lm_head may be absent only where the config ties it to the embeddings.
+        A quantized checkpoint (a quantization_config) is left to transformers' loader (eval checks what it lacks)."""
         from transformers import AutoModelForCausalLM
 
+        if getattr(self.config, "quantization_config", None) is not None:
+            return  # packed tensors in place of weights: what transformers' quantizer reads, not this model's
         try:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(self.config)
@@ -309,7 +312,10 @@ def open_model(spec: str | os.PathLike, trust_remote_code: bool = False, cache_d
         raise ModelError(f"{path}: expected a model directory or a .gguf file")
     looks_like_hub_id = str(spec).count("/") == 1 and not str(spec).startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise ModelError(f"{spec}: no such model directory or file")
+        partial = Path(str(path) + ".partial")
+        hint = (f"; {partial} holds an unfinished quantization (quantkit quantize ... -o {spec} --resume)"
+                if partial.is_dir() else "")
+        raise ModelError(f"{spec}: no such model directory or file{hint}")
     return ModelSource(_download(str(spec)), trust_remote_code, origin=str(spec))
 
 

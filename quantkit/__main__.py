@@ -1,0 +1,5 @@
+"""`python -m quantkit`: the `quantkit` command."""
+
+from quantkit.cli import main
+
+main(prog_name="quantkit")
