@@ -127,7 +127,7 @@ class _RichReporter:
             self.phases[description] = self.progress.add_task(description, total=total, last="")
             self.phase_started[description] = time.monotonic()
         self.progress.update(self.phases[description], completed=done)
-        if not console.is_terminal and done * 10 // total != (done - 1) * 10 // total:  # each tenth, in a log
+        if not console.is_terminal and done and done * 10 // total != (done - 1) * 10 // total:  # each tenth, in a log
             spent = time.monotonic() - self.phase_started[description]
             console.print(f"{description}: {done}/{total}, {spent:.0f} s, ETA "
                           f"{spent / max(done, 1) * (total - done) / 60:.0f} min", highlight=False)
@@ -315,6 +315,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         raise QuantkitError(f"--output-json: {Path(output_json).parent} is not a directory")
     if output_json and (why := cannot_write(Path(output_json))):
         raise QuantkitError(f"--output-json: cannot write in {Path(output_json).parent} ({why})")
+    console.print(f"loading {model}", highlight=False)  # a large model takes a while before the first window
     loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits)
     console.print(f"evaluating {loaded.description}", highlight=False)
     results: dict[str, dict] = {}

@@ -93,6 +93,8 @@ def perplexity(
     if n == 0:
         raise QuantkitError(f"text has {token_ids.numel()} tokens, fewer than one window of {seq_len}")
     windows = token_ids[: n * seq_len].view(n, seq_len)
+    if progress is not None:
+        progress(0, n)  # the clock starts with the first window, not after it
     nll_sum = 0.0
     for start in range(0, n, batch_size):
         batch = windows[start:start + batch_size]
