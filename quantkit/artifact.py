@@ -263,6 +263,16 @@ def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dic
     return content
 
 
+def artifact_config(path: Path, manifest: dict) -> dict[str, Any]:
+    """Artifact `path`'s config.json, which must name as many layers as its manifest wrote: a config edited or
+    copied from another model would otherwise load a model with layers missing or left at random."""
+    config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
+    if config["num_hidden_layers"] != manifest["num_layers"]:
+        raise ArtifactError(f"{path}: config.json says {config['num_hidden_layers']} layers where the manifest wrote "
+                            f"{manifest['num_layers']}; copy the artifact again, or quantize again")
+    return config
+
+
 def load_manifest(path: Path) -> dict[str, Any]:
     """The manifest of a finished artifact, or an error saying what `path` is instead. Every file the manifest
     lists must be there with the size it records (a stat each, no hashing): a missing or truncated shard is an

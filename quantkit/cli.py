@@ -379,8 +379,7 @@ def recipes() -> None:
               "exit 1 naming the files that differ.")
 def inspect(output: Path, verify: bool) -> None:
     """Summarize an artifact: format, bits, groups, layers, bytes, recipe, calibration hash, per-layer error."""
-    from quantkit.artifact import load_manifest, read_safetensors, verify_files
-    from quantkit.eval.loading import artifact_config
+    from quantkit.artifact import artifact_config, load_manifest, read_safetensors, verify_files
 
     m = load_manifest(output)
     # what costs no tensor read: the config against the manifest, and every shard's header

@@ -442,6 +442,7 @@ def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> 
                        if before.get(k) != now.get(k)]
             out.append(f"recipe {', '.join(changed) or 'text'}")
         elif key == "weights":
+            was = was if isinstance(was, dict) else {}
             files = sorted(set(was) | set(value))
             out.append(f"checkpoint files changed since ({', '.join(f for f in files if was.get(f) != value.get(f))})")
         else:

@@ -17,6 +17,7 @@ from quantkit.artifact import (
     MANIFEST,
     RECIPE,
     ArtifactError,
+    artifact_config,
     json_object,
     load_manifest,
     read_artifact_json,
@@ -104,16 +105,6 @@ def _weight_map(path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict):
         raise ArtifactError(f"{path / 'model.safetensors.index.json'}: no weight map; the artifact is damaged")
     return weight_map
-
-
-def artifact_config(path: Path, manifest: dict) -> dict[str, Any]:
-    """Artifact `path`'s config.json, which must name as many layers as its manifest wrote: a config edited or
-    copied from another model would otherwise load a model with layers missing or left at random."""
-    config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
-    if config["num_hidden_layers"] != manifest["num_layers"]:
-        raise ArtifactError(f"{path}: config.json says {config['num_hidden_layers']} layers where the manifest wrote "
-                            f"{manifest['num_layers']}; copy the artifact again, or quantize again")
-    return config
 
 
 def unpack_linear(path: Path, packer: Any, parts: dict[str, torch.Tensor], spec: QuantSpec, layer: int,
