@@ -844,3 +844,17 @@ def test_a_directory_named_after_a_recipe_does_not_hide_it(tmp_path, monkeypatch
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00name")
     with pytest.raises(RecipeError, match="bin.yaml: cannot read it as UTF-8 text"):
         load_recipe("bin.yaml")
+
+
+def test_an_interrupted_overwrite_says_how_to_resume(synthetic, calib_txt, tmp_path):
+    """A run that replaces OUT and is interrupted is continued by --resume --overwrite, which the refusal of a bare
+    --resume names (OUT is complete, but OUT.partial is the run to continue)."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    run_quantize(job)
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(QuantizeJob(**{**job.__dict__, "overwrite": True}), _InterruptAfter(1))
+    with pytest.raises(QuantkitError, match="holds an interrupted run that replaces .*--resume --overwrite"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "overwrite": True}))
+    assert [r.replayed for r in summary.layers] == [True, False, False]
