@@ -345,6 +345,8 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         for key, value in metrics.items():
             if key == "sample_len":  # lm-eval's count of the documents scored, not a score
                 table.add_row(task, "documents", f"{value:.0f}")
+            elif key == "windows":  # what the perplexity averages over
+                table.add_row(task, "windows", f"{value} x {metrics['seq_len']} tokens")
             elif isinstance(value, float) and not key.endswith("seconds"):
                 table.add_row(task, key, f"{value:.4f}")
     Console().print(table)
