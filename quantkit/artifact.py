@@ -151,8 +151,13 @@ class OutputDir:
             if problem:
                 raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem}); rerun with "
                                     "--overwrite to start afresh")
-            for leftover in self.work.glob(".*.tmp"):  # an atomic write that a kill cut short
-                leftover.unlink()
+            # what a resumed run takes from there: its journal, lock and the journal's layer shards; anything else
+            # (an atomic write a kill cut short, a shard the journal never recorded, a stray file) is written again
+            # or would reach the artifact
+            keep = {JOURNAL, LOCK} | {entry["shard"] for entry in journal["layers"].values()}
+            for leftover in self.work.iterdir():
+                if leftover.is_file() and leftover.name not in keep:
+                    leftover.unlink()
         else:
             if self.work.exists():
                 shutil.rmtree(self.work)

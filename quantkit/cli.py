@@ -302,17 +302,18 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
             rows = wikitext_rows(data_dir)
         except QuantkitError as exc:
             problems.append(str(exc))
-    if lm_tasks:
+    for check in (require_lm_eval, lambda: check_task_data(lm_tasks, data_dir)) if lm_tasks else ():
         try:
-            check_task_data(lm_tasks, data_dir)
+            check()
         except QuantkitError as exc:
             problems.append(str(exc))
     if problems:
         raise QuantkitError("\n".join(problems))
-    if lm_tasks:
-        require_lm_eval()
+    if output_json is not None and Path(output_json).name in ("", ".", ".."):
+        raise QuantkitError(f"--output-json {str(output_json)!r}: name the file to write")
     if output_json and not Path(output_json).parent.is_dir():
-        raise QuantkitError(f"--output-json: {Path(output_json).parent} is not a directory")
+        parent = Path(output_json).parent
+        raise QuantkitError(f"--output-json: {parent} {'is not a directory' if parent.exists() else 'does not exist'}")
     if output_json and (why := cannot_write(Path(output_json))):
         raise QuantkitError(f"--output-json: cannot write in {Path(output_json).parent} ({why})")
     console.print(f"loading {model}", highlight=False)  # a large model takes a while before the first window

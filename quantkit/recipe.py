@@ -283,9 +283,9 @@ def apply_override(raw: dict, assignment: str) -> None:
     if not path:
         raise RecipeError(f"--set {assignment!r}: empty key")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None  # a SafeLoader
     except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {assignment!r}: value is not valid YAML ({exc})") from None
+        raise RecipeError(f"--set {assignment!r}: value is not valid YAML ({_yaml_problem(exc)})") from None
     node: Any = raw
     for i, part in enumerate(path[:-1]):
         here = ".".join(path[: i + 1])
@@ -333,7 +333,7 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML ({exc})") from None
+        raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping")
     edited = copy.deepcopy(raw)
@@ -349,6 +349,14 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         except (ConfigError, RecipeError):
             raise exc from None
         raise RecipeError(f"{exc} (after --set {' '.join(overrides)})") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: what, and where ("duplicate key 'weights' at line 3, column 1"), without the
+    excerpt of the text it quotes on lines of their own."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

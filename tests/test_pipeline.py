@@ -265,6 +265,8 @@ def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, ca
     lock = json.loads((work / "quantkit_run.lock").read_text())
     assert lock["pid"] == os.getpid()
     (work / ".model-00002-of-00004.safetensors.abc.tmp").write_bytes(b"cut short")
+    (work / "notes.txt").write_text("a stray file")
+    (work / "model-00004-of-00004.safetensors").write_bytes(b"a shard the journal never recorded")
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (work / "quantkit_run.lock").write_text(json.dumps({**lock, "pid": live.pid}))
@@ -275,7 +277,8 @@ def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, ca
         live.kill()
         live.wait()
     run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))  # its lock is a dead process's now
-    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(".") or "lock" in p.name) == []
+    manifest = json.loads((tmp_path / "b" / "quantkit_manifest.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted([*manifest["files"], "quantkit_manifest.json"])
 
 
 def test_unwritable_or_unnamed_outputs_are_refused_before_the_model_is_read(synthetic, calib_txt, tmp_path):
@@ -798,12 +801,26 @@ def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_mode
     (data / WIKITEXT_FILE).write_text("\n".join([*rows[:3], '{"txt": "a row"}', *rows[3:]]) + "\n")
     (data / "piqa").mkdir()
     (data / "piqa" / "validation.jsonl").write_text('{"goal": "x", "sol1": "a", "sol2": "b", "label": 0}\n{"goal"\n')
-    result = cli("eval", rtn_artifact, "--tasks", "wikitext,piqa", "--data-dir", data)
+    (data / "wikitext-2-raw-v1" / "document_level_test.jsonl").write_text('{"page": "p"}\n{"page": null}\n')
+    result = cli("eval", rtn_artifact, "--tasks", "wikitext,piqa,wikitext_lm", "--data-dir", data)
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert f"{WIKITEXT_FILE}, line 4: no field 'text' (found 'txt')" in text
     assert "piqa/validation.jsonl, line 2: not a JSON object per line" in text
-    assert "evaluating" not in text
+    assert "loading" not in text
+    # values lm-eval would fail on after the model loaded (an index past the choices), or score as text
+    for row, match in [('{"goal": "x", "sol1": "a", "sol2": "b", "label": 5}', "field 'label' is 5, not one of 0..1"),
+                       ('{"goal": null, "sol1": "a", "sol2": "b", "label": 0}', "field 'goal' is not text")]:
+        (data / "piqa" / "validation.jsonl").write_text(row + "\n")
+        result = cli("eval", rtn_artifact, "--tasks", "piqa", "--data-dir", data)
+        assert result.exit_code == 2 and f"line 1: {match} (task piqa)" in " ".join(result.output.split())
+    (data / WIKITEXT_FILE).write_text("")
+    result = cli("eval", rtn_artifact, "--data-dir", data)
+    assert result.exit_code == 2 and "test.jsonl holds no text (task wikitext)" in " ".join(result.output.split())
+    for where, match in [("", "--output-json '.': name the file to write"),
+                         (tmp_path / "nowhere" / "r.json", "nowhere does not exist")]:
+        result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json", where)
+        assert result.exit_code == 2 and match in result.output, result.output
     result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json",
                  "/proc/quantkit-results.json")
     assert result.exit_code == 2 and "--output-json: cannot write in /proc" in result.output, result.output

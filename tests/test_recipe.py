@@ -91,8 +91,10 @@ def test_a_key_given_twice_is_refused(tmp_path):
     """PyYAML would keep the last `weights` silently: the first, the one a reader sees, would not be used."""
     path = tmp_path / "r.yaml"
     path.write_text("name: x\nweights: {bits: 4}\nweights: {bits: 8}\npasses: [{name: rtn}]\n")
-    with pytest.raises(RecipeError, match="r.yaml: not valid YAML \\(duplicate key 'weights'"):
+    with pytest.raises(RecipeError, match="r.yaml: not valid YAML \\(duplicate key 'weights' at line 3, column 1\\)"):
         load_recipe(path)
+    with pytest.raises(RecipeError, match="value is not valid YAML \\(duplicate key 'bits'"):
+        load_recipe("rtn-w8a8", ["weights={bits: 4, bits: 8}"])
 
 
 def test_errors_that_a_set_value_made_say_so():

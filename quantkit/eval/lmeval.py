@@ -200,10 +200,62 @@ def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) ->
                 lines = path.read_text(encoding="utf-8").splitlines()
             except (OSError, UnicodeDecodeError) as exc:
                 raise EvalDataError(f"task {info.name}: cannot read {path} as UTF-8 text ({exc})") from None
-            for _ in json_objects(lines, path, info.fields, EvalDataError,
-                                  fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
-                pass
+            rows = 0
+            for number, row in json_objects(lines, path, info.fields, EvalDataError,
+                                            fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
+                if problem := _ROW_CHECKS[info.name](row):  # values lm-eval would fail on, or score wrongly
+                    raise EvalDataError(f"{path}, line {number}: {problem} (task {info.name})")
+                rows += 1
+            if not rows:
+                raise EvalDataError(f"{path} holds no rows (task {info.name})")
     return root
+
+
+def _not_text(row: dict[str, Any], *fields: str) -> str:
+    """"field 'goal' is not text" for those of `fields` that are not strings, or ""."""
+    bad = [field for field in fields if not isinstance(row[field], str)]
+    return f"field {', '.join(map(repr, bad))} is not text" if bad else ""
+
+
+def _not_index(row: dict[str, Any], field: str, count: int, base: int = 0) -> str:
+    """What is wrong with `field` as an index base..base+count-1 (an int or its digits, as lm-eval's int() reads
+    it), or ""."""
+    value = row[field]
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdecimal())
+    if ok and base <= int(value) < base + count:
+        return ""
+    return f"field {field!r} is {value!r}, not one of {base}..{base + count - 1}"
+
+
+def _arc_problem(row: dict[str, Any]) -> str:
+    """An ARC row's answer key must be one of its choices' labels, in either layout (HF, or the AI2 original)."""
+    question = row["question"]
+    if isinstance(question, dict):  # the original layout: {"stem", "choices": [{"text", "label"}, ...]}
+        choices = question.get("choices")
+        labels = [c.get("label") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    elif isinstance(question, str) and isinstance(row.get("choices"), dict):
+        labels = row["choices"].get("label") or []
+    else:
+        return "no choices (HF layout: question and choices {text, label}; or the AI2 original's question object)"
+    return "" if row["answerKey"] in labels else f"answerKey {row['answerKey']!r} is none of the labels {labels}"
+
+
+def _hellaswag_problem(row: dict[str, Any]) -> str:
+    endings = row["endings"]
+    if not (isinstance(endings, list) and endings and all(isinstance(e, str) for e in endings)):
+        return "field 'endings' is not a list of texts"
+    return _not_text(row, "activity_label", "ctx_a", "ctx_b") or _not_index(row, "label", len(endings))
+
+
+# Per task: what is wrong with a row's values (its fields are there), or "".
+_ROW_CHECKS: dict[str, Any] = {
+    "piqa": lambda row: _not_text(row, "goal", "sol1", "sol2") or _not_index(row, "label", 2),
+    "arc_easy": _arc_problem,
+    "arc_challenge": _arc_problem,
+    "hellaswag": _hellaswag_problem,
+    "winogrande": lambda row: _not_text(row, "sentence", "option1", "option2") or _not_index(row, "answer", 2, 1),
+    "wikitext_lm": lambda row: _not_text(row, "page"),
+}
 
 
 def _yaml_string_body(value: str) -> str:

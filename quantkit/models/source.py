@@ -14,6 +14,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,8 @@ class ModelSource:
         if getattr(self.config, "quantization_config", None) is not None:
             return  # packed tensors in place of weights: what transformers' quantizer reads, not this model's
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a config's zero widths warn before the shapes below name them
                 model = AutoModelForCausalLM.from_config(self.config)
         except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as exc:
             raise ModelError(f"{self.path}: config.json does not describe a model transformers can build ({exc})") \
