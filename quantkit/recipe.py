@@ -348,7 +348,8 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
             parse_recipe(raw, where=path.name)
         except (ConfigError, RecipeError):
             raise exc from None
-        raise RecipeError(f"{exc} (after --set {' '.join(overrides)})") from None
+        # the overrides by what they set: --num-samples and --seq-len arrive here as calibration.* ones too
+        raise RecipeError(f"{exc} (with the overrides {', '.join(overrides)})") from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -100,7 +100,7 @@ def test_a_key_given_twice_is_refused(tmp_path):
 def test_errors_that_a_set_value_made_say_so():
     """A bundled recipe made invalid by --set names the --set, not only the recipe file's field; a pass that takes no
     fields says so rather than listing nothing."""
-    with pytest.raises(RecipeError, match=r"bits must be in 2\.\.8, got 99 \(after --set weights\.bits=99\)"):
+    with pytest.raises(RecipeError, match=r"bits must be in 2\.\.8, got 99 \(with the overrides weights\.bits=99\)"):
         load_recipe("rtn-w8a8", ["weights.bits=99"])
-    with pytest.raises(RecipeError, match=r"\(rtn\): unknown field 'foo'; it takes none \(after --set passes"):
+    with pytest.raises(RecipeError, match=r"\(rtn\): unknown field 'foo'; it takes none \(with the overrides passes"):
         load_recipe("rtn-w8a8", ["passes.rtn.foo=1"])
