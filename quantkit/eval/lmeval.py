@@ -18,7 +18,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,7 +248,7 @@ def _hellaswag_problem(row: dict[str, Any]) -> str:
 
 
 # Per task: what is wrong with a row's values (its fields are there), or "".
-_ROW_CHECKS: dict[str, Any] = {
+_ROW_CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
     "piqa": lambda row: _not_text(row, "goal", "sol1", "sol2") or _not_index(row, "label", 2),
     "arc_easy": _arc_problem,
     "arc_challenge": _arc_problem,
