@@ -416,7 +416,8 @@ def _weights_stamp(source: ModelSource) -> dict[str, list[int]]:
     """Each checkpoint file's size and mtime: what a resumed run checks, so that weights changed since the
     interruption (a checkpoint mended in place, say) are not mixed with layers quantized from the old ones. A stat
     per file, where hashing a 70B checkpoint would read all of it."""
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(source.path.glob("*.safetensors"))}
+    stats = {f.name: f.stat() for f in sorted(source.path.glob("*.safetensors"))}
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
 
 def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> list[str]:

@@ -59,6 +59,42 @@ class UnknownEvalTaskError(QuantkitError, ValueError):
     """A task name that quantkit's lm-eval integration does not support."""
 
 
+def _not_text(row: dict[str, Any], *fields: str) -> str:
+    """"field 'goal' is not text" for those of `fields` that are not strings, or ""."""
+    bad = [field for field in fields if not isinstance(row[field], str)]
+    return f"field {', '.join(map(repr, bad))} is not text" if bad else ""
+
+
+def _not_index(row: dict[str, Any], field: str, count: int, base: int = 0) -> str:
+    """What is wrong with `field` as an index base..base+count-1 (an int or its digits, as lm-eval's int() reads
+    it), or ""."""
+    value = row[field]
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdecimal())
+    if ok and base <= int(value) < base + count:
+        return ""
+    return f"field {field!r} is {value!r}, not one of {base}..{base + count - 1}"
+
+
+def _arc_problem(row: dict[str, Any]) -> str:
+    """An ARC row's answer key must be one of its choices' labels, in either layout (HF, or the AI2 original)."""
+    question = row["question"]
+    if isinstance(question, dict):  # the original layout: {"stem", "choices": [{"text", "label"}, ...]}
+        choices = question.get("choices")
+        labels = [c.get("label") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    elif isinstance(question, str) and isinstance(row.get("choices"), dict):
+        labels = row["choices"].get("label") or []
+    else:
+        return "no choices (HF layout: question and choices {text, label}; or the AI2 original's question object)"
+    return "" if row["answerKey"] in labels else f"answerKey {row['answerKey']!r} is none of the labels {labels}"
+
+
+def _hellaswag_problem(row: dict[str, Any]) -> str:
+    endings = row["endings"]
+    if not (isinstance(endings, list) and endings and all(isinstance(e, str) for e in endings)):
+        return "field 'endings' is not a list of texts"
+    return _not_text(row, "activity_label", "ctx_a", "ctx_b") or _not_index(row, "label", len(endings))
+
+
 @dataclass(frozen=True)
 class TaskInfo:
     """One supported lm-eval task: user-facing name, lm-eval task name, config template and data files."""
@@ -70,6 +106,7 @@ class TaskInfo:
     metrics: tuple[str, ...]
     description: str
     fields: tuple[str, ...]  # what every row of its data files must hold (checked before any model time)
+    row_problem: Callable[[dict[str, Any]], str]  # what is wrong with a row's values (lm-eval would fail or misscore)
 
 
 LM_EVAL_TASKS: dict[str, TaskInfo] = {
@@ -83,6 +120,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc", "acc_norm"),
             "PIQA validation (1838), 0-shot; HF layout goal/sol1/sol2/label",
             ("goal", "sol1", "sol2", "label"),
+            lambda row: _not_text(row, "goal", "sol1", "sol2") or _not_index(row, "label", 2),
         ),
         TaskInfo(
             "arc_easy",
@@ -92,6 +130,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc", "acc_norm"),
             "AI2 ARC-Easy test (2376), 0-shot; HF allenai/ai2_arc layout question/choices/answerKey",
             ("question", "answerKey"),
+            _arc_problem,
         ),
         TaskInfo(
             "arc_challenge",
@@ -101,6 +140,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc", "acc_norm"),
             "AI2 ARC-Challenge test (1172), 0-shot; HF allenai/ai2_arc layout question/choices/answerKey",
             ("question", "answerKey"),
+            _arc_problem,
         ),
         TaskInfo(
             "hellaswag",
@@ -110,6 +150,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc", "acc_norm"),
             "HellaSwag validation (10042), 0-shot; HF Rowan/hellaswag layout ctx_a/ctx_b/endings/label",
             ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+            _hellaswag_problem,
         ),
         TaskInfo(
             "winogrande",
@@ -119,6 +160,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc",),
             "WinoGrande validation (1267), 0-shot partial scoring; HF layout sentence/option1/option2/answer",
             ("sentence", "option1", "option2", "answer"),
+            lambda row: _not_text(row, "sentence", "option1", "option2") or _not_index(row, "answer", 2, 1),
         ),
         TaskInfo(
             "wikitext_lm",
@@ -128,6 +170,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("word_perplexity", "byte_perplexity", "bits_per_byte"),
             "lm-eval's document-level WikiText-2 test perplexity (62 pages, rolling windows); field page",
             ("page",),
+            lambda row: _not_text(row, "page"),
         ),
     )
 }
@@ -203,59 +246,12 @@ def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) ->
             rows = 0
             for number, row in json_objects(lines, path, info.fields, EvalDataError,
                                             fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
-                if problem := _ROW_CHECKS[info.name](row):  # values lm-eval would fail on, or score wrongly
+                if problem := info.row_problem(row):  # values lm-eval would fail on, or score wrongly
                     raise EvalDataError(f"{path}, line {number}: {problem} (task {info.name})")
                 rows += 1
             if not rows:
                 raise EvalDataError(f"{path} holds no rows (task {info.name})")
     return root
-
-
-def _not_text(row: dict[str, Any], *fields: str) -> str:
-    """"field 'goal' is not text" for those of `fields` that are not strings, or ""."""
-    bad = [field for field in fields if not isinstance(row[field], str)]
-    return f"field {', '.join(map(repr, bad))} is not text" if bad else ""
-
-
-def _not_index(row: dict[str, Any], field: str, count: int, base: int = 0) -> str:
-    """What is wrong with `field` as an index base..base+count-1 (an int or its digits, as lm-eval's int() reads
-    it), or ""."""
-    value = row[field]
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdecimal())
-    if ok and base <= int(value) < base + count:
-        return ""
-    return f"field {field!r} is {value!r}, not one of {base}..{base + count - 1}"
-
-
-def _arc_problem(row: dict[str, Any]) -> str:
-    """An ARC row's answer key must be one of its choices' labels, in either layout (HF, or the AI2 original)."""
-    question = row["question"]
-    if isinstance(question, dict):  # the original layout: {"stem", "choices": [{"text", "label"}, ...]}
-        choices = question.get("choices")
-        labels = [c.get("label") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
-    elif isinstance(question, str) and isinstance(row.get("choices"), dict):
-        labels = row["choices"].get("label") or []
-    else:
-        return "no choices (HF layout: question and choices {text, label}; or the AI2 original's question object)"
-    return "" if row["answerKey"] in labels else f"answerKey {row['answerKey']!r} is none of the labels {labels}"
-
-
-def _hellaswag_problem(row: dict[str, Any]) -> str:
-    endings = row["endings"]
-    if not (isinstance(endings, list) and endings and all(isinstance(e, str) for e in endings)):
-        return "field 'endings' is not a list of texts"
-    return _not_text(row, "activity_label", "ctx_a", "ctx_b") or _not_index(row, "label", len(endings))
-
-
-# Per task: what is wrong with a row's values (its fields are there), or "".
-_ROW_CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "piqa": lambda row: _not_text(row, "goal", "sol1", "sol2") or _not_index(row, "label", 2),
-    "arc_easy": _arc_problem,
-    "arc_challenge": _arc_problem,
-    "hellaswag": _hellaswag_problem,
-    "winogrande": lambda row: _not_text(row, "sentence", "option1", "option2") or _not_index(row, "answer", 2, 1),
-    "wikitext_lm": lambda row: _not_text(row, "page"),
-}
 
 
 def _yaml_string_body(value: str) -> str:
