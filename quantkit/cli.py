@@ -209,12 +209,7 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     if seq_len is not None:
         extra.append(f"calibration.seq_len={seq_len}")
     resolved = load_recipe(recipe, extra)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise QuantkitError("--device cuda: no CUDA device is visible to torch (install a CUDA build of "
-                                "torch, or run with --device cpu)")
+    _check_device(device)
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                       device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code)
     reporter = _RichReporter()
@@ -243,6 +238,16 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     console.print(table)
     for note in summary.format_notes:
         console.print(f"note: {escape(note)}", highlight=False)
+
+
+def _check_device(device: str) -> None:
+    """Refuse --device cuda where torch sees no GPU, before any work."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise QuantkitError("--device cuda: no CUDA device is visible to torch (install a CUDA build of "
+                                "torch, or run with --device cpu)")
 
 
 def _describe_calibration(cal: dict) -> str:
@@ -274,9 +279,12 @@ def _describe_calibration(cal: dict) -> str:
 @click.option("--bits", type=click.IntRange(1, 8),
               help="Any-Precision artifacts: evaluate at this width (any from the recipe's min_bits to its bits; "
                    "default: the widest).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the forward passes run (the model is read on the CPU, then moved). On a GPU, float16 "
+                   "or bfloat16 halves the memory; scores differ from the CPU's in the last digits.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
-def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dtype, bits, trust_remote_code
-             ) -> None:
+def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dtype, bits, device,
+             trust_remote_code) -> None:
     """Evaluate MODEL (an FP checkpoint or a quantkit artifact, with its recorded A/KV simulation)."""
     import torch
 
@@ -316,9 +324,13 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
         raise QuantkitError(f"--output-json: {parent} {'is not a directory' if parent.exists() else 'does not exist'}")
     if output_json and (why := cannot_write(Path(output_json))):
         raise QuantkitError(f"--output-json: cannot write in {Path(output_json).parent} ({why})")
+    _check_device(device)
+    if device == "cpu" and torch.cuda.is_available():
+        console.print("note: evaluating on the CPU; --device cuda runs on the GPU", highlight=False)
     console.print(f"loading {model}", highlight=False)  # a large model takes a while before the first window
-    loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits)
-    console.print(f"evaluating {loaded.description}", highlight=False)
+    loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits, device=device)
+    where = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    console.print(f"evaluating {loaded.description}{where}", highlight=False)
     results: dict[str, dict] = {}
     if "wikitext" in names:
         max_pos = getattr(loaded.model.config, "max_position_embeddings", seq_len)
@@ -351,8 +363,9 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
             elif isinstance(value, float) and not key.endswith("seconds"):
                 table.add_row(task, key, f"{value:.4f}")
     Console().print(table)
+    # what the numbers depend on, so that a results file says how it was made
     options = {"tasks": names, "seq_len": seq_len, "limit": limit, "batch_size": batch_size, "dtype": dtype,
-               "bits": bits}  # what the numbers depend on, so that a results file says how it was made
+               "bits": bits, "device": device}
     payload = {"model": str(model), "description": loaded.description, "options": options, "results": results}
     if output_json:
         try:

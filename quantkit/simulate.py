@@ -52,6 +52,10 @@ class LinearRuntime:
     g_idx: torch.Tensor | None = None  # column -> group map: grouped activations follow it (Atom)
     szero: torch.Tensor | None = None  # [N]: QServe per channel, the zero point applied to the unquantized sum
 
+    def to(self, device: torch.device | str) -> LinearRuntime:
+        """The same facts with their tensors on `device`."""
+        return LinearRuntime(*(None if t is None else t.to(device) for t in (self.g_idx, self.szero)))
+
 
 def runtime_of(q) -> LinearRuntime | None:
     """The runtime facts of a deployed QuantizedLinear, or None when it is a plain weight."""

@@ -582,6 +582,33 @@ def test_eval_refuses_bad_options_before_loading_the_model(rtn_artifact, tmp_pat
     assert "evaluating" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_eval_on_cuda_without_a_gpu_is_refused_before_loading(rtn_artifact, tmp_path):
+    result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "data"), "--device", "cuda")
+    assert result.exit_code == 2 and "--device cuda: no CUDA device" in result.output, result.output
+    assert "loading" not in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (eval --device cuda)")
+@pytest.mark.parametrize("recipe", ["qoq", "atom-w4a4"])  # the epilogue zero point; grouped activations, KV4
+def test_eval_on_cuda_matches_cpu(synthetic, calib_txt, tmp_path, recipe):
+    """The GPU evaluates what the CPU does: the simulation's runtime tensors travel with the model, and only float
+    sums in another order separate the two perplexities."""
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", recipe, "-o", out, "--calib", calib_txt, *FAST)
+    data = wikitext_rows(tmp_path / "data")
+    ppl = {}
+    for device in ("cpu", "cuda"):
+        result = tmp_path / f"{device}.json"
+        cli_ok("eval", out, "--data-dir", data, "--seq-len", "64", "--limit", "4", "--device", device,
+               "--output-json", result)
+        payload = json.loads(result.read_text())
+        assert payload["options"]["device"] == device
+        ppl[device] = payload["results"]["wikitext"]["perplexity"]
+    assert ppl["cuda"] == pytest.approx(ppl["cpu"], rel=1e-2), ppl
+
+
 def test_quantkit_warnings_read_as_the_tools(synthetic, tmp_path):
     """A warning of quantkit's own (here: random calibration windows that must overlap) prints as `warning: ...`,
     not as Python's source line of the call."""

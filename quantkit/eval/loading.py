@@ -45,11 +45,11 @@ def is_artifact(path: str | Path) -> bool:
 
 
 def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                  bits: int | None = None) -> EvalModel:
-    """The model at `path` ready for eval in `dtype` (float32 by default: CPU kernels, and exact upcasts);
-    `bits` reads an Any-Precision artifact at that width."""
+                  bits: int | None = None, device: str | torch.device = "cpu") -> EvalModel:
+    """The model at `path` ready for eval in `dtype` (float32 by default: CPU kernels, and exact upcasts) on
+    `device` (read on the CPU, then moved); `bits` reads an Any-Precision artifact at that width."""
     if is_artifact(path):
-        return _load_artifact(Path(path), dtype, bits)
+        return _load_artifact(Path(path), dtype, bits, torch.device(device))
     if bits is not None:
         raise QuantkitError(f"--bits applies to Any-Precision artifacts; {path} is not a quantkit artifact")
     config, _ = json_object(Path(path) / "config.json")
@@ -66,7 +66,7 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     method = _quant_method(model.config)
     kind = (f"{method} checkpoint, dequantized by transformers" if method else
             "GGUF, dequantized by transformers" if source.origin.endswith(".gguf") else "unquantized")
-    return EvalModel(model.eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
+    return EvalModel(model.to(device).eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
 
 
 def _describe_act(act: simulate.ActivationSim | None) -> str:
@@ -163,7 +163,7 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
             yield PackedLinear(i, name, role, parts, q)
 
 
-def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> EvalModel:
+def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: torch.device) -> EvalModel:
     manifest = load_manifest(path)
     recipe = artifact_recipe(path)
     config_data = artifact_config(path, manifest)
@@ -193,8 +193,8 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
                 q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
                 state[f"{module}.weight"] = q.dequantize().to(model_dtype)
                 info = simulate.runtime_of(q)
-                if info is not None:
-                    runtime[i][name] = info
+                if info is not None:  # read by the hooks at every forward: kept where they run
+                    runtime[i][name] = info.to(device)
         state.update(tensors)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -207,6 +207,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None = None) -> E
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     _rebuild_buffers(model)
+    model.to(device)
     act, kv = simulate.sims_for(recipe)
     linear_names = [name for _, name in adapter.linear_names(list(specs))]
     blocks = list(model.get_submodule(adapter.layers_prefix))

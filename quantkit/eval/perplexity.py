@@ -95,11 +95,12 @@ def perplexity(
     if n == 0:
         raise QuantkitError(f"text has {token_ids.numel()} tokens, fewer than one window of {seq_len}")
     windows = token_ids[: n * seq_len].view(n, seq_len)
+    device = next(model.parameters()).device
     if progress is not None:
         progress(0, n)  # the clock starts with the first window, not after it
     nll_sum = 0.0
     for start in range(0, n, batch_size):
-        batch = windows[start:start + batch_size]
+        batch = windows[start:start + batch_size].to(device)
         logits = model(batch).logits.float()
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
