@@ -327,11 +327,14 @@ def test_wikitext_lm_stories260k(stories, no_network: None, monkeypatch: pytest.
     assert metrics["bits_per_byte"] > 0
 
 
-def test_no_git_probe_outside_a_repository(stories, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd) -> None:
+def test_no_git_probe_or_launch_advice_on_the_terminal(stories, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capfd, caplog) -> None:
     """Run from a directory outside any git repository, lm-eval's `git describe` of the working directory would
-    print "fatal: not a git repository" into the user's terminal: quantkit's run keeps it quiet, and lm-eval's own
-    probe is back afterwards."""
+    print "fatal: not a git repository" into the user's terminal, and HFLM warns against accelerate launches for
+    any in-memory model: quantkit's run keeps both quiet, and lm-eval's own probe and logger are back afterwards."""
     _needs_hf_backend()
+    import logging
+
     import lm_eval.evaluator
 
     model, tokenizer = stories
@@ -340,9 +343,16 @@ def test_no_git_probe_outside_a_repository(stories, tmp_path: Path, monkeypatch:
     monkeypatch.chdir(outside)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above it either
     probe = lm_eval.evaluator.get_git_commit_hash
+    logger = logging.getLogger("lm_eval.models.huggingface")
+    filters = list(logger.filters)
+    caplog.set_level(logging.WARNING)
     run_lm_eval(model, tokenizer, ["piqa"], data_dir=_synthetic_data(tmp_path), limit=1)
     assert "not a git repository" not in capfd.readouterr().err
-    assert lm_eval.evaluator.get_git_commit_hash is probe
+    warned = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert not any("accelerate" in m or "already-initialized" in m for m in warned), warned
+    assert lm_eval.evaluator.get_git_commit_hash is probe and logger.filters == filters
+    logger.warning("Passed an already-initialized model through `pretrained`")  # lm-eval's logger as it was
+    assert caplog.records[-1].getMessage().startswith("Passed an already-initialized")
 
 
 def test_eval_cli_counts_documents(stories260k: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -339,6 +340,35 @@ def _no_retie(model: torch.nn.Module) -> Iterator[None]:
             object.__delattr__(model, "tie_weights")
 
 
+# What HFLM warns of whenever it is given a model object, as quantkit always does: advice for launches quantkit never
+# makes (accelerate, parallelize=True, several processes), which reads to a user as a problem with the run.
+_IN_MEMORY_MODEL_WARNINGS = ("`pretrained` model kwarg is not of type `str`",
+                             "Passed an already-initialized model through `pretrained`")
+
+
+class _DropWarnings(logging.Filter):
+    """Drops the log records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: Sequence[str]):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
+
+@contextlib.contextmanager
+def _quiet_in_memory_model_warnings() -> Iterator[None]:
+    """HFLM's warnings about an in-memory model, and those alone, kept off the user's terminal for the duration."""
+    logger = logging.getLogger("lm_eval.models.huggingface")
+    drop = _DropWarnings(_IN_MEMORY_MODEL_WARNINGS)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 @contextlib.contextmanager
 def _no_git_probe() -> Iterator[None]:
     """lm-eval records `git describe` of the working directory in its results: not quantkit's commit, and outside a
@@ -416,7 +446,7 @@ def run_lm_eval(
                 f"lm-eval did not register quantkit task config(s) {absent} rendered in {tmp}"
             )
         try:
-            with _no_retie(model):
+            with _no_retie(model), _quiet_in_memory_model_warnings():
                 lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
             results = lm_eval.simple_evaluate(
                 model=lm,
