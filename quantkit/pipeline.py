@@ -687,6 +687,9 @@ def _finalize(
         untied = source.tied_embeddings and not torch.equal(edges.lm_head, edges.embed)
         if not source.tied_embeddings or untied:
             rest[a.lm_head + ".weight"] = edges.lm_head.to(source.dtype).contiguous()
+    if packer.writes_lm_head and a.lm_head + ".weight" not in rest:  # a copy of the tied embedding, for engines
+        # that never tie (the config still says tied, so that transformers and quantkit's eval tie as before)
+        rest[a.lm_head + ".weight"] = rest[a.embed + ".weight"].clone()
     atomic_save_safetensors(rest, out.work / shard_name(total, total))
     weight_map: dict[str, str] = {}
     for i in range(total):

@@ -45,22 +45,64 @@ def test_linear_round_trip_and_library_dequant(symmetric, granularity, bits):
     spec = QuantSpec(bits=bits, symmetric=symmetric, granularity=granularity, group_size=32)
     qp = compute_qparams(w, spec)
     q = QuantizedLinear(quantize(w, qp, spec), qp, spec)
-    packer = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16)
+    packer = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16)  # weights alone: all packed
     tensors = packer.pack(q)
     back = packer.unpack(tensors, spec)
     assert torch.equal(back.codes, q.codes)
     assert torch.equal(back.dequantize(), q.dequantize())
     assert tensors["weight_scale"].dtype == torch.float16
-    if bits < 8:
-        assert tensors["weight_packed"].dtype == torch.int32
-        assert tensors["weight_packed"].shape == (24, 128 * bits // 32)
-        if not symmetric:
-            assert tensors["weight_zero_point"].shape == (-(-24 * bits // 32), qp.scale.shape[1])
+    assert tensors["weight_packed"].dtype == torch.int32 and "weight" not in tensors
+    assert tensors["weight_packed"].shape == (24, 128 * bits // 32)
+    if not symmetric:
+        assert tensors["weight_zero_point"].shape == (-(-24 * bits // 32), qp.scale.shape[1])
     # the library's own unpacker must read our codes identically
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-    if bits < 8:
-        lib = helpers.unpack_from_int32(tensors["weight_packed"], bits, torch.Size([24, 128]))
-        assert torch.equal(lib, q.codes)
+    lib = helpers.unpack_from_int32(tensors["weight_packed"], bits, torch.Size([24, 128]))
+    assert torch.equal(lib, q.codes)
+
+
+@pytest.mark.parametrize("activations,fmt", [(["activations=null"], "pack-quantized"), ([], "int-quantized")])
+def test_eight_bit_weights_are_int_quantized_only_beside_quantized_activations(activations, fmt):
+    """vLLM and SGLang assert that an `int-quantized` model quantizes its activations: W8A16 is `pack-quantized`
+    (four codes a word), W8A8 `int-quantized` (int8 `weight`); the library decompresses either to our weights."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    recipe = load_recipe("rtn-w8a8", activations)
+    spec = recipe.weights.spec()
+    torch.manual_seed(2)
+    w = torch.randn(32, 64)
+    qp = compute_qparams(w, spec)
+    q = QuantizedLinear(quantize(w, qp, spec), qp, spec)
+    packer = CompressedTensorsPacker(recipe, torch.float16)
+    config = packer.quantization_config({role: spec for role in ("qkv", "o", "gate_up", "down")})
+    QuantizationConfig.model_validate(config)
+    assert config["format"] == fmt and (config["config_groups"]["group_0"]["input_activations"] is None) == (
+        fmt == "pack-quantized")
+    tensors = packer.pack(q)
+    assert ("weight_packed" in tensors) == (fmt == "pack-quantized")
+    assert tensors.get("weight", tensors.get("weight_packed")).dtype == (torch.int32 if fmt == "pack-quantized"
+                                                                          else torch.int8)
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
+    library = PackedQuantizationCompressor if fmt == "pack-quantized" else IntQuantizationCompressor
+    assert torch.equal(library.decompress(tensors, scheme)["weight"], q.dequantize().half())
+
+
+def test_untargeted_linears_are_ignored():
+    """Every linear must be targeted or ignored, or vLLM and SGLang find no scheme for it: the roles a recipe leaves
+    in floating point go into `ignore`, and compressed-tensors validates the config."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationConfig
+
+    recipe = load_recipe("rtn-w4a16-g128", ["targets=[qkv, o]"])
+    spec = recipe.weights.spec()
+    config = CompressedTensorsPacker(recipe, torch.float16).quantization_config({"qkv": spec, "o": spec})
+    QuantizationConfig.model_validate(config)
+    assert config["ignore"] == ["lm_head", r"re:.*mlp\.(gate|up)_proj$", r"re:.*mlp\.down_proj$"]
+    targeted = [t for g in config["config_groups"].values() for t in g["targets"]]
+    assert targeted == [r"re:.*self_attn\.(q|k|v)_proj$", r"re:.*self_attn\.o_proj$"]
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

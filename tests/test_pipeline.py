@@ -105,6 +105,8 @@ def test_perplexity_reports_progress_per_batch(synthetic):
     ("gptq-w4a16-g128", []),
     ("rtn-w4a16-g128", ["--set", "weights.granularity=channel"]),
     ("gptq-w4a16-g128", ["--set", "passes.gptq.act_order=false"]),
+    ("rtn-w4a16-g128", ["--set", "targets=[qkv, o]"]),  # the MLP's linears in `ignore`, left in fp16
+    ("rtn-w8a8", ["--set", "activations=null"]),  # W8A16: pack-quantized, four codes a word
 ])
 def test_transformers_loads_artifact_with_same_perplexity(synthetic, calib_txt, tmp_path, recipe, extra):
     pytest.importorskip("compressed_tensors")

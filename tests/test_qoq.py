@@ -104,3 +104,17 @@ def test_every_qoq_step_can_be_switched_off(synthetic, calib_txt, tmp_path):
     assert saved.count("enabled: false") == 6
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is True  # nothing rotated: the embeddings stay tied
+
+
+def test_qserve_artifact_of_a_tied_model_carries_its_lm_head(synthetic, calib_txt, tmp_path):
+    """OmniServe's model holds an lm_head of its own and never ties it to the embedding: a model that stays tied
+    (no pass rewrites its edges) still gets `lm_head.weight`, a copy of the embedding, and its config stays tied."""
+    out = tmp_path / "tied"
+    cli_ok("quantize", synthetic, "--recipe", "qoq", "-o", out, "--calib", calib_txt, *FAST,
+           "--set", "passes=[{name: rtn}]")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = read_safetensors(out / index["lm_head.weight"])
+    assert torch.equal(shard["lm_head.weight"], shard["model.embed_tokens.weight"])
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    model = load_for_eval(out).model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

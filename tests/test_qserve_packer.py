@@ -32,7 +32,7 @@ def group_spec(g: int = 128, protect: int = 119) -> QuantSpec:
 
 
 def make_packer(dtype: torch.dtype = torch.float16) -> QServePacker:
-    return QServePacker(load_recipe("rtn-w4a16-g128"), dtype)
+    return QServePacker(load_recipe("qoq"), dtype)
 
 
 def quantized(w: torch.Tensor, spec: QuantSpec) -> QuantizedLinear:
@@ -255,6 +255,23 @@ def test_protective_range_above_119_is_refused():
     assert float(q.qparams.s1[0, 0]) == 1 and float(q.qparams.s2[0, 0]) == 10 and int(q.qparams.zero[0, 0]) + 8 == 13
     with pytest.raises(ExportError, match="must fit int8"):
         make_packer().pack(q)
+
+
+@pytest.mark.parametrize("fmt,recipe", [("qserve", "qoq"), ("qqq", "qqq")])
+@pytest.mark.parametrize("overrides,match", [
+    (["targets=[qkv, o, gate_up]"], "leaves down unquantized"),  # the engines build every linear as a W4A8 one
+    (["activations=null"], "has no activation quantization"),
+    (["activations.clip_ratio=0.9"], "has clip_ratio 0.9"),
+    (["activations.group_size=64"], "has groups of 64"),
+    (["activations.bits=6", "activations.symmetric=false"], "has bits 6, asymmetric ones"),
+])
+def test_w4a8_engine_formats_refuse_what_their_engines_would_not_compute(fmt, recipe, overrides, match):
+    """OmniServe, SGLang's qoq, vLLM's and GPTQModel's qqq quantize every linear, each input per token to symmetric
+    INT8: a recipe that leaves a role in floating point, or simulates other activations, would be served other
+    numbers than `quantkit eval` measured (or not load), so its export is refused before any work."""
+    get_packer(fmt)(load_recipe(recipe), torch.float16).check_recipe()
+    with pytest.raises(ExportError, match=match):
+        get_packer(fmt)(load_recipe(recipe, overrides), torch.float16).check_recipe()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

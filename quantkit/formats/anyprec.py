@@ -4,8 +4,9 @@ Per quantized linear `<module>`: `qweight` int32 [P, N, K/32], the parent codes 
 plane first, in the warp-coalesced column order of `anyprec_layout` (a b-bit model reads planes 0..b-1); and
 `lut{b}` fp16 [N, 2^b] for every width b from the seed to the parent, each row's centroids in ascending order.
 `config.json` gets `quantization_config: {quant_method: anyprec, seed_precision, parent_precision,
-group_count: 1}`, named as the any-precision-llm config's `anyprec` entry names them (its loader itself reads a
-pickled checkpoint, so it does not load this file). Kernel constraints: K a multiple of 32 and N of 4 (quantkit's
+group_count: 1}`, named as the any-precision-llm config's `anyprec` entry names them. The authors' loader reads a
+top-level `anyprec` entry with its architecture's module names (`arch_config`), which quantkit does not write, so
+it does not load this artifact as is. Kernel constraints: K a multiple of 32 and N of 4 (quantkit's
 GEMV runs four rows per thread block; the authors' kernel needs N a multiple of 16 for 2 to 8 rows of input).
 """
 
@@ -76,4 +77,4 @@ class AnyPrecisionPacker(Packer):
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         return ["export format anyprec: safetensors, read by quantkit (eval --bits B picks the width); the "
-                "any-precision-llm repo's loader expects its own pickled checkpoint"]
+                "any-precision-llm repo's loader also needs a top-level `anyprec` config entry, not written"]

@@ -1,14 +1,17 @@
 """Atom W4A4 layout (`atom`): the reordered mixed-precision tensors of Atom's `LinearInt4` (efeslab/Atom).
 
 Per quantized linear `<module>` (O outlier columns, G groups of 128 normal columns, N % 16 == 0):
-- `reorder_index` int16 [K] (as punica-atom's `LinearInt4`, so K <= 32768): the original column at each reordered
-  position; every group is contiguous in it and the outliers come last (the engine reorders the activations the
-  same way, fused into the producing kernel);
+- `reorder_index` int16 [K] (int16 as punica-atom's, so K <= 32768): the original column at each reordered
+  position; every group is contiguous in it and the outliers come last. quantkit stores one per linear; punica-atom
+  keeps one on each norm (shared by q/k/v, and by gate/up) and one on the attention module (before o_proj), and has
+  none for down_proj, whose order it would need folded into the gate/up rows;
 - `weight_int4` uint8 [N, (K - O) / 2]: the normal columns in that order, two's-complement INT4, the even column
   in the low nibble;
 - `weight_int8` int8 [N, O]: the outlier columns;
-- `scale_int4` fp16 [G, 4 N] and `scale_int8` fp16 [4 N]: each row's scale in the layout of the GEMM's
-  accumulator fragments: row r at (r // 16) 64 + (r % 8) 8 + (r // 8) % 2, written four times at stride 2.
+- `scale_int4` fp16 [G, 4 N] and `scale_int8` fp16 [4 N]: `LinearInt4`'s shapes, each row's scale at
+  (r // 16) 64 + (r % 8) 8 + (r // 8) % 2, written four times at stride 2 (punica-atom's `scale_index`, the order
+  its reorder kernels write activation scales in; its GEMM reads weight scales as a plain [G, N], so no engine
+  is known to read this layout).
 The kernel runs an INT4 MMA per group of 128 and an INT8 MMA on the outliers, scaling each partial by the
 activation and weight scales (the weights dequantize as q * scale, symmetric). Atom's kernels take groups of 128
 and 128 outliers; no public engine loads Atom checkpoints, so quantkit's kernels and `eval` read it.

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.models.adapters import ROLES
 from quantkit.quantizers import QuantizedLinear, QuantSpec
 
 
@@ -26,6 +27,9 @@ class Packer:
     """
 
     name: ClassVar[str]
+    # the engines build an lm_head of their own and never tie it to the embedding (OmniServe): a tied model's
+    # artifact carries a copy of the embedding as lm_head.weight
+    writes_lm_head: ClassVar[bool] = False
 
     def __init__(self, recipe: Any, dtype: torch.dtype):
         self.recipe = recipe
@@ -41,6 +45,32 @@ class Packer:
 
     def check_recipe(self) -> None:
         """Raise ExportError if the recipe asks for something this format cannot express."""
+
+    def require_all_targets(self, engines: str) -> None:
+        """Raise ExportError unless the recipe quantizes every linear role: `engines` (who loads the format) build
+        every linear of a block as a quantized one, with no list of linears to leave in floating point."""
+        if left := [role for role in ROLES if role not in self.recipe.targets]:
+            raise ExportError(f"{self.name}: {engines} quantize every linear of a block, but the recipe leaves "
+                              f"{', '.join(left)} unquantized (targets: {', '.join(self.recipe.targets)}); target "
+                              "every role, or use --set export.format=quantkit for a simulation-only artifact")
+
+    def require_int8_token_activations(self, engines: str) -> None:
+        """Raise ExportError unless the recipe simulates what `engines` compute at run time: every linear's input
+        quantized per token to symmetric INT8 with scale max|x| / 127, nothing else."""
+        act = self.recipe.activations
+        if act is None:
+            problems = ["no activation quantization"]
+        else:
+            problems = [text for bad, text in (
+                (act.bits != 8, f"bits {act.bits}"), (not act.symmetric, "asymmetric ones"),
+                (act.group_size is not None, f"groups of {act.group_size}"),
+                (act.outliers != 0, f"{act.outliers} INT8 outliers"),
+                (act.clip_ratio != 1.0, f"clip_ratio {act.clip_ratio}"),
+            ) if bad]
+        if problems:
+            raise ExportError(f"{self.name} is a W4A8 format: {engines} quantize activations per token to symmetric "
+                              "INT8 (max|x| / 127), so the recipe must simulate exactly that (activations: {bits: 8, "
+                              f"symmetric: true}}); it has {', '.join(problems)}")
 
     def require_fp16(self, why: str) -> None:
         """Raise ExportError unless the model is float16 (`why`: who requires it)."""

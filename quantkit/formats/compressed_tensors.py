@@ -3,8 +3,11 @@
 Layout (see shared/formats.md): `weight_packed` int32 [N, ceil(K*b/32)] holds codes + 2^(b-1) as a dense
 little-endian bit stream along K (for 4 bits: eight per word, low nibble first); `weight_scale` in the model
 dtype [N, K/g] ([N, 1] per channel); `weight_zero_point` (asymmetric only) is packed the same way along N,
-[ceil(N*b/32), K/g]; `weight_shape` int64 [2]. 8-bit weights
-use `int-quantized`: `weight` int8 [N, K] plus scale (and an unpacked int8 zero point if asymmetric).
+[ceil(N*b/32), K/g]; `weight_shape` int64 [2]. 8-bit weights with quantized activations (W8A8)
+use `int-quantized`: `weight` int8 [N, K] plus scale (and an unpacked int8 zero point if asymmetric); 8-bit
+weights alone (W8A16) are `pack-quantized`, four codes a word, as vLLM and SGLang read them (their config parser
+asserts that an `int-quantized` model quantizes its activations). Linears the recipe does not target are listed in
+`ignore`, as engines require of every linear that no config group targets.
 Act-order GPTQ is expressible only with static groups (`actorder: weight`): compressed-tensors 0.20 removed
 the dynamic `group` ordering and its `weight_g_idx`, so no current engine would load it.
 """
@@ -101,6 +104,11 @@ class CompressedTensorsPacker(Packer):
     name = "compressed-tensors"
 
     def check_recipe(self) -> None:
+        act = self.recipe.activations
+        if act is not None and (act.group_size is not None or act.outliers or act.clip_ratio != 1.0):
+            raise ExportError("compressed-tensors records activations as dynamic per-token scales of max|x|; the "
+                              "recipe's activation groups, outliers or clip_ratio would be evaluated here and not "
+                              "computed by the engine: use --set export.format=quantkit for a simulation-only artifact")
         for p in self.recipe.passes:
             if (p.name == "gptq" and p.config.act_order and not p.config.static_groups
                     and self.recipe.weights.granularity == "group"):
@@ -135,7 +143,7 @@ class CompressedTensorsPacker(Packer):
         if spec.granularity == "tensor":
             scale = scale.reshape(1)
         out: dict[str, torch.Tensor] = {"weight_scale": scale.contiguous()}
-        if spec.bits == 8:
+        if self._int_quantized(spec):
             out["weight"] = q.codes.contiguous()
             if qp.zero is not None:
                 out["weight_zero_point"] = qp.zero.to(torch.int8).reshape(scale.shape).contiguous()
@@ -148,6 +156,11 @@ class CompressedTensorsPacker(Packer):
         if q.g_idx is not None:
             raise ExportError("compressed-tensors export cannot store permuted groups (g_idx)")
         return out
+
+    def _int_quantized(self, spec: QuantSpec) -> bool:
+        """Whether `spec`'s weights are stored unpacked as int8 (`int-quantized`): 8-bit weights of a recipe that
+        quantizes activations. Engines take `int-quantized` for W8A8 only; W8A16 is `pack-quantized`."""
+        return spec.bits == 8 and self.recipe.activations is not None
 
     def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
         scale = tensors["weight_scale"].float()
@@ -170,7 +183,7 @@ class CompressedTensorsPacker(Packer):
         by_spec: dict[QuantSpec, list[str]] = {}
         for role, spec in specs.items():
             by_spec.setdefault(spec, []).append(role)
-        formats = {"int-quantized" if s.bits == 8 else "pack-quantized" for s in by_spec}
+        formats = {"int-quantized" if self._int_quantized(s) else "pack-quantized" for s in by_spec}
         if len(formats) > 1:
             raise ExportError("compressed-tensors export cannot mix 8-bit and packed sub-8-bit weights")
         (format_name,) = formats
@@ -205,6 +218,6 @@ class CompressedTensorsPacker(Packer):
             "format": format_name,
             "quantization_status": "compressed",
             "config_groups": groups,
-            "ignore": ["lm_head"],
+            "ignore": ["lm_head", *(ROLE_PATTERNS[r] for r in ROLE_PATTERNS if r not in specs)],
             "kv_cache_scheme": None,
         }

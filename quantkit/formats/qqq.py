@@ -12,7 +12,9 @@ Per quantized linear `<module>` (K = in features, N = out features; N % 64 == 0,
     0x6400 FP16 trick to q, multiplied by the fp16 group ratio r with 1536 added in one hfma2 (the sum lies in
     [1409, 1663], where the fp16 ulp is 1, so the FMA's round-to-nearest-even is the integer rounding, and its bits
     are 0x6600 + round(q * r)), and the low bytes are the INT8 values round(q * r) (`kernel_int8` models exactly
-    this; the paper's 1152 = 0x6480 left 0x80 + round(q * r) there, which took an XOR a byte).
+    this, as quantkit's kernel computes it). vLLM's and the paper's kernel add 1152 = 0x6480 instead, which leaves
+    0x80 + round(q * r) in the low byte, and XOR each byte with 0x80: the same INT8 values, since both sums are
+    integers in [1024, 2048), where the one rounding is the same.
 - `s_channel` float32 [1, N]: per channel scale / 16 (undoing the 16 q); per group the INT8 scale max|w_hat| / 127.
   Columns in `scale_perm_single` order within each 32.
 - `s_group` float16 [K/128, N] (per group only): the ratios r = fp16(group scale / s_channel), columns in
@@ -137,10 +139,8 @@ class QQQPacker(Packer):
     def check_recipe(self) -> None:
         """QQQ kernels take fp16 models and per-token symmetric INT8 activations."""
         self.require_fp16("vLLM's QQQ method takes fp16 only")
-        act = self.recipe.activations
-        if act is None or act.bits != 8 or not act.symmetric:
-            raise ExportError("qqq is a W4A8 format: its engines quantize activations per token to symmetric INT8, "
-                              "so the recipe must simulate that (activations: {bits: 8, symmetric: true})")
+        self.require_all_targets("vLLM's and GPTQModel's QQQ methods")
+        self.require_int8_token_activations("vLLM's and GPTQModel's QQQ methods")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """4-bit symmetric, per channel on [-7, 7] or groups of 128 re-expressed over INT8; N % 64, K % 128."""
