@@ -73,3 +73,12 @@ def test_nothing_imports_the_cli_or_the_pipeline_from_below():
             if module == layer or module.startswith(layer + "."):
                 upper = {d for d in deps for up in LAYERS[:i] if d == up or d.startswith(up + ".")}
                 assert not upper, f"{module} imports {sorted(upper)} from a layer above it"
+
+
+def test_formats_name_the_roles_the_adapters_do():
+    """The formats layer names the block's linear roles itself (it may not import models): the same roles."""
+    from quantkit.formats.base import ROLES as FORMAT_ROLES
+    from quantkit.formats.compressed_tensors import ROLE_PATTERNS
+    from quantkit.models.adapters import ROLES
+
+    assert FORMAT_ROLES == ROLES and tuple(ROLE_PATTERNS) == ROLES

@@ -7,8 +7,11 @@ from typing import Any, ClassVar
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.models.adapters import ROLES
 from quantkit.quantizers import QuantizedLinear, QuantSpec
+
+# the linear roles of a decoder block, as `quantkit.models.adapters.ROLES` names them (formats sit below models, so
+# they name them again; a test holds the two equal)
+ROLES = ("qkv", "o", "gate_up", "down")
 
 
 class ExportError(QuantkitError):
