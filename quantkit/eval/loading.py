@@ -23,7 +23,7 @@ from quantkit.artifact import (
     read_artifact_json,
     read_safetensors,
 )
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, some
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import open_model
@@ -60,8 +60,8 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     model, info = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                        output_loading_info=True)
     if missing := sorted(info["missing_keys"]):  # a quantized one's: transformers fills them at random and goes on
-        raise QuantkitError(f"{path}: the checkpoint lacks tensor(s) {', '.join(missing[:5])}"
-                            f"{' and more' if len(missing) > 5 else ''}, which would be evaluated as random values")
+        raise QuantkitError(f"{path}: the checkpoint lacks tensor(s) {some(missing)}, which would be evaluated as "
+                            "random values")
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     method = _quant_method(model.config)
     kind = (f"{method} checkpoint, dequantized by transformers" if method else
@@ -202,8 +202,8 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:
-        raise ArtifactError(f"{path}: the artifact lacks tensor(s) {', '.join(sorted(missing)[:5])}"
-                            f"{' and more' if len(missing) > 5 else ''}; copy the artifact again, or quantize again")
+        raise ArtifactError(f"{path}: the artifact lacks tensor(s) {some(sorted(missing))}; copy the artifact again, "
+                            "or quantize again")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     _rebuild_buffers(model)

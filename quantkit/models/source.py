@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, some
 from quantkit.files import DIR_MODE, FILE_MODE, atomic_write
 from quantkit.models.adapters import ArchAdapter, adapter_for
 
@@ -143,12 +143,8 @@ class ModelSource:
                  and name != self.adapter.lm_head + ".weight"]
         wrong = [f"{name} is {list(self._shapes[name])} where config.json makes {list(shape)}"
                  for name, shape in expected.items() if name in self._shapes and self._shapes[name] != shape]
-
-        def some(names: list[str]) -> str:
-            return ", ".join(names[:4]) + (" and more" if len(names) > 4 else "")
-
-        problems = ([f"it lacks {some(missing)}"] if missing else []) + wrong[:4] + (
-            [f"it holds {some(extra)}, for which the model of config.json has no place"] if extra else [])
+        problems = ([f"it lacks {some(missing, 4)}"] if missing else []) + wrong[:4] + (
+            [f"it holds {some(extra, 4)}, for which the model of config.json has no place"] if extra else [])
         if problems:
             raise ModelError(f"{self.path}: the weights do not match config.json: {'; '.join(problems)}")
 
