@@ -317,13 +317,15 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
             problems.append(str(exc))
     if problems:
         raise QuantkitError("\n".join(problems))
-    if output_json is not None and Path(output_json).name in ("", ".", ".."):
-        raise QuantkitError(f"--output-json {str(output_json)!r}: name the file to write")
-    if output_json and not Path(output_json).parent.is_dir():
-        parent = Path(output_json).parent
-        raise QuantkitError(f"--output-json: {parent} {'is not a directory' if parent.exists() else 'does not exist'}")
-    if output_json and (why := cannot_write(Path(output_json))):
-        raise QuantkitError(f"--output-json: cannot write in {Path(output_json).parent} ({why})")
+    if output_json is not None:  # a Path (click's path_type)
+        if output_json.name in ("", ".", ".."):
+            raise QuantkitError(f"--output-json {str(output_json)!r}: name the file to write")
+        parent = output_json.parent
+        if not parent.is_dir():
+            raise QuantkitError(f"--output-json: {parent} "
+                                f"{'is not a directory' if parent.exists() else 'does not exist'}")
+        if why := cannot_write(output_json):
+            raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
     _check_device(device)
     if device == "cpu" and torch.cuda.is_available():
         console.print("note: evaluating on the CPU; --device cuda runs on the GPU", highlight=False)
@@ -369,7 +371,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     payload = {"model": str(model), "description": loaded.description, "options": options, "results": results}
     if output_json:
         try:
-            atomic_write(Path(output_json), json.dumps(payload, indent=2))
+            atomic_write(output_json, json.dumps(payload, indent=2))
         except OSError as exc:  # writable when checked, not now: the results still reach the user
             click.echo(json.dumps(payload))
             raise QuantkitError(f"--output-json: cannot write {output_json} ({exc.strerror or exc}); the results "
