@@ -779,6 +779,14 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
         assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
         assert "Traceback" not in result.output
 
+    def drop(root: Path, name: str) -> Path:
+        """Remove tensor `name` from the shard of `root` that holds it; returns that shard."""
+        shard = next(p for p in sorted(root.glob("*.safetensors")) if name in load_file(str(p)))
+        tensors = load_file(str(shard))
+        del tensors[name]
+        save_file(tensors, str(shard))
+        return shard
+
     fewer = shutil.copytree(rtn_artifact, tmp_path / "fewer")
     config = json.loads((fewer / "config.json").read_text())
     config["num_hidden_layers"] -= 1
@@ -788,19 +796,11 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     assert "config.json says 2 layers" in " ".join(cli("inspect", fewer).output.split())
 
     lacking = shutil.copytree(rtn_artifact, tmp_path / "lacking")
-    shard = next(p for p in sorted(lacking.glob("model-*.safetensors"))
-                 if "model.layers.1.input_layernorm.weight" in load_file(str(p)))
-    tensors = load_file(str(shard))
-    del tensors["model.layers.1.input_layernorm.weight"]
-    save_file(tensors, str(shard))
-    record_rewritten_file(lacking, shard)
+    record_rewritten_file(lacking, drop(lacking, "model.layers.1.input_layernorm.weight"))
     refused(lacking, "the artifact lacks tensor(s) model.layers.1.input_layernorm.weight")
 
     fp = shutil.copytree(synthetic, tmp_path / "fp")
-    weights = next(fp.glob("*.safetensors"))
-    tensors = load_file(str(weights))
-    del tensors["model.layers.2.mlp.down_proj.weight"]
-    save_file(tensors, str(weights))
+    drop(fp, "model.layers.2.mlp.down_proj.weight")
     refused(fp, "the weights do not match config.json: it lacks model.layers.2.mlp.down_proj.weight")
 
     bare = shutil.copytree(rtn_artifact, tmp_path / "bare")
@@ -812,11 +812,7 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     # a compressed-tensors checkpoint without quantkit's manifest is transformers' to load, and what it lacks is named
     packed = shutil.copytree(rtn_artifact, tmp_path / "packed")
     (packed / "quantkit_manifest.json").unlink()
-    shard = next(p for p in sorted(packed.glob("model-*.safetensors"))
-                 if "model.layers.1.mlp.up_proj.weight_scale" in load_file(str(p)))
-    tensors = load_file(str(shard))
-    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
-    save_file(tensors, str(shard))
+    drop(packed, "model.layers.1.mlp.up_proj.weight_scale")
     refused(packed, "the checkpoint lacks tensor(s) model.layers.1.mlp.up_proj.weight_scale")
 
 
