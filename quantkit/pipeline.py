@@ -702,6 +702,7 @@ def _finalize(
 
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = packer.quantization_config(specs)
+    config.update(packer.config_entries(specs, a.layers_prefix, {role: a.linears[role] for role in specs}))
     config["torch_dtype"] = str(source.dtype).removeprefix("torch.")
     if untied:
         config["tie_word_embeddings"] = False

@@ -266,6 +266,81 @@ def test_anyprec_end_to_end_serves_every_width(tmp_path, calib_txt, monkeypatch)
     assert "codes: the codes the emulation decodes from the bitplanes" in validated and "int32" not in validated
 
 
+class _AuthorsLinear(torch.nn.Module):
+    """The buffers any-precision-llm's `AnyPrecisionLinear` registers (qweight [max bits, N, K/32] int32, lut{b}
+    [N, 2^b] fp16, an fp16 bias), with a CPU dequantization in place of its CUDA extension."""
+
+    def __init__(self, k: int, n: int, supported_bits: list[int], bias: bool):
+        super().__init__()
+        self.register_buffer("qweight", torch.empty((max(supported_bits), n, k // 32), dtype=torch.int32))
+        for b in supported_bits:
+            self.register_buffer(f"lut{b}", torch.empty((n, 2**b), dtype=torch.float16))
+        self.register_buffer("bias", torch.empty(n, dtype=torch.float16) if bias else None)
+
+    def weight_at(self, bits: int) -> torch.Tensor:
+        codes = unpack_planes(self.qweight.numpy(), bits)
+        return torch.from_numpy(lut_dequantize(codes, getattr(self, f"lut{bits}").numpy()))
+
+
+@pytest.mark.filterwarnings("ignore:The following device_map keys")  # the loader maps state_dict keys, not modules
+def test_anyprec_artifact_loads_the_way_the_authors_loader_does(tmp_path, calib_txt, monkeypatch):
+    """A restatement of any-precision-llm's `AnyPrecisionForCausalLM.from_quantized`: AutoConfig, an empty model
+    from the config, the `anyprec.arch_config` linears of every block swapped for `AnyPrecisionLinear`'s buffers,
+    then accelerate's `load_checkpoint_and_dispatch`. Every buffer and parameter is filled from the artifact, and
+    the weights it serves at each width are the ones `quantkit eval --bits` uses; the untargeted down_proj loads
+    as a plain linear."""
+    pytest.importorskip("accelerate", reason="accelerate (the [eval] extra) drives the authors' loader")
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from helpers import cli_ok
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.eval.loading import load_for_eval
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=2, model_type="qwen2",
+                                                                  attention_bias=True))
+    out = tmp_path / "ap"
+    cli_ok("quantize", model, "-o", out, "--recipe", "anyprec-3to8", "--calib", calib_txt, "--num-samples", "4",
+           "--seq-len", "64", "--set", "targets=[qkv, o, gate_up]")
+
+    config = AutoConfig.from_pretrained(out)
+    entry = config.anyprec
+    assert entry["arch_config"] == {"model_name": "model", "layers_name": "layers", "module_names": [
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj"]}
+    supported = list(range(entry["seed_precision"], entry["parent_precision"] + 1))
+    assert supported == [3, 4, 5, 6, 7, 8]
+    with init_empty_weights():
+        lm = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float16)
+    blocks = getattr(getattr(lm, entry["arch_config"]["model_name"]), entry["arch_config"]["layers_name"])
+    for block in blocks:
+        for name in entry["arch_config"]["module_names"]:
+            parent, _, leaf = name.rpartition(".")
+            old = block.get_submodule(name)
+            block.get_submodule(parent).register_module(
+                leaf, _AuthorsLinear(old.in_features, old.out_features, supported, old.bias is not None))
+    lm.tie_weights()
+    load_checkpoint_and_dispatch(lm, checkpoint=str(out), device_map={k: "cpu" for k in lm.state_dict()},
+                                 no_split_module_classes=[type(blocks[0]).__name__], dtype=torch.float16)
+
+    from safetensors.torch import load_file
+
+    stored = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    loaded = lm.state_dict()
+    assert set(loaded) == set(stored)
+    for key, tensor in loaded.items():
+        assert tensor.device.type == "cpu" and torch.equal(tensor, stored[key]), key
+    for bits in (3, 8):
+        reference = load_for_eval(out, dtype=torch.float16, bits=bits).model.model.layers[1]
+        for name in entry["arch_config"]["module_names"]:
+            served = blocks[1].get_submodule(name).weight_at(bits)
+            assert torch.equal(served, reference.get_submodule(name).weight.detach()), (bits, name)
+    assert isinstance(blocks[1].mlp.down_proj, torch.nn.Linear)
+    assert torch.equal(blocks[1].mlp.down_proj.weight, reference.mlp.down_proj.weight.detach())
+
+
 def test_fisher_cache_follows_the_checkpoint_bytes(tmp_path, calib_txt, monkeypatch):
     """A copy of the checkpoint elsewhere, with new mtimes, reuses the Fisher computed for the original (its
     cache is keyed by content); a checkpoint with other weights computes its own."""

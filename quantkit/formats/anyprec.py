@@ -4,10 +4,12 @@ Per quantized linear `<module>`: `qweight` int32 [P, N, K/32], the parent codes 
 plane first, in the warp-coalesced column order of `anyprec_layout` (a b-bit model reads planes 0..b-1); and
 `lut{b}` fp16 [N, 2^b] for every width b from the seed to the parent, each row's centroids in ascending order.
 `config.json` gets `quantization_config: {quant_method: anyprec, seed_precision, parent_precision,
-group_count: 1}`, named as the any-precision-llm config's `anyprec` entry names them. The authors' loader reads a
-top-level `anyprec` entry with its architecture's module names (`arch_config`), which quantkit does not write, so
-it does not load this artifact as is. Kernel constraints: K a multiple of 32 and N of 4 (quantkit's
-GEMV runs four rows per thread block; the authors' kernel needs N a multiple of 16 for 2 to 8 rows of input).
+group_count: 1}`, and the top-level `anyprec` entry the authors' loader (any-precision-llm's
+`AnyPrecisionForCausalLM.from_quantized`) reads: the same two widths and `arch_config`, where the blocks sit
+(`model_name`, `layers_name`) and which linears of each block to build as `AnyPrecisionLinear` (`module_names`, the
+quantized ones; the rest load as plain linears from their `weight`). Kernel constraints: K a multiple of 32 and N of
+4 (quantkit's GEMV runs four rows per thread block; the authors' kernel needs N a multiple of 16 for 2 to 8 rows of
+input).
 """
 
 from __future__ import annotations
@@ -75,6 +77,17 @@ class AnyPrecisionPacker(Packer):
         seed, parent = widths.pop()
         return {"quant_method": "anyprec", "seed_precision": seed, "parent_precision": parent, "group_count": 1}
 
+    def config_entries(self, specs: dict[str, QuantSpec], layers_prefix: str,
+                       linears: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+        """The `anyprec` entry: the loader takes `model_name` and `layers_name` as attribute paths from the causal
+        LM to its block list, and replaces exactly the `module_names` of every block."""
+        config = self.quantization_config(specs)
+        model_name, _, layers_name = layers_prefix.rpartition(".")
+        arch = {"model_name": model_name, "layers_name": layers_name,
+                "module_names": [name for names in linears.values() for name in names]}
+        return {"anyprec": {"seed_precision": config["seed_precision"],
+                            "parent_precision": config["parent_precision"], "arch_config": arch}}
+
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
-        return ["export format anyprec: safetensors, read by quantkit (eval --bits B picks the width); the "
-                "any-precision-llm repo's loader also needs a top-level `anyprec` config entry, not written"]
+        return ["export format anyprec: safetensors, read by quantkit (eval --bits B picks the width) and by the "
+                "any-precision-llm loader (AnyPrecisionForCausalLM.from_quantized; its CUDA kernels take float16)"]

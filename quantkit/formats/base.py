@@ -95,3 +95,10 @@ class Packer:
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
         """The `quantization_config` entry of config.json; `specs` maps linear role names to their spec."""
         raise NotImplementedError
+
+    def config_entries(self, specs: dict[str, QuantSpec], layers_prefix: str,
+                       linears: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+        """Top-level config.json entries beside `quantization_config` that the format's loader reads. `layers_prefix`
+        is where the decoder blocks sit (`model.layers`), `linears` maps each quantized role to its modules' names
+        within a block (`self_attn.q_proj`, ...)."""
+        return {}
