@@ -307,6 +307,7 @@ def test_anyprec_artifact_loads_the_way_the_authors_loader_does(tmp_path, calib_
 
     config = AutoConfig.from_pretrained(out)
     entry = config.anyprec
+    assert entry["group_count"] == 1  # as the authors' pack writes it
     assert entry["arch_config"] == {"model_name": "model", "layers_name": "layers", "module_names": [
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj"]}

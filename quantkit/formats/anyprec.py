@@ -3,13 +3,13 @@
 Per quantized linear `<module>`: `qweight` int32 [P, N, K/32], the parent codes as bitplanes, most significant
 plane first, in the warp-coalesced column order of `anyprec_layout` (a b-bit model reads planes 0..b-1); and
 `lut{b}` fp16 [N, 2^b] for every width b from the seed to the parent, each row's centroids in ascending order.
-`config.json` gets `quantization_config: {quant_method: anyprec, seed_precision, parent_precision,
-group_count: 1}`, and the top-level `anyprec` entry the authors' loader (any-precision-llm's
-`AnyPrecisionForCausalLM.from_quantized`) reads: the same two widths and `arch_config`, where the blocks sit
-(`model_name`, `layers_name`) and which linears of each block to build as `AnyPrecisionLinear` (`module_names`, the
-quantized ones; the rest load as plain linears from their `weight`). Kernel constraints: K a multiple of 32 and N of
-4 (quantkit's GEMV runs four rows per thread block; the authors' kernel needs N a multiple of 16 for 2 to 8 rows of
-input).
+`config.json` gets `quantization_config: {quant_method: anyprec, seed_precision, parent_precision, group_count:
+1}`, and the top-level `anyprec` entry the authors' loader (any-precision-llm's
+`AnyPrecisionForCausalLM.from_quantized`) reads: the same widths and group count, and `arch_config`, where the
+blocks sit (`model_name`, `layers_name`) and which linears of each block to build as `AnyPrecisionLinear`
+(`module_names`, the quantized ones; the rest load as plain linears from their `weight`). Kernel constraints: K a
+multiple of 32 and N of 4 (quantkit's GEMV runs four rows per thread block; the authors' kernel needs N a multiple
+of 16 for 2 to 8 rows of input).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class AnyPrecisionPacker(Packer):
         model_name, _, layers_name = layers_prefix.rpartition(".")
         arch = {"model_name": model_name, "layers_name": layers_name,
                 "module_names": [name for names in linears.values() for name in names]}
-        return {"anyprec": {"seed_precision": config["seed_precision"],
-                            "parent_precision": config["parent_precision"], "arch_config": arch}}
+        return {"anyprec": {key: config[key] for key in ("seed_precision", "parent_precision", "group_count")}
+                | {"arch_config": arch}}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         return ["export format anyprec: safetensors, read by quantkit (eval --bits B picks the width) and by the "
