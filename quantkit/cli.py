@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -209,9 +210,15 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     if seq_len is not None:
         extra.append(f"calibration.seq_len={seq_len}")
     resolved = load_recipe(recipe, extra)
+    base = None
+    # to tell, if the model's shapes refuse the recipe, whether the --set values caused it (a file that is no recipe
+    # alone, which the overrides complete, leaves nothing to compare)
+    with contextlib.suppress(QuantkitError):
+        base = load_recipe(recipe) if overrides else None
     _check_device(device)
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
-                      device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code)
+                      device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                      overrides=tuple(overrides), base_recipe=base)
     reporter = _RichReporter()
     previous = signal.signal(signal.SIGTERM, _terminate)  # stop as on Ctrl-C: the run says how to resume
     try:

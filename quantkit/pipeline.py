@@ -48,6 +48,7 @@ from quantkit.errors import QuantkitError
 from quantkit.eval.perplexity import WIKITEXT_FILE
 from quantkit.files import atomic_write
 from quantkit.formats import Packer, get_packer
+from quantkit.formats.base import ExportError
 from quantkit.models.adapters import ROLES
 from quantkit.models.block import BlockRunner, build_block, run_by_role
 from quantkit.models.source import (
@@ -118,6 +119,10 @@ class QuantizeJob:
     resume: bool = False
     overwrite: bool = False
     trust_remote_code: bool = False
+    # the --set values and the recipe without them, so that an error the model's shapes raise says when the
+    # overrides caused it (the recipe file alone fits the model)
+    overrides: tuple[str, ...] = ()
+    base_recipe: Recipe | None = None
 
 
 def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str, QuantSpec]:
@@ -171,6 +176,27 @@ def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer) -> l
              f"{recipe.weights.group_size}, which does not divide their input widths"] if fell_back else []
             ) + [f"widths {low}..{high}: the per-layer errors are at the widest, {high} bits (`quantkit eval --bits "
                  "B` measures another)" for low, high in widths] + packer.notes(specs)
+
+
+def _plan(source: ModelSource, recipe: Recipe, job: QuantizeJob) -> tuple[Packer, dict[str, QuantSpec]]:
+    """The export packer and every role's spec, checked against the model's shapes before any work. An error that
+    the recipe file alone would not raise names the --set overrides that caused it."""
+
+    def plan(r: Recipe) -> tuple[Packer, dict[str, QuantSpec]]:
+        packer = get_packer(r.export.format)(r, source.dtype)
+        packer.check_recipe()
+        return packer, plan_specs(source, r, packer)
+
+    try:
+        return plan(recipe)
+    except (ShapeError, ExportError) as exc:
+        if job.base_recipe is None or not job.overrides:
+            raise
+        try:
+            plan(job.base_recipe)
+        except QuantkitError:
+            raise exc from None
+        raise type(exc)(f"{exc} (with the overrides {', '.join(job.overrides)})") from None
 
 
 def _deployed_block(
@@ -339,9 +365,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         dataset = str(job.calib) if named else str(Path(job.calib).expanduser().resolve())
         job = replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
     recipe = job.recipe
-    packer = get_packer(recipe.export.format)(recipe, source.dtype)
-    packer.check_recipe()
-    specs = plan_specs(source, recipe, packer)
+    packer, specs = _plan(source, recipe, job)
     try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
         # without its vocabulary file a tokenizer still loads, holding its special tokens alone
