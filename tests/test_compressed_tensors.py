@@ -105,12 +105,38 @@ def test_untargeted_linears_are_ignored():
     assert targeted == [r"re:.*self_attn\.(q|k|v)_proj$", r"re:.*self_attn\.o_proj$"]
 
 
+@pytest.mark.parametrize(("recipe", "overrides", "note"), [
+    ("rtn-w4a16-g128", [], None),
+    ("rtn-w8a8", [], None),
+    ("rtn-w4a16-g128", ["weights.bits=8"], None),
+    ("rtn-w4a16-g128", ["weights.symmetric=false"], "W4A16, asymmetric weights per group: vLLM runs it with zero"),
+    ("rtn-w4a16-g128", ["weights.bits=3"], "W3A16, symmetric weights per group: only vLLM's newer WNAM schemes"),
+    ("rtn-w4a16-g128", ["weights.granularity=tensor"], "W4A16, symmetric weights per tensor: vLLM's WNA16 and SGLang "
+                                                       "take weights per channel or group: neither runs it"),
+    ("rtn-w8a8", ["weights.bits=4"], "W4A8, symmetric weights per channel: only newer vLLM runs it (WNA8Int)"),
+    ("rtn-w8a8", ["weights.symmetric=false"], "W8A8, asymmetric weights per channel: vLLM's and SGLang's W8A8 INT8"),
+    ("rtn-w8a8", ["weights.bits=4", "activations.bits=4"], "W4A4, symmetric weights per channel: vLLM's and SGLang's "
+                                                           "integer schemes take INT8 activations only"),
+    ("rtn-w8a8", ["kv_cache={bits: 4, symmetric: false, granularity: head}"], "KV cache quantization is simulated"),
+])
+def test_notes_name_who_runs_each_scheme(recipe, overrides, note):
+    """The summary and manifest say which engines run a scheme where vLLM and SGLang do not both run it (the
+    README's matrix), once per scheme, and nothing for the schemes both run."""
+    loaded = load_recipe(recipe, overrides)
+    spec = loaded.weights.spec()
+    notes = CompressedTensorsPacker(loaded, torch.float16).notes({role: spec for role in ("qkv", "o", "down")})
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and note in notes[0], notes
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("granularity", ["group", "channel"])
 def test_library_decompressor_reads_our_tensors_exactly(symmetric, granularity):
     """compressed-tensors' own PackedQuantizationCompressor dequantizes our tensors to our weights, bit for bit.
 
-    (transformers 5.23 cannot load asymmetric pack-quantized checkpoints at all, llm-compressor#1618, so the
+    (transformers 5.23 and 5.24 cannot load asymmetric pack-quantized checkpoints at all, llm-compressor#1618, so the
     library's decompressor is the conformance check for the asymmetric case.)
     """
     ct = pytest.importorskip("compressed_tensors")

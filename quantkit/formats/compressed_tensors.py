@@ -178,6 +178,42 @@ class CompressedTensorsPacker(Packer):
                 zero = unpack_int32(zero, spec.bits, scale.shape[0], dim=0).to(torch.int32)
         return QuantizedLinear(codes, QParams(scale, zero, spec.columns_per_group(k)), spec)
 
+    def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
+        """Where vLLM and SGLang do not both run a scheme of this artifact, who does (the README's "Who loads it",
+        from their compressed-tensors scheme dispatch); and the KV cache quantization the format cannot hold."""
+        out = [f"export format compressed-tensors, {scheme}: {who}"
+               for scheme, who in dict.fromkeys(self._scheme_support(spec) for spec in specs.values()) if who]
+        if self.recipe.kv_cache is not None:
+            out.append("export format compressed-tensors: the recipe's KV cache quantization is simulated by quantkit "
+                       "eval, not exported (kv_cache_scheme: null); set the engine's KV cache dtype yourself")
+        return out
+
+    def _scheme_support(self, spec: QuantSpec) -> tuple[str, str]:
+        """(the scheme, which engines run it) for one spec; "" where vLLM and SGLang both do."""
+        act = self.recipe.activations
+        scheme = f"W{spec.bits}A{act.bits if act else 16}, {'' if spec.symmetric else 'a'}symmetric weights"
+        scheme += f" per {spec.granularity}"
+        if act is not None and act.bits != 8:
+            return scheme, "vLLM's and SGLang's integer schemes take INT8 activations only: no engine runs it"
+        if act is not None and spec.bits == 8:
+            fits = spec.symmetric and spec.granularity in ("channel", "tensor")
+            return scheme, "" if fits else ("vLLM's and SGLang's W8A8 INT8 schemes take symmetric weights per "
+                                            "channel or tensor: neither runs it")
+        if act is not None:
+            return scheme, ("only newer vLLM runs it (WNA8Int); SGLang has no W4A8 scheme" if spec.symmetric
+                            and spec.bits == 4 else "vLLM's WNA8Int takes symmetric 4-bit weights and SGLang has no "
+                            "W4A8 scheme: neither runs it")
+        if spec.granularity == "tensor":
+            return scheme, "vLLM's WNA16 and SGLang take weights per channel or group: neither runs it"
+        if spec.bits not in (4, 8):
+            return scheme, ("only vLLM's newer WNAM schemes run it (WNA16 and SGLang take 4 and 8 bits), with "
+                            "compressed-tensors' dense packing (its PR #732)")
+        if not spec.symmetric:
+            return scheme, ("vLLM runs it with zero-point support (vllm-project/vllm#14211); SGLang's stock "
+                            "dispatcher refuses it, and transformers (5.24) cannot load asymmetric pack-quantized "
+                            "weights")
+        return scheme, ""
+
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
         recipe = self.recipe
         by_spec: dict[QuantSpec, list[str]] = {}
