@@ -7,9 +7,10 @@ Sources
     kept verbatim, empty strings included, so ``"\\n\\n".join(rows)`` matches the HF/GPTQ protocol (WikiText).
   - ``.parquet`` (pyarrow): the ``text_field`` column, nulls skipped.
   - The text formats may be compressed: ``.gz``, or ``.zst`` when the ``zstandard`` package is installed.
-  - A named set (``pileval``, ``c4``, ``wikitext2``, ``tinystories``): a YAML file in ``calib/`` lists the
-    file names looked up under the data dir (argument, else ``$QUANTKIT_DATA_DIR``), then the Hugging Face
-    Hub location fetched with ``hf_hub_download`` (from the local cache only when ``HF_HUB_OFFLINE=1``).
+  - A named set (``pileval``, ``c4``, ``wikitext2``, ``tinystories``): a YAML file in ``calib/`` lists the file
+    names looked up under the data dir (argument, else ``$QUANTKIT_DATA_DIR``), then the Hugging Face Hub location
+    fetched with ``hf_hub_download`` (from the local cache only when ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``
+    is set, or the Hub cannot be reached).
 
 Token stream: documents in file order joined with ``"\\n\\n"`` and tokenized in ONE call with
 ``add_special_tokens=False`` — no BOS at the start of the stream or of any window (a window starting mid-text

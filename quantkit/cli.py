@@ -1,4 +1,4 @@
-"""The `quantkit` command line: quantize, eval, recipes, inspect."""
+"""The `quantkit` command line: quantize, eval, recipes, inspect, validate, bench."""
 
 from __future__ import annotations
 
@@ -470,8 +470,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "(cuda), in quantkit's warp simulator on the CPU (sim, needs g++), or not (none); auto takes the GPU "
               "if there is one, else the simulator if it can be built.")
 def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str) -> None:
-    """Check every packed linear of OUTPUT through its kernel's bit-exact CPU emulation: the int32 accumulators
-    must equal the reference integer product exactly and the fp16 outputs match the dequantized reference; and
+    """Check every packed linear of OUTPUT through its kernel's bit-exact CPU emulation: its exact part must match
+    (W4A8: the int32 accumulators equal the reference integer product; Atom: every group's int32 sums; Any-Precision:
+    the codes decoded from the bitplanes, at every width) and the fp16 outputs the dequantized reference; and
     run the CUDA kernels themselves (on the GPU, or their lane code in the warp simulator), whose output must
     equal the emulation's bit for bit (Any-Precision's tensor-core kernel: within `anyprec_tc_bound`).
     Activations: Gaussian, and Gaussian with a few outlier channels 30x larger. Only the shards' sizes are checked

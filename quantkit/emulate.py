@@ -1,5 +1,6 @@
-"""Bit-exact CPU emulation of the W4A8 GEMMs that read quantkit's packed layouts (the arithmetic issue #6's
-kernels run), and the check of a packed artifact against its reference dequantization (`quantkit validate`).
+"""Bit-exact CPU emulation of the kernels that read quantkit's packed layouts (the W4A8 GEMMs, Atom's W4A4 GEMM
+with INT8 outliers and the Any-Precision LUT GEMV: the arithmetic issue #6's kernels run), and the check of a
+packed artifact against its reference dequantization (`quantkit validate`).
 
 An emulation takes activations x [M, K] (float32) and one linear's stored tensors, and does what the kernel does:
 1. per-token INT8 activations: s_x = max|x| / 127 (float32), q = round-half-even(x / s_x) clamped to [-128, 127];

@@ -1,6 +1,7 @@
 """`quantkit bench`: time every packed-layout kernel against cuBLAS FP16 (torch.matmul) and cuBLAS INT8
-(torch._int_mm) on the same shapes in the same run, with CUDA events, warm-up and medians, and report time, TOPS,
-achieved GB/s against the device's measured copy bandwidth, and the speedups.
+(torch._int_mm, and cublasGemmEx: the faster sets the bar) on the same shapes in the same run, with CUDA events,
+warm-up and medians, and report time, TOPS, achieved GB/s against the device's measured copy bandwidth, and the
+speedups.
 
 The kernels time the GEMM alone, from INT8 (INT4 for Atom) activations already quantized, as the engines run them
 (the activation quantization is fused into the producing kernel). Kernels and baselines cycle through copies of

@@ -71,7 +71,7 @@ def host_library() -> ctypes.CDLL:
 
 def nvrtc_defines() -> tuple[str, ...]:
     """The compile-time tuning knobs (NAME=VALUE) in $QUANTKIT_NVRTC_DEFINES, space-separated (bench/smallm_tune.py
-    sets them per configuration): QK_SMALLM_AHEAD, QK_WGMMA_STAGES, QK_WGMMA_LEAD, QK_LQQ_TILE_WARPS."""
+    sets them per configuration), e.g. QK_SMALLM_AHEAD, QK_WGMMA_STAGES, QK_WGMMA_TMA, QK_SPLITK_RED, QK_AP_TC_WARPS."""
     return tuple(os.environ.get("QUANTKIT_NVRTC_DEFINES", "").split())
 
 
@@ -300,8 +300,8 @@ SPLITK_SMS = 132  # an H100 / H200 SXM
 # The tile's blocks one thread-block cluster (Hopper), meeting in the first one's shared memory (qk_common.cuh
 # splitk_cluster: the *_z2 / *_z4 builds of QServe's and QQQ's register kernels) where by default they meet in
 # device memory (splitk_blocks: atomics, a fence, a count and the last block's exchanges, round trips to L2, on the
-# path of every tile that QQQ splits over 4 blocks at N = 4096 and 6144). bench/smallm_tune.py's CLUSTER; not yet
-# timed, so off.
+# path of every tile that QQQ splits over 4 blocks at N = 4096 and 6144). bench/smallm_tune.py's CLUSTER: timed
+# on the H100 and the H200 and not taken (README, "Not taken"), so off.
 SPLITK_CLUSTER = False
 CLUSTER_SIZES = (2, 4)  # the _z kernels built
 
@@ -561,7 +561,8 @@ def check_group_division(k: int, group: int) -> None:
 
 
 # QServe from 9 to 16 tokens (more than DECODE_MAX_M) with two 32-channel tiles a warp (qserve_w4a8_gemm16, _pc16),
-# one load of the activations for both: bench/smallm_tune.py's QS-S2; not yet timed, so off. N a multiple of 64.
+# one load of the activations for both: bench/smallm_tune.py's QS-S2: timed on the H100 and the H200 and not taken
+# (README, "Not taken"), so off. N a multiple of 64.
 QSERVE_GEMM16 = False
 
 

@@ -5,13 +5,13 @@ Both work on every row of a matrix at once. A row's weights are sorted, so in on
 contiguous interval [border_j, border_j+1) of the sorted row and codes ascend with the centroids (LUTs are sorted).
 Interval sums come from float64 prefix sums of f, f w and f w^2, as in the authors' flash1dkmeans.
 
-- Seed (`kmeans_rows`): weighted Lloyd iterations (at most 50, stopping once no border moves) minimizing
-  sum_i f_i (w_i - c(w_i))^2, run from the weighted quantiles of the row and from `restarts` weighted k-means++
-  starts (the authors' initialization; drawn from a fixed seed, so runs repeat), keeping per row the result of
-  least cost. Lloyd only finds a local optimum, and with Fisher sensitivities, which span orders of magnitude,
-  the start matters: on SmolLM2 rows with heavy-tailed sensitivities the quantile start alone ends 10-50% above
-  the best of eight starts. An interval whose weights sum to 0 takes its plain mean; an empty one the value at
-  its border.
+- Seed (`kmeans_rows`): weighted Lloyd iterations (at most 50, stopping once no border moves) minimizing sum_i f_i
+  (w_i - c(w_i))^2, run from the weighted quantiles of the row and from `restarts` weighted k-means++ starts (the
+  authors' initialization; drawn from a fixed seed, so runs repeat), keeping per row the result of least cost.
+  Lloyd only finds a local optimum, and with Fisher sensitivities, which span orders of magnitude, the start
+  matters: on SmolLM2 rows with heavy-tailed sensitivities the quantile start alone ends well above the best of
+  eight starts (the README's squeezellm pass gives the measured range). An interval whose weights sum to 0 takes
+  its plain mean; an empty one the value at its border.
 - Upscaling (`split_clusters`): per cluster the split point minimizing the 2-means cost
   sum f w^2 - S_L^2 / F_L - S_R^2 / F_R over every split of the sorted interval (the global optimum; the authors'
   binary search finds a Lloyd fixed point), the lower part getting code 2j and the upper 2j + 1. The parent's

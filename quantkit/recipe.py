@@ -85,7 +85,7 @@ class ActivationConfig:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Dynamic per-(token, KV head) quantization of post-RoPE keys and of values."""
+    """Dynamic per-(token, KV head) quantization of keys (after RoPE, or before it with `rope: pre`) and of values."""
 
     bits: int = 4
     symmetric: bool = False

@@ -7,9 +7,10 @@ plane first, in the warp-coalesced column order of `anyprec_layout` (a b-bit mod
 1}`, and the top-level `anyprec` entry the authors' loader (any-precision-llm's
 `AnyPrecisionForCausalLM.from_quantized`) reads: the same widths and group count, and `arch_config`, where the
 blocks sit (`model_name`, `layers_name`) and which linears of each block to build as `AnyPrecisionLinear`
-(`module_names`, the quantized ones; the rest load as plain linears from their `weight`). Kernel constraints: K a
-multiple of 32 and N of 4 (quantkit's GEMV runs four rows per thread block; the authors' kernel needs N a multiple
-of 16 for 2 to 8 rows of input).
+(`module_names`, the quantized ones; the rest load as plain linears from their `weight`). Shapes: K a
+multiple of 32 (a word holds 32 columns of a plane) and N of 4, the widths quantkit's kernels are tested at (its first
+GEMV ran four rows a block; today's run 8 channels a block on CUDA cores and 16 on tensor cores, and guard channels
+past N). The authors' kernel needs N a multiple of 16 for 2 to 8 rows of input.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class AnyPrecisionPacker(Packer):
         return key == "qweight" or _LUT.fullmatch(key) is not None
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
-        """Codebook weights per channel; K a multiple of 32 and N of 4."""
+        """Codebook weights per channel; K a multiple of 32 and N of 4 (module docstring)."""
         if not spec.codebook:
             raise ExportError(f"{module}: anyprec stores lookup-table weights (weights: {{granularity: channel, "
                               "codebook: true}}); use the squeezellm quantizer")

@@ -26,7 +26,8 @@ linear [N, K] with N and K multiples of 64 and groups of 64,
   warp's slice of wgmma m64nNk32), and all eight codes share one row and group: one (s, a) per register.
 - `s2a` uint8 [N/64, K/64, 64, 2]: per block row, the step s (1..16) and the byte a = 128 + min8.
 - `s1_scales` fp16 [N]: level-1 per-channel scales, applied in the epilogue: y = fp16(acc_i32 * s1 * s_x).
-No public engine loads it (LiquidServe is not released); quantkit's kernels (issue #6) will.
+No public engine loads it (LiquidServe is not released); quantkit's own CUDA kernels (kernels/liquidquant_w4a8.cu,
+run by `quantkit validate` and `quantkit bench`) read it.
 """
 
 from __future__ import annotations

@@ -115,8 +115,9 @@ def run_by_role(
     For each role in execution order (qkv, o, gate_up, down): every chunk's input of that role goes to
     `role_input(role, input)`, then `role_done(role)` may rewrite the role's linears before the block goes on
     (GPTQ's true-sequential mode). The module calls and chunks are those of `BlockRunner.run`, so `out` is
-    bit-identical to running the finished block. Holds three float32 buffers of the whole cache on its
-    device: the attention output, the mid-block residual and the MLP hidden state ((2 H + I) / H times `x`).
+    bit-identical to running the finished block. Holds float32 buffers of the whole cache on its device,
+    two at a time: the attention output and the mid-block residual, then the residual and the MLP hidden state
+    ((H + max(H, I)) / H times `x`).
     `out` may be `x`.
     """
     norm1 = block.get_submodule(adapter.input_norm)
