@@ -80,7 +80,7 @@ def diagonal_fisher(
         for d in range(n):
             with torch.enable_grad():
                 xd = inputs[d:d + 1].float().requires_grad_(True)
-                y = block(xd, attention_mask=runner.mask, position_embeddings=runner.position_embeddings)
+                y = block(xd, attention_mask=runner.mask(block), position_embeddings=runner.position_embeddings)
                 y = y[0] if isinstance(y, tuple) else y
                 grads = torch.autograd.grad(y, [xd, *params.values()], grad_outputs=grad[d:d + 1])
             grad[d] = grads[0][0]

@@ -29,6 +29,44 @@ def test_streamed_blocks_match_full_model(stories260k):
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
+# config.json edits of a small synthetic model whose attention differs from plain Llama's: Llama 3's RoPE scaling,
+# Mistral's sliding window on every layer, Qwen2's window from max_window_layers on (layer 0 attends to all), and
+# Qwen2 with the window switched off
+ARCHITECTURES = {
+    "llama3-rope-scaling": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": 24}),
+    "qwen2-sliding-window-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 24,
+                                                    "max_window_layers": 1}),
+    "qwen2-sliding-window-off": ("qwen2", {"use_sliding_window": False, "sliding_window": 24}),
+}
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURES))
+def test_streamed_blocks_match_full_model_per_architecture(tmp_path, case):
+    """The streamed blocks see the positions and masks the full transformers model gives each layer, windows
+    shorter than the sequences included."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    model_type, edit = ARCHITECTURES[case]
+    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                 num_hidden_layers=3, model_type=model_type))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    source = open_model(str(path))
+    ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = model.model(ids).last_hidden_state
+    runner = BlockRunner(source, 64, batch_size=2)
+    x = source.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float()[ids]
+    for i in range(source.num_layers):
+        runner.run(build_block(source, i), x, out=x)
+    torch.testing.assert_close(model.model.norm(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def _copy_model(src, dst):
     shutil.copytree(src, dst)
     return dst

@@ -22,25 +22,37 @@ def build_block(source: ModelSource, index: int, tensors: dict[str, torch.Tensor
 
 
 class BlockRunner:
-    """Runs decoder blocks over a calibration cache [n, L, H] in chunks, with shared RoPE tables and mask."""
+    """Runs decoder blocks over a calibration cache [n, L, H] in chunks, with shared RoPE tables and masks."""
 
     def __init__(self, source: ModelSource, seq_len: int, batch_size: int = 8, device: str = "cpu"):
         config = source.config
         from quantkit.simulate import ATTENTION_NAME
 
         config._attn_implementation = ATTENTION_NAME  # SDPA, plus KV simulation and observers when attached
+        self.adapter = source.adapter
         self.batch_size = batch_size
         self.device = torch.device(device)
         rotary = source.adapter.rotary_embedding_class()(config)
         positions = torch.arange(seq_len).unsqueeze(0)
         probe = torch.zeros(1, seq_len, 1)
         self.position_embeddings = tuple(t.to(self.device) for t in rotary(probe, positions))
+        # a sliding-window mask for the layers that slide (Mistral: every layer; Qwen2: those its config's
+        # layer_types name, from max_window_layers on), where the window is shorter than the sequences; the other
+        # layers are causal (None: SDPA's own causal mask)
         window = getattr(config, "sliding_window", None)
-        self.mask = None
+        self._sliding_mask = None
         if window is not None and getattr(config, "use_sliding_window", True) and seq_len > window:
             i = torch.arange(seq_len)
             allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-            self.mask = allowed[None, None].to(self.device)
+            self._sliding_mask = allowed[None, None].to(self.device)
+        self._layer_types = getattr(config, "layer_types", None)
+
+    def mask(self, block: nn.Module) -> torch.Tensor | None:
+        """The attention mask of `block`'s layer: the sliding window's where that layer slides, else None."""
+        if self._sliding_mask is None or self._layer_types is None:
+            return self._sliding_mask
+        index = block.get_submodule(self.adapter.attention).layer_idx
+        return self._sliding_mask if self._layer_types[index] == "sliding_attention" else None
 
     @torch.no_grad()
     def run(self, block: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,14 +61,15 @@ class BlockRunner:
         The cache stays where it is (CPU); each chunk runs on the runner's device.
         """
         out = torch.empty_like(x) if out is None else out
-        return self._chunks(x, out, lambda chunk: block(chunk, attention_mask=self.mask,
+        mask = self.mask(block)
+        return self._chunks(x, out, lambda chunk: block(chunk, attention_mask=mask,
                                                         position_embeddings=self.position_embeddings))
 
     def call_attention(self, block: nn.Module, adapter: ArchAdapter, x: torch.Tensor) -> object:
         """The block's attention module on one chunk `x` (on the runner's device), through its input norm, called
         exactly as the decoder layer calls it."""
         attn = block.get_submodule(adapter.attention)
-        return attn(hidden_states=block.get_submodule(adapter.input_norm)(x), attention_mask=self.mask,
+        return attn(hidden_states=block.get_submodule(adapter.input_norm)(x), attention_mask=self.mask(block),
                     position_ids=None, use_cache=False, position_embeddings=self.position_embeddings)
 
     @torch.no_grad()
