@@ -28,12 +28,18 @@ class SyntheticLlama:
     model_type: str = "llama"
     attention_bias: bool = False  # q/k/v biases, as Qwen2 has
     dtype: str = "float16"  # or "bfloat16", as Llama 3 and Mistral ship
+    head_dim: int | None = None  # None: hidden / heads; else as Mistral Nemo and Small 3 (heads x head_dim != hidden)
+
+    @property
+    def head_width(self) -> int:
+        """The width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def num_parameters(self) -> int:
-        h, i, hd = self.hidden_size, self.intermediate_size, self.hidden_size // self.num_attention_heads
-        kv = self.num_key_value_heads * hd
-        per_layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h
+        h, i, hd = self.hidden_size, self.intermediate_size, self.head_width
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embeds + h
 
@@ -43,7 +49,9 @@ TINYLLAMA_1B = SyntheticLlama(2048, 5632, 22, 32, 4, 32000, 2048)
 
 def _config(spec: SyntheticLlama) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    config = {k: v for k, v in asdict(spec).items() if k not in ("attention_bias", "dtype")}
+    config = {k: v for k, v in asdict(spec).items() if k not in ("attention_bias", "dtype", "head_dim")}
+    if spec.head_dim is not None:
+        config["head_dim"] = spec.head_dim
     config.update({
         "architectures": [arch[spec.model_type]], "hidden_act": "silu", "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": spec.dtype,
@@ -79,8 +87,8 @@ def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), s
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, spec.dtype)
     h, i = spec.hidden_size, spec.intermediate_size
-    hd = h // spec.num_attention_heads
-    kv = spec.num_key_value_heads * hd
+    hd = spec.head_width
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
 
     def rand(*shape, std=0.02):
         return (torch.randn(*shape, generator=g) * std).to(dtype)
@@ -95,16 +103,16 @@ def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), s
         tensors = {
             p + "input_layernorm.weight": norm(h),
             p + "post_attention_layernorm.weight": norm(h),
-            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.q_proj.weight": rand(q, h),
             p + "self_attn.k_proj.weight": rand(kv, h),
             p + "self_attn.v_proj.weight": rand(kv, h),
-            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h),
             p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         }
         if spec.attention_bias or spec.model_type == "qwen2":
-            for name, width in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+            for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 tensors[f"{p}self_attn.{name}.bias"] = rand(width, std=0.1)
         name = f"model-{layer + 1:05d}-of-{total:05d}.safetensors"
         save_file(tensors, path / name, metadata={"format": "pt"})

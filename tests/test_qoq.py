@@ -32,6 +32,15 @@ def synthetic(tmp_path_factory) -> Path:
     return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "qwen2-qoq", spec)
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory) -> Path:
+    """A Mistral whose heads are together wider than the hidden size (head_dim 128 x 4 heads = 512 > 256), as
+    Mistral Nemo and Small 3 have: q_proj's outputs and o_proj's inputs are 512 wide."""
+    spec = SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, model_type="mistral",
+                          head_dim=128)
+    return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "mistral-wide-heads", spec)
+
+
 def _layer_parts(out: Path, layer: int, linear: str) -> dict[str, torch.Tensor]:
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     prefix = f"model.layers.{layer}.{linear}."
@@ -39,8 +48,10 @@ def _layer_parts(out: Path, layer: int, linear: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix) and not k.endswith("bias")}
 
 
-@pytest.mark.parametrize("recipe", ["qoq-g128", "qoq"])
-def test_qoq_exports_qserve_and_eval_uses_exactly_its_weights(synthetic, calib_txt, tmp_path, recipe):
+@pytest.mark.parametrize(("model", "recipe"), [("synthetic", "qoq-g128"), ("synthetic", "qoq"),
+                                               ("wide_heads", "qoq-g128")])
+def test_qoq_exports_qserve_and_eval_uses_exactly_its_weights(request, model, calib_txt, tmp_path, recipe):
+    synthetic = request.getfixturevalue(model)
     out = tmp_path / recipe
     cli_ok("quantize", synthetic, "--recipe", recipe, "-o", out, "--calib", calib_txt, *FAST)
     config = json.loads((out / "config.json").read_text())

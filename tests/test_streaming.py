@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "qwen2-sliding-window-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 24,
                                                     "max_window_layers": 1}),
     "qwen2-sliding-window-off": ("qwen2", {"use_sliding_window": False, "sliding_window": 24}),
+    "mistral-head-dim": ("mistral", {}),  # heads x head_dim = 2 x hidden, as in Mistral Nemo
 }
 
 
@@ -52,8 +53,9 @@ def test_streamed_blocks_match_full_model_per_architecture(tmp_path, case):
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
     model_type, edit = ARCHITECTURES[case]
-    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
-                                                                 num_hidden_layers=3, model_type=model_type))
+    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, model_type=model_type,
+        head_dim=32 if case == "mistral-head-dim" else None))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **edit}))
     source = open_model(str(path))
