@@ -200,7 +200,7 @@ class OutputDir:
 
 
 # What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.
-JOURNAL_IDENTITY = ("model", "weights", "recipe", "recipe_sha256", "calibration_sha256", "device")
+JOURNAL_IDENTITY = ("model", "weights", "recipe", "recipe_sha256", "calibration_sha256", "device", "dtype")
 _JOURNAL_LAYER = {"shard": str, "sha256": str, "rel_error": (int, float), "seconds": (int, float), "notes": list,
                   "metrics": dict}
 

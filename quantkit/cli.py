@@ -185,18 +185,23 @@ class _RichReporter:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where calibration forwards and GPTQ run; the activation cache stays in CPU memory. "
                    "A --resume must use the device of the interrupted run.")
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,
+              help="The artifact's dtype for unquantized tensors and scales; the checkpoint is read as it, each "
+                   "weight checked to fit its range. auto: the checkpoint's (float16 for a float32 one), except for "
+                   "the qserve and qqq formats, whose engines take float16 only: a bfloat16 checkpoint (Llama 3, "
+                   "Mistral) is converted to float16, with a warning.")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run (OUT.partial) from its first unwritten layer; the model's files, "
-                   "the resolved recipe, the calibration tokens and the device must be the interrupted run's. Add "
-                   "--overwrite when that run replaces an existing OUT.")
+                   "the resolved recipe, the calibration tokens, the device and the dtype must be the interrupted "
+                   "run's. Add --overwrite when that run replaces an existing OUT.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing OUT (only once the new one is complete), or restart an interrupted run. "
                    "Only quantkit's own output is ever replaced.")
 @click.option("--trust-remote-code", is_flag=True,
               help="Allow the model's own Python code from its repository (off by default; never needed for "
                    "Llama, Mistral or Qwen2).")
-def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data_dir, device, resume, overwrite,
-             trust_remote_code) -> None:
+def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data_dir, device, dtype, resume,
+             overwrite, trust_remote_code) -> None:
     """Quantize MODEL (local HF dir, hub id, or .gguf file) with a recipe into a packed safetensors artifact.
 
     Caches (a GGUF's dequantized copy, Any-Precision's Fisher information, file digests) live in $QUANTKIT_CACHE,
@@ -218,7 +223,7 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     _check_device(device)
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                       device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
-                      overrides=tuple(overrides), base_recipe=base)
+                      overrides=tuple(overrides), base_recipe=base, dtype=dtype)
     reporter = _RichReporter()
     previous = signal.signal(signal.SIGTERM, _terminate)  # stop as on Ctrl-C: the run says how to resume
     try:

@@ -123,6 +123,9 @@ class QuantizeJob:
     # overrides caused it (the recipe file alone fits the model)
     overrides: tuple[str, ...] = ()
     base_recipe: Recipe | None = None
+    # the artifact's dtype for unquantized tensors and scales: "auto" (the checkpoint's; float16 where the format's
+    # engines take nothing else), "float16" or "bfloat16"
+    dtype: str = "auto"
 
 
 def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str, QuantSpec]:
@@ -165,17 +168,42 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
     return specs
 
 
-def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer) -> list[str]:
-    """What the artifact's specs say beyond the recipe: the roles that `weights.indivisible: per_channel` took per
-    channel, the width the errors of an Any-Precision model measure, and the export format's own caveats (who loads
-    it, what they cannot run)."""
+def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer, source: ModelSource) -> list[str]:
+    """What the artifact's specs say beyond the recipe: a dtype other than the checkpoint's, the roles that
+    `weights.indivisible: per_channel` took per channel, the width the errors of an Any-Precision model measure, and
+    the export format's own caveats (who loads it, what they cannot run)."""
+    name = {dtype: str(dtype).removeprefix("torch.") for dtype in (source.dtype, source.checkpoint_dtype)}
+    converted = [f"dtype {name[source.dtype]}: the weights were read from the {name[source.checkpoint_dtype]} "
+                 f"checkpoint as {name[source.dtype]}"] if source.converts else []
     fell_back = [role for role, spec in specs.items()
                  if recipe.weights.granularity == "group" and spec.granularity != "group"]
+    per_channel = [f"weights.indivisible=per_channel: {', '.join(fell_back)} quantized per channel, not in groups of "
+                   f"{recipe.weights.group_size}, which does not divide their input widths"] if fell_back else []
     widths = sorted({(s.min_bits, s.bits) for s in specs.values() if s.min_bits and s.min_bits < s.bits})
-    return ([f"weights.indivisible=per_channel: {', '.join(fell_back)} quantized per channel, not in groups of "
-             f"{recipe.weights.group_size}, which does not divide their input widths"] if fell_back else []
-            ) + [f"widths {low}..{high}: the per-layer errors are at the widest, {high} bits (`quantkit eval --bits "
-                 "B` measures another)" for low, high in widths] + packer.notes(specs)
+    return converted + per_channel + [f"widths {low}..{high}: the per-layer errors are at the widest, {high} bits "
+                                      "(`quantkit eval --bits B` measures another)" for low, high in widths
+                                      ] + packer.notes(specs)
+
+
+def _choose_dtype(job: QuantizeJob, source: ModelSource) -> str:
+    """Set the dtype `source` reads floating tensors as, from `job.dtype`: "auto" keeps a float16 or bfloat16
+    checkpoint's dtype unless the export format's engines take float16 only, and writes a float32 one as float16.
+    Returns the warning that says what is converted and why, or ""."""
+    stored = source.checkpoint_dtype
+    only_fp16 = get_packer(job.recipe.export.format).float16_only
+    if job.dtype != "auto":
+        target, why = getattr(torch, job.dtype), f"--dtype {job.dtype}"
+    elif only_fp16:
+        target, why = torch.float16, f"{job.recipe.export.format} checkpoints are float16: {only_fp16}"
+    elif stored in (torch.float16, torch.bfloat16):
+        target, why = stored, ""
+    else:
+        target, why = torch.float16, "quantkit writes 32-bit checkpoints as float16"
+    source.convert_to(target)
+    if not source.converts:
+        return ""
+    return (f"converting the {str(stored).removeprefix('torch.')} checkpoint to {str(target).removeprefix('torch.')}"
+            f" ({why}); every weight is checked to fit its range")
 
 
 def _plan(source: ModelSource, recipe: Recipe, job: QuantizeJob) -> tuple[Packer, dict[str, QuantSpec]]:
@@ -358,7 +386,10 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
-             source.num_layers, str(source.dtype).removeprefix("torch."), source.path)
+             source.num_layers, str(source.checkpoint_dtype).removeprefix("torch."), source.path)
+    conversion = _choose_dtype(job, source)
+    if conversion:
+        reporter.warn(conversion)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
     if job.calib is not None:  # the saved recipe names the data calibrated on, so that it reproduces the run
         named = str(job.calib) in named_sets()
@@ -394,7 +425,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         identity = {
             "model": source.origin, "weights": _weights_stamp(source),
             "recipe": recipe_yaml, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
-            "calibration_sha256": calib.sha256, "device": job.device,
+            "calibration_sha256": calib.sha256, "device": job.device, "dtype": str(source.dtype).removeprefix("torch."),
         }
         if journal is not None:
             if differences := _identity_differences(journal, identity):
@@ -432,7 +463,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     return RunSummary(
         output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
-        format_notes=spec_notes(recipe, specs, packer),
+        format_notes=spec_notes(recipe, specs, packer, source),
     )
 
 
@@ -483,7 +514,8 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
 
     files = sorted(source.path.glob("*.safetensors"))
     identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
-                hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names]
+                hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names,
+                *([f"read as {source.dtype}"] if source.converts else [])]
     key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
     directory = default_cache_dir() / "fisher" / key
     done = directory / "complete.json"
@@ -741,7 +773,7 @@ def _finalize(
     import safetensors
     import transformers
 
-    notes = spec_notes(job.recipe, specs, packer) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
+    notes = spec_notes(job.recipe, specs, packer, source) + [f"layer {r.index}: {n}" for r in layers for n in r.notes]
     files = sorted(p for p in out.work.iterdir() if p.is_file() and p.name not in (JOURNAL, MANIFEST, LOCK))
     manifest = {
         "quantkit_version": __version__,

@@ -236,6 +236,18 @@ def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
 
+def test_resume_in_another_dtype_is_refused(synthetic, calib_txt, tmp_path):
+    """The artifact's dtype is part of what a resumed run must share: layers written as float16 are not mixed with
+    bfloat16 ones."""
+    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    assert json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())["dtype"] == "float16"
+    with pytest.raises(QuantkitError, match="differs from this one: dtype 'float16' vs 'bfloat16'"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "dtype": "bfloat16"}))
+
+
 def test_resume_refuses_changed_weights_and_names_what_differs(synthetic, calib_txt, tmp_path):
     """A resumed run must quantize what the interrupted one did: weights rewritten since (a checkpoint mended in
     place) would mix old and new layers, so they are refused, and a recipe that differs is named by its fields."""

@@ -87,6 +87,32 @@ def test_qoq_exports_qserve_and_eval_uses_exactly_its_weights(request, model, ca
     assert abs(nll_q - nll_fp) < 0.05 * nll_fp
 
 
+def test_qoq_converts_a_bfloat16_checkpoint_to_float16(tmp_path, calib_txt):
+    """Llama 3 ships bfloat16 and QServe computes in float16: `--dtype auto` reads the checkpoint as float16 (with a
+    warning and a manifest note), so every tensor of the artifact is float16 and eval reads exactly the packed
+    weights; `--dtype bfloat16` is refused before any work, naming why."""
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=256, intermediate_size=512,
+                                                                  num_hidden_layers=2, dtype="bfloat16"))
+    refused = cli("quantize", model, "--recipe", "qoq-g128", "-o", tmp_path / "no", "--calib", calib_txt, *FAST,
+                  "--dtype", "bfloat16")
+    assert refused.exit_code == 2 and "qserve checkpoints must be float16 (QServe asserts it)" in refused.output
+    out = tmp_path / "out"
+    result = cli_ok("quantize", model, "--recipe", "qoq-g128", "-o", out, "--calib", calib_txt, *FAST)
+    said = " ".join(result.output.split())
+    assert "converting the bfloat16 checkpoint to float16 (qserve checkpoints are float16: QServe asserts it)" in said
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    notes = json.loads((out / "quantkit_manifest.json").read_text())["notes"]
+    assert notes[0] == "dtype float16: the weights were read from the bfloat16 checkpoint as float16"
+    floats = {k: t.dtype for f in out.glob("*.safetensors") for k, t in read_safetensors(f).items()
+              if t.is_floating_point()}
+    assert set(floats.values()) == {torch.float16}, floats
+    loaded = load_for_eval(out, dtype=torch.float16)
+    r = load_recipe("qoq-g128")
+    parts = _layer_parts(out, 1, "mlp.down_proj")
+    assert torch.equal(loaded.model.model.layers[1].mlp.down_proj.weight,
+                       QServePacker(r, torch.float16).unpack(parts, r.weights.spec()).dequantize().half())
+
+
 def test_qoq_on_stories260k_needs_simulation_export(stories260k, tinystories_txt, tmp_path):
     result = cli("quantize", stories260k, "--recipe", "qoq", "-o", tmp_path / "x", "--calib", tinystories_txt,
                  *FAST)

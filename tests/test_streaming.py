@@ -213,3 +213,48 @@ def test_a_nan_stops_the_run_at_the_next_layer(tmp_path):
         run_quantize(job, WaitForScan())
     journal = json.loads((tmp_path / "out.partial" / "quantkit_journal.json").read_text())
     assert sorted(journal["layers"]) == ["0"]
+
+
+def _with_value(model: Path, name: str, value: float) -> None:
+    from safetensors.torch import load_file
+
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = model / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][3, 5] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tmp_path):
+    """`convert_to(float16)` on a bfloat16 checkpoint: every floating tensor reads as float16 (torch's rounding:
+    exact but for the values below float16's normal range); a weight past float16's range is named by the read and,
+    in a late layer, by the scan ahead of the run; converting to the checkpoint's own dtype is no conversion."""
+    from quantkit.models.source import FiniteScan
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=3, dtype="bfloat16"))
+    source = open_model(model)
+    stored = source.layer_tensors(0)
+    source.convert_to(torch.float16)
+    assert source.converts and source.dtype == torch.float16 and source.checkpoint_dtype == torch.bfloat16
+    converted = source.layer_tensors(0)
+    assert all(torch.equal(t, stored[k].to(torch.float16)) for k, t in converted.items())
+    source.convert_to(torch.bfloat16)
+    assert not source.converts and source.layer_tensors(0)["mlp.up_proj.weight"].dtype == torch.bfloat16
+
+    name = "model.layers.2.mlp.down_proj.weight"
+    _with_value(model, name, 1.0e6)  # 999424 in bfloat16
+    source = open_model(model)
+    source.convert_to(torch.float16)
+    with pytest.raises(ModelError, match=rf"'{name}' holds 999424, past float16's range \(65504\)"):
+        source.layer_tensors(2)
+    scan = FiniteScan(source, scan_bytes=1000)
+    scan.wait(60)
+    with pytest.raises(ModelError, match=rf"'{name}' holds .* past float16's range"):
+        scan.raise_if_bad()
+    unconverted = open_model(model)  # read as bfloat16, the value is fine
+    assert unconverted.layer_tensors(2)["mlp.down_proj.weight"][3, 5] == 999424
+    clean = FiniteScan(unconverted)
+    clean.wait(60)
+    clean.raise_if_bad()

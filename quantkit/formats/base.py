@@ -33,6 +33,9 @@ class Packer:
     # the engines build an lm_head of their own and never tie it to the embedding (OmniServe): a tied model's
     # artifact carries a copy of the embedding as lm_head.weight
     writes_lm_head: ClassVar[bool] = False
+    # why the format's engines take float16 models only ("" where they take the checkpoint's dtype): `quantize
+    # --dtype auto` then converts a bfloat16 or float32 checkpoint to float16
+    float16_only: ClassVar[str] = ""
 
     def __init__(self, recipe: Any, dtype: torch.dtype):
         self.recipe = recipe
@@ -75,11 +78,11 @@ class Packer:
                               "INT8 (max|x| / 127), so the recipe must simulate exactly that (activations: {bits: 8, "
                               f"symmetric: true}}); it has {', '.join(problems)}")
 
-    def require_fp16(self, why: str) -> None:
-        """Raise ExportError unless the model is float16 (`why`: who requires it)."""
-        if self.dtype != torch.float16:
-            raise ExportError(f"{self.name} checkpoints must be float16 ({why}); the model dtype is "
-                              f"{str(self.dtype).removeprefix('torch.')}")
+    def require_fp16(self) -> None:
+        """Raise ExportError unless the artifact is float16, where the format's engines take nothing else."""
+        if self.float16_only and self.dtype != torch.float16:
+            raise ExportError(f"{self.name} checkpoints must be float16 ({self.float16_only}); --dtype asks for "
+                              f"{str(self.dtype).removeprefix('torch.')} (--dtype auto converts the checkpoint)")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """Raise ExportError if `module` of `shape` cannot be stored with `spec`."""

@@ -132,13 +132,14 @@ def _untile(lanes: np.ndarray, per_group: bool, k: int, n: int) -> np.ndarray:
 
 class QQQPacker(Packer):
     name = "qqq"
+    float16_only = "vLLM's QQQ method takes fp16 only"
 
     def owns(self, key: str) -> bool:
         return key in TENSORS
 
     def check_recipe(self) -> None:
         """QQQ kernels take fp16 models and per-token symmetric INT8 activations."""
-        self.require_fp16("vLLM's QQQ method takes fp16 only")
+        self.require_fp16()
         self.require_all_targets("vLLM's and GPTQModel's QQQ methods")
         self.require_int8_token_activations("vLLM's and GPTQModel's QQQ methods")
 

@@ -93,6 +93,7 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
 class QServePacker(Packer):
     name = "qserve"
     writes_lm_head = True  # OmniServe's LlamaForCausalLM has an lm_head of its own and never ties it
+    float16_only = "QServe asserts it"
 
     def __init__(self, recipe: Any, dtype: torch.dtype):
         super().__init__(recipe, dtype)
@@ -105,7 +106,7 @@ class QServePacker(Packer):
     def check_recipe(self) -> None:
         """QServe (OmniServe and SGLang's qoq path) asserts fp16 models, builds every linear as a W4A8 one and
         quantizes its input per token to INT8."""
-        self.require_fp16("QServe asserts it")
+        self.require_fp16()
         self.require_all_targets("OmniServe and SGLang's qoq method")
         self.require_int8_token_activations("OmniServe and SGLang's qoq method")
 

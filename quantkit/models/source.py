@@ -95,6 +95,7 @@ class ModelSource:
             getattr(self.config, "model_type", "?"), getattr(self.config, "architectures", None)
         )
         self._where: dict[str, Path] = {}
+        self._convert_to: torch.dtype | None = None  # read floating tensors as this dtype (`convert_to`)
         self._dtypes: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         files = sorted(path.glob("*.safetensors"))
@@ -149,10 +150,28 @@ class ModelSource:
             raise ModelError(f"{self.path}: the weights do not match config.json: {'; '.join(problems)}")
 
     @property
+    def checkpoint_dtype(self) -> torch.dtype:
+        """The floating dtype the checkpoint stores (its embedding's)."""
+        return _FLOAT_DTYPES.get(self._dtypes[self.adapter.embed + ".weight"], torch.float32)
+
+    @property
     def dtype(self) -> torch.dtype:
-        """The checkpoint's floating dtype (from the embedding), used for unquantized tensors and scales."""
-        code = self._dtypes[self.adapter.embed + ".weight"]
-        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(code, torch.float16)
+        """The dtype of the artifact's unquantized tensors and scales: the one `convert_to` set, else the
+        checkpoint's (float16 for a float32 or float64 checkpoint, which `convert_to` should then be given)."""
+        if self._convert_to is not None:
+            return self._convert_to
+        stored = self.checkpoint_dtype
+        return stored if stored in (torch.float16, torch.bfloat16) else torch.float16
+
+    @property
+    def converts(self) -> bool:
+        """Whether floating tensors are read as another dtype than the checkpoint's."""
+        return self._convert_to is not None
+
+    def convert_to(self, dtype: torch.dtype) -> None:
+        """Read every floating tensor as `dtype` from now on, each checked to fit its range, as if the checkpoint
+        stored `dtype` (the engines of some formats compute in float16 only)."""
+        self._convert_to = None if dtype == self.checkpoint_dtype else dtype
 
     @property
     def tied_embeddings(self) -> bool:
@@ -185,7 +204,20 @@ class ModelSource:
             if t.is_floating_point() and not _all_finite(t):
                 bad = (~torch.isfinite(t)).sum().item()
                 raise ModelError(f"{self.origin}: tensor {name!r} has {bad} NaN/Inf values; refusing to quantize it")
+            if self._convert_to is not None and t.is_floating_point() and t.dtype != self._convert_to:
+                if (largest := _largest_magnitude(t)) > torch.finfo(self._convert_to).max:
+                    raise self.out_of_range(name, largest)
+                out[name] = t.to(self._convert_to)
         return out
+
+    def out_of_range(self, name: str, largest: float) -> ModelError:
+        """The error for tensor `name`, whose values reach `largest` in magnitude, past the range of the dtype it is
+        read as."""
+        target = str(self._convert_to).removeprefix("torch.")
+        return ModelError(f"{self.origin}: tensor {name!r} holds {largest:.6g}, past {target}'s range "
+                          f"({torch.finfo(self._convert_to).max:.6g}), so the checkpoint cannot be converted to "
+                          f"{target}; quantize it as {str(self.checkpoint_dtype).removeprefix('torch.')} "
+                          "(--dtype), with a format that takes it")
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """All tensors of decoder layer `index`, keyed relative to the block (e.g. `self_attn.q_proj.weight`)."""
@@ -211,7 +243,8 @@ _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.floa
 
 
 class FiniteScan:
-    """Checks every floating tensor of a checkpoint for NaN/Inf in a thread of its own, reading `scan_bytes` at a
+    """Checks every floating tensor of a checkpoint for NaN/Inf (and, where the source converts it to a narrower
+    dtype, for values past that dtype's range) in a thread of its own, reading `scan_bytes` at a
     time into one buffer with plain file reads (a memory map would keep each tensor's pages in the process's RSS),
     the layers in order after the rest: a bad weight in a late layer then stops a run at its next layer rather than
     when that layer's turn comes, hours later on a large model. The run calls `raise_if_bad()` between layers and
@@ -225,6 +258,7 @@ class FiniteScan:
         names = source.non_layer_names() + layers
         self.error: ModelError | None = None
         self.checked = 0  # tensors checked so far
+        self._limit = torch.finfo(source.dtype).max if source.converts else None
         self._buffer = bytearray(max(8, scan_bytes // 8 * 8))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, names), name="quantkit-finite-scan",
@@ -266,6 +300,9 @@ class FiniteScan:
                     self.error = ModelError(f"{source.origin}: tensor {name!r} has a NaN/Inf value (the first at "
                                             f"row {first // cols}, column {first % cols}); refusing to quantize it")
                     return False
+                if self._limit is not None and (largest := _largest_magnitude(t)) > self._limit:
+                    self.error = source.out_of_range(name, largest)
+                    return False
         return True
 
     def raise_if_bad(self) -> None:
@@ -281,6 +318,12 @@ class FiniteScan:
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the scan has read every tensor (or found a bad one)."""
         self._thread.join(timeout)
+
+
+def _largest_magnitude(t: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """max |t| in slices (no copy of the whole tensor)."""
+    flat = t.reshape(-1)
+    return max((float(part.abs().max()) for part in flat.split(chunk) if part.numel()), default=0.0)
 
 
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
