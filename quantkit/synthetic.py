@@ -114,6 +114,8 @@ def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), s
         if spec.attention_bias or spec.model_type == "qwen2":
             for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 tensors[f"{p}self_attn.{name}.bias"] = rand(width, std=0.1)
+        if spec.attention_bias and spec.model_type == "llama":  # Llama's attention_bias covers o_proj too
+            tensors[f"{p}self_attn.o_proj.bias"] = rand(h, std=0.1)
         name = f"model-{layer + 1:05d}-of-{total:05d}.safetensors"
         save_file(tensors, path / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))

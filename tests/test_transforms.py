@@ -42,7 +42,8 @@ def _assert_same_function(model_dir: Path, passes: list[tuple[str, dict]], tol: 
                    attention_bias=True),
     SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, model_type="mistral", head_dim=64),
-], ids=["llama-192-tied-gqa", "qwen2-256-bias", "mistral-128-head-dim-64"])
+    SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2, attention_bias=True),
+], ids=["llama-192-tied-gqa", "qwen2-256-bias", "mistral-128-head-dim-64", "llama-128-attention-bias"])
 def synthetic(request, tmp_path_factory) -> Path:
     return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "model", request.param)
 
