@@ -188,8 +188,8 @@ class _RichReporter:
 @click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,
               help="The artifact's dtype for unquantized tensors and scales; the checkpoint is read as it, each "
                    "weight checked to fit its range. auto: the checkpoint's (float16 for a float32 one), except for "
-                   "the qserve and qqq formats, whose engines take float16 only: a bfloat16 checkpoint (Llama 3, "
-                   "Mistral) is converted to float16, with a warning.")
+                   "the qserve, qqq and anyprec formats, whose engines take float16 only: a bfloat16 checkpoint "
+                   "(Llama 3, Mistral) is converted to float16, with a warning.")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run (OUT.partial) from its first unwritten layer; the model's files, "
                    "the resolved recipe, the calibration tokens, the device and the dtype must be the interrupted "
@@ -374,8 +374,8 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
                 table.add_row(task, "documents", f"{value:.0f}")
             elif key == "windows":  # what the perplexity averages over
                 table.add_row(task, "windows", f"{value} x {metrics['seq_len']} tokens")
-            elif isinstance(value, float) and not key.endswith("seconds"):
-                table.add_row(task, key, f"{value:.4f}")
+            elif isinstance(value, float) and not key.endswith("seconds"):  # 4 decimals, or 6 digits where large
+                table.add_row(task, key, f"{value:.4f}" if abs(value) < 1e6 else f"{value:.6g}")
     Console().print(table)
     # what the numbers depend on, so that a results file says how it was made
     options = {"tasks": names, "seq_len": seq_len, "limit": limit, "batch_size": batch_size, "dtype": dtype,

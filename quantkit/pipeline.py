@@ -12,9 +12,11 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import platform
 import resource
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -387,9 +389,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
              source.num_layers, str(source.checkpoint_dtype).removeprefix("torch."), source.path)
-    conversion = _choose_dtype(job, source)
-    if conversion:
-        reporter.warn(conversion)
+    conversion = _choose_dtype(job, source)  # said once the format has taken the dtype (in _plan)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
     if job.calib is not None:  # the saved recipe names the data calibrated on, so that it reproduces the run
         named = str(job.calib) in named_sets()
@@ -397,6 +397,8 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         job = replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
     recipe = job.recipe
     packer, specs = _plan(source, recipe, job)
+    if conversion:
+        reporter.warn(conversion)
     try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
         # without its vocabulary file a tokenizer still loads, holding its special tokens alone
@@ -447,11 +449,18 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         embed = edges.embed if edges else source.read([source.adapter.embed + ".weight"]).popitem()[1]
         cache = embed[tokens].to(CACHE_DTYPES[recipe.engine.cache_dtype])
         del embed
-        fisher = None
-        if passes[-1].needs_fisher:
-            fisher = _fisher(source, calib.tokens, [name for _, name in source.adapter.linear_names(recipe.targets)],
-                             reporter)
-        layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, fisher)
+        # a NaN/Inf weight (or one past the range of the dtype the checkpoint is read as) anywhere stops the run at
+        # the next layer, of the Fisher passes or of the quantization, not at its own
+        scan = FiniteScan(source)
+        try:
+            fisher = None
+            if passes[-1].needs_fisher:
+                fisher = _fisher(source, calib.tokens,
+                                 [name for _, name in source.adapter.linear_names(recipe.targets)], reporter, scan)
+            layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, scan,
+                                 fisher)
+        finally:
+            scan.stop()
         _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
     except KeyboardInterrupt:
         again = "--resume --overwrite" if out.final.exists() else "--resume"
@@ -506,10 +515,13 @@ def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> 
     return out
 
 
-def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter) -> list[Path]:
+def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter,
+            scan: FiniteScan) -> list[Path]:
     """Per-layer diagonal Fisher files of the named linears, cached under $QUANTKIT_CACHE/fisher by the checkpoint
     files' contents, the token windows and the linears, so a resumed run or another width of the same model
-    reuses them, wherever the checkpoint lives and whatever its files' mtimes."""
+    reuses them, wherever the checkpoint lives and whatever its files' mtimes. They are computed in a directory of
+    this run's own and renamed into place when complete, so runs that compute the same ones at once do not mix
+    their files; `scan` is consulted after every layer."""
     from quantkit.fisher import diagonal_fisher
 
     files = sorted(source.path.glob("*.safetensors"))
@@ -523,19 +535,34 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
     if done.is_file() and all(p.is_file() for p in paths):
         reporter.phase("Fisher (cached)", 1, 1)
         return paths
-    paths = diagonal_fisher(source, tokens, names, directory,
-                            progress=lambda phase, i, n: reporter.phase(f"Fisher ({phase})", i, n))
-    atomic_write(done, json.dumps({"model": source.origin, "identity": identity}))
+    def progress(phase: str, i: int, n: int) -> None:
+        reporter.phase(f"Fisher ({phase})", i, n)
+        scan.raise_if_bad()
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=directory.parent))
+    try:
+        diagonal_fisher(source, tokens, names, work, progress=progress)
+        atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
+        if directory.exists() and not done.is_file():  # a partial one, of a run that wrote in place
+            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            work.rename(directory)
+        except OSError:  # another run put its complete copy there first: the same numbers
+            if not done.is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return paths
 
 
 def _run_layers(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
     calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter, x: torch.Tensor,
-    passes: list[Pass], fisher: list[Path] | None = None,
+    passes: list[Pass], scan: FiniteScan, fisher: list[Path] | None = None,
 ) -> list[LayerReport]:
     """Calibrate, quantize and write every block; `x` (the embedded calibration tokens) becomes each block's
-    inputs in turn."""
+    inputs in turn. `scan` (checking the checkpoint ahead of the run) is consulted between layers."""
     recipe, adapter = job.recipe, source.adapter
     runner = BlockRunner(source, calib.tokens.shape[1], recipe.engine.batch_size, job.device)
     act_sim, kv_sim = simulate.sims_for(recipe)
@@ -547,15 +574,11 @@ def _run_layers(
     ctx = _LayerContext(job, source, packer, specs, runner, act_sim, kv_sim, prep, quantizer, linear_names, fisher)
     reports: list[LayerReport] = []
     reporter.start(source.num_layers, "quantizing layers")
-    scan = FiniteScan(source)  # a NaN/Inf weight anywhere stops the run at the next layer, not at its own
-    try:
-        for i in range(source.num_layers):
-            scan.raise_if_bad()
-            reports.append(_run_layer(ctx, i, out, journal, x))
-            reporter.layer_done(reports[-1])
+    for i in range(source.num_layers):
         scan.raise_if_bad()
-    finally:
-        scan.stop()
+        reports.append(_run_layer(ctx, i, out, journal, x))
+        reporter.layer_done(reports[-1])
+    scan.raise_if_bad()
     return reports
 
 
@@ -707,6 +730,11 @@ def _quantize_layer(
             y_q = runner.run(block, x[:n_err])
             x.copy_(y_ref)
     rel, metrics["sink_rel_error"] = output_errors(y_q, y_ref[:n_err])
+    if not (math.isfinite(rel) and math.isfinite(metrics["sink_rel_error"])):  # an unusable artifact: stop here
+        whose = ("the unquantized block's outputs overflow on the calibration text"
+                 if not bool(torch.isfinite(y_ref[:n_err]).all()) else
+                 "the block rebuilt from its packed shard gives non-finite outputs (a scale or table overflowed)")
+        raise QuantkitError(f"layer {i}: relative output error {rel:g}: {whose}; the layer is not recorded as done")
     lap("pack+propagate")
     return rel, notes, metrics, steps
 

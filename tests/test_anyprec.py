@@ -367,20 +367,72 @@ def test_fisher_cache_follows_the_checkpoint_bytes(tmp_path, calib_txt, monkeypa
         cli("quantize", other, "-o", tmp_path / "c", *args)
 
 
-def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):
-    """Llama 3 and Mistral ship bfloat16: the tables are still fp16 (the format's and the kernel's), so every
-    width exports, and the kernel check passes."""
+def test_fisher_cache_is_written_whole_even_when_runs_race(tmp_path, calib_txt, monkeypatch):
+    """The Fisher files are computed in a directory of the run's own and renamed into place: a partial directory
+    in place (a run that wrote there and was cut off) is replaced, and a run that finds another's complete copy
+    already in place when it finishes uses it, where two runs sharing the key deleted each other's files."""
+    import shutil
+
     from helpers import cli_ok
+
+    import quantkit.fisher
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=2))
+    args = ["--recipe", "anyprec-3to8", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64"]
+    cli_ok("quantize", model, "-o", tmp_path / "a", *args)
+    (cached,) = (tmp_path / "cache" / "fisher").iterdir()
+    (cached / "complete.json").unlink()  # cut off in place
+    (cached / "fisher-00001.safetensors").unlink()
+    cli_ok("quantize", model, "-o", tmp_path / "b", *args)
+    assert sorted(p.name for p in cached.iterdir()) == ["complete.json", "fisher-00000.safetensors",
+                                                        "fisher-00001.safetensors"]
+    real = quantkit.fisher.diagonal_fisher
+
+    def raced(source, tokens, names, work_dir, progress=None):  # another run completes the same key meanwhile
+        paths = real(source, tokens, names, work_dir, progress)
+        final = work_dir.parent / work_dir.name.split(".")[1]
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(work_dir, final)
+        (final / "complete.json").write_text("{}")
+        return paths
+
+    shutil.rmtree(cached)
+    monkeypatch.setattr(quantkit.fisher, "diagonal_fisher", raced)
+    cli_ok("quantize", model, "-o", tmp_path / "c", *args)
+    assert [p.name for p in (tmp_path / "cache" / "fisher").iterdir()] == [cached.name]  # no leftover of its own
+    a, c = (json.loads((tmp_path / d / "quantkit_manifest.json").read_text())["files"] for d in ("a", "c"))
+    assert {k: v["sha256"] for k, v in a.items() if "model-0" in k} == {
+        k: v["sha256"] for k, v in c.items() if "model-0" in k}
+
+
+def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):
+    """Llama 3 and Mistral ship bfloat16, and the authors' loader builds float16 models only (the tables are fp16
+    in any case): the checkpoint is read as float16, a weight past float16's range is named before any table could
+    hold an inf, every width exports and the kernel check passes; --dtype bfloat16 is refused."""
+    from helpers import cli, cli_ok
+    from safetensors.torch import load_file, save_file
 
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
                                                                   num_hidden_layers=1, dtype="bfloat16"))
-    cli_ok("quantize", model, "-o", tmp_path / "ap", "--recipe", "anyprec-3to8", "--calib", calib_txt,
-           "--num-samples", "4", "--seq-len", "64")
-    assert json.loads((tmp_path / "ap" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    args = ["--recipe", "anyprec-3to8", "--calib", calib_txt, "--num-samples", "4", "--seq-len", "64"]
+    refused = cli("quantize", model, "-o", tmp_path / "no", *args, "--dtype", "bfloat16")
+    assert refused.exit_code == 2 and "anyprec checkpoints must be float16" in refused.output
+    cli_ok("quantize", model, "-o", tmp_path / "ap", *args)
+    assert json.loads((tmp_path / "ap" / "config.json").read_text())["torch_dtype"] == "float16"
     assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output
+    shard = next(model.glob("model-00001-*.safetensors"))
+    tensors = load_file(shard)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 70000.0
+    save_file(tensors, shard, metadata={"format": "pt"})
+    past = cli("quantize", model, "-o", tmp_path / "inf", *args)
+    assert past.exit_code == 2 and "'model.layers.0.mlp.down_proj.weight' holds 70144, past float16's range" in (
+        " ".join(past.output.split()))
 
 
 def test_anyprec_on_stories260k(stories260k, tinystories_txt, tmp_path, monkeypatch):

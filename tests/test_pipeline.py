@@ -236,6 +236,28 @@ def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
 
+def test_a_layer_whose_packed_weights_overflow_stops_the_run(synthetic, calib_txt, tmp_path, monkeypatch):
+    """A packed shard whose block gives non-finite outputs (here a scale made inf) is an unusable artifact: the run
+    stops at that layer, naming it, instead of finishing with an error of inf."""
+    from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+
+    real = CompressedTensorsPacker.pack
+
+    def overflowing(self, q):
+        tensors = real(self, q)
+        tensors["weight_scale"][0, 0] = float("inf")
+        return tensors
+
+    monkeypatch.setattr(CompressedTensorsPacker, "pack", overflowing)
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "out", calib=str(calib_txt))
+    with pytest.raises(QuantkitError, match=r"layer 0: relative output error (nan|inf): the block rebuilt from its "
+                                            r"packed shard gives non-finite outputs"):
+        run_quantize(job)
+    assert not (tmp_path / "out").exists()
+    assert json.loads((tmp_path / "out.partial" / "quantkit_journal.json").read_text())["layers"] == {}
+
+
 def test_resume_in_another_dtype_is_refused(synthetic, calib_txt, tmp_path):
     """The artifact's dtype is part of what a resumed run must share: layers written as float16 are not mixed with
     bfloat16 ones."""

@@ -247,7 +247,8 @@ def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tm
     _with_value(model, name, 1.0e6)  # 999424 in bfloat16
     source = open_model(model)
     source.convert_to(torch.float16)
-    with pytest.raises(ModelError, match=rf"'{name}' holds 999424, past float16's range \(65504\)"):
+    with pytest.raises(ModelError, match=rf"'{name}' holds 999424, past float16's range \(65504\), so the checkpoint "
+                                         r"cannot be converted to float16; --dtype bfloat16 keeps its range"):
         source.layer_tensors(2)
     scan = FiniteScan(source, scan_bytes=1000)
     scan.wait(60)

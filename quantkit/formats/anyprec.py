@@ -30,6 +30,11 @@ _LUT = re.compile(r"lut([1-8])")
 
 class AnyPrecisionPacker(Packer):
     name = "anyprec"
+    float16_only = "any-precision-llm's AnyPrecisionLinear and kernels take float16 only"
+
+    def check_recipe(self) -> None:
+        """The authors' loader builds float16 models only (its tables are float16 whatever the model's dtype)."""
+        self.require_fp16()
 
     def owns(self, key: str) -> bool:
         return key == "qweight" or _LUT.fullmatch(key) is not None
@@ -53,8 +58,8 @@ class AnyPrecisionPacker(Packer):
         out = {"qweight": torch.from_numpy(pack_planes(codes, spec.bits))}
         for bits in range(spec.min_bits or spec.bits, spec.bits + 1):
             lut = lut_width(qp.lut, spec, bits).detach().cpu()
-            if not torch.equal(lut.half().float(), lut.float()):
-                raise ExportError("anyprec stores fp16 lookup tables, but the centroids are not fp16 values")
+            if not torch.equal(lut.half().float(), lut.float()) or not bool(torch.isfinite(lut).all()):
+                raise ExportError("anyprec stores fp16 lookup tables, but the centroids are not finite fp16 values")
             out[f"lut{bits}"] = lut.half().contiguous()
         return out
 

@@ -82,7 +82,8 @@ class Packer:
         """Raise ExportError unless the artifact is float16, where the format's engines take nothing else."""
         if self.float16_only and self.dtype != torch.float16:
             raise ExportError(f"{self.name} checkpoints must be float16 ({self.float16_only}); --dtype asks for "
-                              f"{str(self.dtype).removeprefix('torch.')} (--dtype auto converts the checkpoint)")
+                              f"{str(self.dtype).removeprefix('torch.')} (--dtype auto or float16 reads the checkpoint "
+                              "as float16)")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """Raise ExportError if `module` of `shape` cannot be stored with `spec`."""

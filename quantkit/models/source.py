@@ -214,10 +214,11 @@ class ModelSource:
         """The error for tensor `name`, whose values reach `largest` in magnitude, past the range of the dtype it is
         read as."""
         target = str(self._convert_to).removeprefix("torch.")
+        way = ("--dtype bfloat16 keeps its range, with an export format that takes bfloat16"
+               if self._convert_to == torch.float16 else "no 16-bit dtype holds it")
         return ModelError(f"{self.origin}: tensor {name!r} holds {largest:.6g}, past {target}'s range "
                           f"({torch.finfo(self._convert_to).max:.6g}), so the checkpoint cannot be converted to "
-                          f"{target}; quantize it as {str(self.checkpoint_dtype).removeprefix('torch.')} "
-                          "(--dtype), with a format that takes it")
+                          f"{target}; {way}")
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """All tensors of decoder layer `index`, keyed relative to the block (e.g. `self_attn.q_proj.weight`)."""
