@@ -118,6 +118,8 @@ def test_untargeted_linears_are_ignored():
     ("rtn-w8a8", ["weights.bits=4", "activations.bits=4"], "W4A4, symmetric weights per channel: vLLM's and SGLang's "
                                                            "integer schemes take INT8 activations only"),
     ("rtn-w8a8", ["kv_cache={bits: 4, symmetric: false, granularity: head}"], "KV cache quantization is simulated"),
+    ("rtn-w8a8", ["activations.symmetric=false"], "W8A8, symmetric weights per channel, asymmetric activations: "
+                                                  "vLLM's W8A8 INT8 scheme runs it"),
 ])
 def test_notes_name_who_runs_each_scheme(recipe, overrides, note):
     """The summary and manifest say which engines run a scheme where vLLM and SGLang do not both run it (the

@@ -197,6 +197,10 @@ class CompressedTensorsPacker(Packer):
             return scheme, "vLLM's and SGLang's integer schemes take INT8 activations only: no engine runs it"
         if act is not None and spec.bits == 8:
             fits = spec.symmetric and spec.granularity in ("channel", "tensor")
+            if fits and not act.symmetric:
+                return scheme + ", asymmetric activations", (
+                    "vLLM's W8A8 INT8 scheme runs it (a per-token zero point); SGLang's quantizes activations "
+                    "symmetrically (per_token_quant_int8), so it would not compute these numbers")
             return scheme, "" if fits else ("vLLM's and SGLang's W8A8 INT8 schemes take symmetric weights per "
                                             "channel or tensor: neither runs it")
         if act is not None:
