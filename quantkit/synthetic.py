@@ -26,7 +26,7 @@ class SyntheticLlama:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     model_type: str = "llama"
-    attention_bias: bool = False  # q/k/v biases, as Qwen2 has
+    attention_bias: bool = False  # q/k/v biases, as Qwen2 has (and o_proj's too for model_type llama)
     dtype: str = "float16"  # or "bfloat16", as Llama 3 and Mistral ship
     head_dim: int | None = None  # None: hidden / heads; else as Mistral Nemo and Small 3 (heads x head_dim != hidden)
 

@@ -29,6 +29,18 @@ def artifact_digest(path: Path) -> dict[str, str]:
     return digest
 
 
+def set_weight(model: Path, name: str, value: float, at: tuple[int, int] = (-1, -1)) -> None:
+    """Set one value (at row, column `at`) of tensor `name` of a sharded checkpoint, in place: a NaN, or a weight
+    past a dtype's range, for the tests of what a run does with it."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = model / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][at] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
 def record_rewritten_file(artifact: Path, path: Path) -> None:
     """Record a file a test rewrote on purpose in the artifact's manifest (bytes, sha256), as quantize would have,
     so that the artifact reads as whole rather than damaged."""

@@ -412,8 +412,7 @@ def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):
     """Llama 3 and Mistral ship bfloat16, and the authors' loader builds float16 models only (the tables are fp16
     in any case): the checkpoint is read as float16, a weight past float16's range is named before any table could
     hold an inf, every width exports and the kernel check passes; --dtype bfloat16 is refused."""
-    from helpers import cli, cli_ok
-    from safetensors.torch import load_file, save_file
+    from helpers import cli, cli_ok, set_weight
 
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
@@ -426,10 +425,7 @@ def test_anyprec_on_a_bfloat16_checkpoint(tmp_path, calib_txt, monkeypatch):
     cli_ok("quantize", model, "-o", tmp_path / "ap", *args)
     assert json.loads((tmp_path / "ap" / "config.json").read_text())["torch_dtype"] == "float16"
     assert "every packed linear matches" in cli_ok("validate", tmp_path / "ap").output
-    shard = next(model.glob("model-00001-*.safetensors"))
-    tensors = load_file(shard)
-    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 70000.0
-    save_file(tensors, shard, metadata={"format": "pt"})
+    set_weight(model, "model.layers.0.mlp.down_proj.weight", 70000.0, at=(0, 0))
     past = cli("quantize", model, "-o", tmp_path / "inf", *args)
     assert past.exit_code == 2 and "'model.layers.0.mlp.down_proj.weight' holds 70144, past float16's range" in (
         " ".join(past.output.split()))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import set_weight
 from safetensors.torch import save_file
 
 from quantkit.models.adapters import UnsupportedArchitectureError
@@ -156,14 +157,8 @@ def test_content_digest_follows_the_bytes_not_the_mtime(tmp_path):
 
 
 def _with_nan(model: Path, name: str) -> None:
-    """Put one NaN into tensor `name` of a synthetic checkpoint, in place."""
-    from safetensors.torch import load_file
-
-    index = json.loads((model / "model.safetensors.index.json").read_text())
-    shard = model / index["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][-1, -1] = float("nan")
-    save_file(tensors, shard, metadata={"format": "pt"})
+    """Put one NaN into tensor `name` of a synthetic checkpoint (its last value), in place."""
+    set_weight(model, name, float("nan"))
 
 
 def test_finite_scan_finds_a_late_nan_ahead_of_the_run(tmp_path):
@@ -215,16 +210,6 @@ def test_a_nan_stops_the_run_at_the_next_layer(tmp_path):
     assert sorted(journal["layers"]) == ["0"]
 
 
-def _with_value(model: Path, name: str, value: float) -> None:
-    from safetensors.torch import load_file
-
-    index = json.loads((model / "model.safetensors.index.json").read_text())
-    shard = model / index["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][3, 5] = value
-    save_file(tensors, shard, metadata={"format": "pt"})
-
-
 def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tmp_path):
     """`convert_to(float16)` on a bfloat16 checkpoint: every floating tensor reads as float16 (torch's rounding:
     exact but for the values below float16's normal range); a weight past float16's range is named by the read and,
@@ -244,7 +229,7 @@ def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tm
     assert not source.converts and source.layer_tensors(0)["mlp.up_proj.weight"].dtype == torch.bfloat16
 
     name = "model.layers.2.mlp.down_proj.weight"
-    _with_value(model, name, 1.0e6)  # 999424 in bfloat16
+    set_weight(model, name, 1.0e6, at=(3, 5))  # 999424 in bfloat16
     source = open_model(model)
     source.convert_to(torch.float16)
     with pytest.raises(ModelError, match=rf"'{name}' holds 999424, past float16's range \(65504\), so the checkpoint "
