@@ -43,7 +43,8 @@ class Emulation:
 
 
 def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token symmetric INT8 (vLLM's scaled_int8_quant): (codes int64 [M, K], scales float32 [M])."""
+    """Per-token symmetric INT8, q = round(x / s) (`quantizers.fake_quantize_per_token` says how engines differ):
+    (codes int64 [M, K], scales float32 [M])."""
     x = np.asarray(x, dtype=np.float32)
     s = np.abs(x).max(axis=1) / np.float32(127)
     s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
