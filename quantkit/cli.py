@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -209,21 +208,15 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     from quantkit.pipeline import QuantizeJob, run_quantize, step_totals
     from quantkit.recipe import load_recipe
 
-    extra = list(overrides)
-    if num_samples is not None:
-        extra.append(f"calibration.num_samples={num_samples}")
-    if seq_len is not None:
-        extra.append(f"calibration.seq_len={seq_len}")
-    resolved = load_recipe(recipe, extra)
-    base = None
-    # to tell, if the model's shapes refuse the recipe, whether the --set values caused it (a file that is no recipe
-    # alone, which the overrides complete, leaves nothing to compare)
-    with contextlib.suppress(QuantkitError):
-        base = load_recipe(recipe) if overrides else None
+    shorthands = [f"calibration.{key}={value}" for key, value in (("num_samples", num_samples), ("seq_len", seq_len))
+                  if value is not None]
+    resolved = load_recipe(recipe, [*overrides, *shorthands])
     _check_device(device)
+    # the recipe with some of the --set values, to name those that made the model's shapes refuse it
     job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                       device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
-                      overrides=tuple(overrides), base_recipe=base, dtype=dtype)
+                      overrides=tuple(overrides), recipe_with=lambda kept: load_recipe(recipe, [*kept, *shorthands]),
+                      dtype=dtype)
     reporter = _RichReporter()
     previous = signal.signal(signal.SIGTERM, _terminate)  # stop as on Ctrl-C: the run says how to resume
     try:

@@ -65,7 +65,7 @@ from quantkit.models.source import (
 from quantkit.passes import LayerWork, get_pass
 from quantkit.passes.base import Pass
 from quantkit.quantizers import QuantSpec
-from quantkit.recipe import Recipe, to_yaml
+from quantkit.recipe import Recipe, blame_overrides, to_yaml
 
 log = logging.getLogger("quantkit")
 
@@ -121,10 +121,10 @@ class QuantizeJob:
     resume: bool = False
     overwrite: bool = False
     trust_remote_code: bool = False
-    # the --set values and the recipe without them, so that an error the model's shapes raise says when the
-    # overrides caused it (the recipe file alone fits the model)
+    # the --set values, and the recipe with only some of them, so that an error the model's shapes raise names the
+    # overrides that caused it (the recipe file alone fits the model)
     overrides: tuple[str, ...] = ()
-    base_recipe: Recipe | None = None
+    recipe_with: Callable[[tuple[str, ...]], Recipe] | None = None
     # the artifact's dtype for unquantized tensors and scales: "auto" (the checkpoint's; float16 where the format's
     # engines take nothing else), "float16" or "bfloat16"
     dtype: str = "auto"
@@ -208,7 +208,7 @@ def _choose_dtype(job: QuantizeJob, source: ModelSource) -> str:
 
 def _plan(source: ModelSource, recipe: Recipe, job: QuantizeJob) -> tuple[Packer, dict[str, QuantSpec]]:
     """The export packer and every role's spec, checked against the model's shapes before any work. An error that
-    the recipe file alone would not raise names the --set overrides that caused it."""
+    the recipe file alone would not raise names the --set overrides that caused it (`blame_overrides`)."""
 
     def plan(r: Recipe) -> tuple[Packer, dict[str, QuantSpec]]:
         packer = get_packer(r.export.format)(r, source.dtype)
@@ -218,13 +218,10 @@ def _plan(source: ModelSource, recipe: Recipe, job: QuantizeJob) -> tuple[Packer
     try:
         return plan(recipe)
     except (ShapeError, ExportError) as exc:
-        if job.base_recipe is None or not job.overrides:
+        variant = job.recipe_with
+        if variant is None or not (culprits := blame_overrides(job.overrides, lambda kept: plan(variant(kept)))):
             raise
-        try:
-            plan(job.base_recipe)
-        except QuantkitError:
-            raise exc from None
-        raise type(exc)(f"{exc} (with the overrides {', '.join(job.overrides)})") from None
+        raise type(exc)(f"{exc} {culprits}") from None
 
 
 def _deployed_block(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -336,20 +337,41 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping")
+
+    def parse(kept: tuple[str, ...]) -> Recipe:
+        edited = copy.deepcopy(raw)
+        for assignment in kept:
+            apply_override(edited, assignment)
+        return parse_recipe(edited, where=path.name)
+
     edited = copy.deepcopy(raw)
-    for assignment in overrides:
+    for assignment in overrides:  # a --set path the recipe lacks is its own error, before any field is checked
         apply_override(edited, assignment)
     try:
         return parse_recipe(edited, where=path.name)
     except (ConfigError, RecipeError) as exc:
-        if not overrides:
-            raise
-        try:  # the file alone is a valid recipe: the --set values made it invalid, so say so
-            parse_recipe(raw, where=path.name)
-        except (ConfigError, RecipeError):
-            raise exc from None
         # the overrides by what they set: --num-samples and --seq-len arrive here as calibration.* ones too
-        raise RecipeError(f"{exc} (with the overrides {', '.join(overrides)})") from None
+        if not (culprits := blame_overrides(tuple(overrides), parse)):
+            raise
+        raise RecipeError(f"{exc} {culprits}") from None
+
+
+def blame_overrides(overrides: tuple[str, ...], attempt: Callable[[tuple[str, ...]], object]) -> str:
+    """"(with the override(s) ...)" naming the overrides that made `attempt(overrides)` fail, when the recipe without
+    them passes (`attempt` refuses by raising a QuantkitError): those whose removal alone makes the error go, or all
+    of them when no single one does; "" where the recipe alone is refused too."""
+
+    def refused(kept: tuple[str, ...]) -> bool:
+        try:
+            attempt(kept)
+        except QuantkitError:
+            return True
+        return False
+
+    if not overrides or refused(()):
+        return ""
+    named = [o for i, o in enumerate(overrides) if not refused(overrides[:i] + overrides[i + 1:])] or overrides
+    return f"(with the override{'s' if len(named) > 1 else ''} {', '.join(named)})"
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -100,7 +100,10 @@ def test_a_key_given_twice_is_refused(tmp_path):
 def test_errors_that_a_set_value_made_say_so():
     """A bundled recipe made invalid by --set names the --set, not only the recipe file's field; a pass that takes no
     fields says so rather than listing nothing."""
-    with pytest.raises(RecipeError, match=r"bits must be in 2\.\.8, got 99 \(with the overrides weights\.bits=99\)"):
-        load_recipe("rtn-w8a8", ["weights.bits=99"])
-    with pytest.raises(RecipeError, match=r"\(rtn\): unknown field 'foo'; it takes none \(with the overrides passes"):
+    with pytest.raises(RecipeError, match=r"bits must be in 2\.\.8, got 99 \(with the override weights\.bits=99\)$"):
+        load_recipe("rtn-w8a8", ["calibration.seed=3", "weights.bits=99", "calibration.num_samples=4"])
+    with pytest.raises(RecipeError, match=r"\(rtn\): unknown field 'foo'; it takes none \(with the override passes"):
         load_recipe("rtn-w8a8", ["passes.rtn.foo=1"])
+    # no single value is to blame when each would fail alone: all are named
+    with pytest.raises(RecipeError, match=r"\(with the overrides weights\.outliers=64, activations\.outliers=32\)$"):
+        load_recipe("atom-w4a4", ["weights.outliers=64", "activations.outliers=32"])
