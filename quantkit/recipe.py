@@ -223,7 +223,27 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
             f"{where}.passes: the last pass must be the one weight quantizer "
             f"({', '.join(n for n, c in sorted(PASSES.items()) if c.quantizes)}); got {[p.name for p in passes]}"
         )
+    _check_clip(passes, weights, where)
     return Recipe(name=name, description=description, targets=targets, passes=passes, **values)
+
+
+def _check_clip(passes: list[PassEntry], weights: WeightConfig, where: str) -> None:
+    """The clipping search's ratios are per (row, column group) in the weight's own column order, and only RTN and
+    GPTQ take them: refuse the recipes whose quantizer would form other groups, or none, and so ignore them."""
+    if not any(p.name == "clip" and p.enabled for p in passes):
+        return
+    quantizer = passes[-1]
+    why = ""
+    if quantizer.name not in ("rtn", "gptq"):
+        why = f"{quantizer.name} takes no clip ratios"
+    elif weights.outliers or any(p.name == "outlier_order" and p.enabled for p in passes):
+        why = "Atom's quantizer forms its groups along the outlier order (weights.clip_ratio clips them)"
+    elif (quantizer.name == "gptq" and weights.granularity == "group" and quantizer.config.act_order
+          and not quantizer.config.static_groups):
+        why = ("GPTQ with act-order and dynamic groups forms its groups along the activation order; set "
+               "passes.gptq.static_groups=true or passes.gptq.act_order=false")
+    if why:
+        raise RecipeError(f"{where}.passes: clip searches ratios for the weight's own column groups, but {why}")
 
 
 def _check_order(passes: list[PassEntry], where: str) -> None:

@@ -105,3 +105,28 @@ def test_escalated_damping_restores_the_hessian_exactly():
     assert escalated.damp > 0.01
     direct = factor_hessian(h, GPTQConfig(damp=escalated.damp))
     assert torch.equal(escalated.upper, direct.upper)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dynamic_groups_take_the_clip_ratios(symmetric):
+    """Without act-order, each dynamic group is one of the weight's column groups, so a clipping search's ratio
+    for (row, group) clips it as the sweep reaches it (the first group before any error reaches it: its
+    parameters are exactly the clipped RTN ones); a per-tensor ratio clips every group. With act-order the groups
+    are other columns, and per-group ratios are refused."""
+    w, h, _ = _problem()
+    spec = QuantSpec(bits=4, symmetric=symmetric, granularity="group", group_size=32)
+    cfg = GPTQConfig(block_size=32, act_order=False, static_groups=False)
+    ratios = torch.linspace(0.6, 1.0, 32)[:, None].repeat(1, 4)
+    plain, _, _ = gptq_quantize(w, h, spec, cfg, torch.float16)
+    clipped, _, _ = gptq_quantize(w, h, spec, cfg, torch.float16, clip=ratios)
+    assert not torch.equal(plain.codes, clipped.codes)
+    channel = QuantSpec(bits=4, symmetric=symmetric, granularity="channel")
+    first = compute_qparams(w[:, :32], channel, torch.float16, clip_ratio=ratios[:, :1])
+    assert torch.equal(clipped.qparams.scale[:, :1], first.scale)
+    assert clipped.qparams.zero is None if symmetric else torch.equal(clipped.qparams.zero[:, :1], first.zero)
+    per_tensor, _, _ = gptq_quantize(w, h, spec, cfg, torch.float16, clip=0.7)
+    flat = compute_qparams(w[:, :32], channel, torch.float16, clip_ratio=0.7)
+    assert torch.equal(per_tensor.qparams.scale[:, :1], flat.scale)
+    with pytest.raises(ValueError, match="per-group clip ratios need groups in the weight's column order"):
+        gptq_quantize(w, h, spec, GPTQConfig(block_size=32, act_order=True, static_groups=False), torch.float16,
+                      clip=ratios)

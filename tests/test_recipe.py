@@ -107,3 +107,19 @@ def test_errors_that_a_set_value_made_say_so():
     # no single value is to blame when each would fail alone: all are named
     with pytest.raises(RecipeError, match=r"\(with the overrides weights\.outliers=64, activations\.outliers=32\)$"):
         load_recipe("atom-w4a4", ["weights.outliers=64", "activations.outliers=32"])
+
+
+@pytest.mark.parametrize(("recipe", "passes", "why"), [
+    ("anyprec-3to8", "[{name: clip}, {name: squeezellm}]", "squeezellm takes no clip ratios"),
+    ("atom-w4a4", "[{name: outlier_order}, {name: clip}, {name: gptq}]", "Atom's quantizer forms its groups along"),
+    ("gptq-w4a16-g128", "[{name: clip}, {name: gptq, act_order: true, static_groups: false}]",
+     "GPTQ with act-order and dynamic groups"),
+])
+def test_clip_is_refused_where_the_quantizer_would_ignore_its_ratios(recipe, passes, why):
+    """The clipping search's ratios are per column group in the weight's order: a quantizer that forms other groups
+    (or none) would have ignored them silently."""
+    with pytest.raises(RecipeError, match=f"clip searches ratios for the weight's own column groups, but {why}"):
+        load_recipe(recipe, [f"passes={passes}"])
+    # the groups GPTQ forms without act-order, or statically, are the weight's own
+    for gptq in ("{name: gptq, act_order: false, static_groups: false}", "{name: gptq, static_groups: true}"):
+        load_recipe("gptq-w4a16-g128", [f"passes=[{{name: clip}}, {gptq}]"])

@@ -6,7 +6,8 @@ Hessian block of that group: d_g^T H_gg d_g with d = w - fake_quant(w; ratio) (f
 the row's full output MSE). For q_proj and k_proj, whose errors matter only through the softmax, one ratio per
 tensor minimizes the output MSE of the attention module (softmax and o_proj included, as QServe's code does) on
 a few calibration sequences. The chosen ratios are stored in
-`work.clip` and used by the weight quantizer that follows (RTN, or GPTQ's static parameters).
+`work.clip` and used by the weight quantizer that follows (RTN, or GPTQ's static parameters or dynamic groups);
+recipes whose quantizer forms other groups (Atom's order, act-order with dynamic groups) or none are refused.
 """
 
 from __future__ import annotations

@@ -73,7 +73,16 @@ class GPTQ(Pass):
                                   f"used {factor.damp:g}")
 
 
-def _qparams(w: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype) -> QParams:
+def _group_clip(clip: torch.Tensor | float | None, group: int) -> torch.Tensor | float | None:
+    """Group `group`'s clip ratios [N, 1] from a clipping search's [N, G] (a per-tensor float, or None, as it is)."""
+    return clip[:, group:group + 1] if isinstance(clip, torch.Tensor) else clip
+
+
+def _qparams(w: torch.Tensor, spec: QuantSpec, config: GPTQConfig, scale_dtype: torch.dtype,
+             clip: torch.Tensor | float | None = None) -> QParams:
+    """The observer's parameters of `w`, or those of a clipping search's ratios where it ran."""
+    if clip is not None:
+        return compute_qparams(w, spec, scale_dtype, clip_ratio=clip)
     if config.observer == "mse":
         return search_qparams(w, spec, scale_dtype)
     return compute_qparams(w, spec, scale_dtype)
@@ -230,8 +239,8 @@ def gptq_quantize(
     clip: torch.Tensor | float | None = None,
 ) -> tuple[QuantizedLinear, float, float]:
     """Quantize `w` [N, K] with Hessian [K, K] (left unchanged); returns the result, the damping used, and
-    GPTQ's loss. `clip` (per group, from a clipping search) fixes the static parameters' clip ratios instead
-    of the observer."""
+    GPTQ's loss. `clip` (per group, from a clipping search) fixes the clip ratios of the static parameters, or of
+    each dynamic group as the sweep reaches it, instead of the observer."""
     factor = factor_hessian(hessian, config)
     result, loss = gptq_with_factor(w, factor, spec, config, scale_dtype, clip)
     return result, factor.damp, loss
@@ -252,11 +261,14 @@ def gptq_with_factor(
     static: QParams | None = None
     starts: dict[int, tuple[int, QuantSpec]] = {}
     if (not grouped or config.static_groups) and not (factor.ordered or spec.outliers):
-        static = _qparams(w, spec, config, scale_dtype) if clip is None else compute_qparams(
-            w, spec, scale_dtype, clip_ratio=clip)
+        static = _qparams(w, spec, config, scale_dtype, clip)
     elif spec.progressive or spec.zero_form != "integer" or spec.requant_int8:
         raise ValueError("GPTQ with dynamic groups supports plain single-level groups only (no progressive, scaled "
                          "zero or requant_int8 weights); set static_groups=true")
+    elif isinstance(clip, torch.Tensor) and (factor.perm is not None or factor.ordered or spec.outliers):
+        # recipes refuse this (recipe._check_clip): per-group ratios belong to the weight's own column groups
+        raise ValueError("GPTQ: per-group clip ratios need groups in the weight's column order (no act-order with "
+                         "dynamic groups, no Atom order)")
     else:  # groups that begin at a visited column: width and spec (Atom's along the layer's order)
         starts = {c: (gs, replace(normal_spec(spec), granularity="channel")) for c in range(0, kn, gs)}
         if spec.outliers:
@@ -287,7 +299,7 @@ def gptq_with_factor(
                     if col in starts:  # dynamic groups: params from the error-updated weights of this group
                         width, col_spec = starts[col]
                         span = torch.cat([w1[i:], wt[i2:]])[:width].T
-                        dynamic.append(_qparams(span, col_spec, config, scale_dtype))
+                        dynamic.append(_qparams(span, col_spec, config, scale_dtype, _group_clip(clip, col // gs)))
                         visited = perm[col:col + width] if perm is not None else slice(col, col + width)
                         g_idx[visited] = len(dynamic) - 1
                     params, g = dynamic[-1], 0
