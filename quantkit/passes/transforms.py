@@ -6,7 +6,8 @@ that the residual stream can be rotated (QServe's loader also ignores norm tenso
 orthogonal Q = H_n / sqrt(n) (deterministic scaled Hadamard of the hidden size, digest-qserve P2) offline:
 embeddings E <- E Q, block input modules W <- W Q, block output modules (and biases) W <- Q^T W, lm_head
 W <- W Q. RMSNorm commutes with Q because ||xQ|| = ||x||, so the FP model computes the same function.
-All products are taken in float64 and rounded once to the storage dtype.
+Each pass takes its products in float64 and rounds them once to the storage dtype (a weight that fold_norms and
+rotate both rewrite is rounded twice, each time within half an ulp).
 """
 
 from __future__ import annotations
