@@ -622,8 +622,15 @@ class _LayerContext:
 
 
 def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor) -> None:
-    """Rebuild a finished layer from its shard and run it on `x` in place (resume)."""
+    """Rebuild a finished layer from its shard and run it on `x` in place (resume). With `engine.propagate: float`
+    the next layer read the full-precision outputs of the block as its transforms left it, which the shard does not
+    hold: that block is rebuilt from the checkpoint and the transforms run again on `x` (deterministic, so the same
+    bits)."""
     recipe = ctx.job.recipe
+    if recipe.engine.propagate == "float":
+        work = _prepared_work(ctx, i, x, transforms_only=True)
+        ctx.runner.run(work.block, x, out=x)
+        return
     block, runtime = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs,
                                      recipe.targets)
     block.to(ctx.job.device)
@@ -643,6 +650,35 @@ def _round_kept(block: nn.Module, linears: dict[str, str], dtype: torch.dtype) -
                 t.copy_(t.to(dtype))
 
 
+def _prepared_work(ctx: _LayerContext, i: int, x: torch.Tensor, lap: Callable[[str], None] = lambda step: None,
+                   transforms_only: bool = False) -> LayerWork:
+    """Block `i` from the checkpoint with the passes before the quantizer run on inputs `x` (only those that rewrite
+    it with `transforms_only`) and its kept tensors rounded: the block whose full-precision outputs are the
+    reference, and that the quantizer reads."""
+    job, source, recipe, adapter = ctx.job, ctx.source, ctx.job.recipe, ctx.source.adapter
+    block = build_block(source, i).to(job.device)
+    work = LayerWork(
+        index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
+        specs={}, scale_dtype=source.dtype, inputs=x, runner=ctx.runner, adapter=adapter, config=source.config,
+        act_bits=ctx.act_sim.bits if ctx.act_sim else None, kv=ctx.kv_sim,
+        sink_weight=recipe.calibration.sink_weight, token_cap=recipe.calibration.token_cap,
+        hessian_sim=simulate.sims_for(recipe)[0] if recipe.calibration.hessian_inputs == "quantized" else None,
+    )
+    work.specs = {name: ctx.specs[role] for name, role in work.linears.items()}
+    if ctx.fisher is not None and not transforms_only:
+        work.fisher = {name: t.to(job.device, torch.float32) for name, t in read_safetensors(ctx.fisher[i]).items()}
+    lap("load")
+    for p in ctx.prep:
+        if transforms_only and not p.transforms:
+            continue
+        p.run(work)
+        lap(p.name)
+        if p.transforms:
+            work.hessians.clear()
+    _round_kept(block, work.linears, source.dtype)
+    return work
+
+
 def _quantize_layer(
     ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor
 ) -> tuple[float, list[str], dict[str, float], dict[str, float]]:
@@ -660,24 +696,8 @@ def _quantize_layer(
 
     job, source, packer, specs, runner = ctx.job, ctx.source, ctx.packer, ctx.specs, ctx.runner
     recipe, adapter, quantizer = job.recipe, source.adapter, ctx.quantizer
-    block = build_block(source, i).to(job.device)
-    work = LayerWork(
-        index=i, block=block, linears={name: role for role, name in adapter.linear_names(recipe.targets)},
-        specs={}, scale_dtype=source.dtype, inputs=x, runner=runner, adapter=adapter, config=source.config,
-        act_bits=ctx.act_sim.bits if ctx.act_sim else None, kv=ctx.kv_sim,
-        sink_weight=recipe.calibration.sink_weight, token_cap=recipe.calibration.token_cap,
-        hessian_sim=simulate.sims_for(recipe)[0] if recipe.calibration.hessian_inputs == "quantized" else None,
-    )
-    work.specs = {name: specs[role] for name, role in work.linears.items()}
-    if ctx.fisher is not None:
-        work.fisher = {name: t.to(job.device, torch.float32) for name, t in read_safetensors(ctx.fisher[i]).items()}
-    lap("load")
-    for p in ctx.prep:
-        p.run(work)
-        lap(p.name)
-        if p.transforms:
-            work.hessians.clear()
-    _round_kept(block, work.linears, source.dtype)
+    work = _prepared_work(ctx, i, x, lap=lap)
+    block = work.block
     n_err = min(recipe.engine.error_samples or x.shape[0], x.shape[0])  # sequences the error is measured on
     by_role = (recipe.engine.true_sequential and quantizer.needs_hessian and not work.hessians
                and recipe.engine.propagate == "quantized")
