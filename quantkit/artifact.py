@@ -200,13 +200,24 @@ class OutputDir:
 
 
 # What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.
-JOURNAL_IDENTITY = ("model", "weights", "recipe", "recipe_sha256", "calibration_sha256", "device", "dtype")
+_JOURNAL_TYPES: dict[str, type] = {"model": str, "weights": dict, "recipe": str, "recipe_sha256": str,
+                                   "calibration_sha256": str, "device": str, "dtype": str}
+JOURNAL_IDENTITY = tuple(_JOURNAL_TYPES)
 _JOURNAL_LAYER = {"shard": str, "sha256": str, "rel_error": (int, float), "seconds": (int, float), "notes": list,
                   "metrics": dict}
 
 
 def _journal_problem(journal: dict[str, Any]) -> str:
-    """What is wrong with a journal's layers, or ""."""
+    """What is wrong with a journal's identity fields or layers, or ""."""
+    import yaml
+
+    if bad := [key for key, kind in _JOURNAL_TYPES.items() if not isinstance(journal[key], kind)]:
+        return f"{', '.join(bad)} of the wrong type"
+    try:
+        if not isinstance(yaml.safe_load(journal["recipe"]), dict):
+            return "its recipe is not a YAML mapping"
+    except yaml.YAMLError:
+        return "its recipe is not valid YAML"
     if not isinstance(journal["layers"], dict):
         return "no layers"
     for index, entry in journal["layers"].items():

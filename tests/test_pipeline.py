@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, wikitext_rows
 
 from quantkit.artifact import read_safetensors
@@ -473,7 +474,8 @@ def test_resume_takes_the_same_model_however_spelt(synthetic, calib_txt, tmp_pat
     assert manifest["model"] == str(synthetic.resolve())
 
 
-@pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}', "no sha256", "no model"])
+@pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}', "no sha256", "no model", "recipe=123",
+                                     "recipe=a: [1", "recipe=- a list", "weights=[]"])
 def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, content):
     recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
     job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
@@ -483,6 +485,11 @@ def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, c
     if content.startswith("no "):  # a journal that reads, without a field a resume takes
         journal = json.loads(path.read_text())
         del (journal["layers"]["0"] if content == "no sha256" else journal)[content[3:]]
+        content = json.dumps(journal)
+    elif "=" in content:  # an identity field of the wrong type, or a recipe that does not read
+        key, value = content.split("=", 1)
+        journal = json.loads(path.read_text())
+        journal[key] = yaml.safe_load(value) if key == "weights" or value.isdigit() else value
         content = json.dumps(journal)
     path.write_text(content)
     with pytest.raises(QuantkitError, match="quantkit_journal.json is damaged .*rerun with --overwrite"):
