@@ -7,6 +7,7 @@ Each decoder layer is its own safetensors shard, written atomically and recorded
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -82,8 +83,18 @@ def json_object(file: Path, keys: tuple[str, ...] = ()) -> tuple[Any, str]:
 
 
 def _ours(path: Path) -> bool:
-    """Whether directory `path` is quantkit's to replace: an artifact, an interrupted run, or empty."""
-    return (path / MANIFEST).is_file() or (path / JOURNAL).is_file() or not any(path.iterdir())
+    """Whether directory `path` is quantkit's to replace: an artifact, an interrupted run (its journal, or only the
+    lock of one killed before it wrote a journal), or holding nothing but atomic writes' temp files."""
+    return any((path / name).is_file() for name in (MANIFEST, JOURNAL, LOCK)) or all(
+        p.name.startswith(".") and p.name.endswith(".tmp") for p in path.iterdir())
+
+
+def _trash(path: Path) -> None:
+    """Delete directory `path` in one step as readers see it: renamed to a hidden sibling, then deleted; a kill
+    on the way leaves only the sibling, which the next run on this output deletes (`OutputDir.check`)."""
+    hidden = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
+    path.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 @dataclass
@@ -117,6 +128,7 @@ class OutputDir:
         if owner := self.writer():
             raise ArtifactError(f"another quantkit run ({owner}) is writing {self.work}; wait for it, or remove "
                                 f"{self.work / LOCK} if no run is")
+        self._sweep()
         final = self.final.resolve()
         for model in protect:
             if model.resolve() == final or final in model.resolve().parents:
@@ -135,12 +147,17 @@ class OutputDir:
                 f"{self.final} already exists; pass --overwrite to replace it"
                 + (" (it is complete: nothing to resume)" if resume else "")
             )
-        if resume and not (self.work / JOURNAL).is_file():
+        journal = (self.work / JOURNAL).is_file()
+        if resume and not journal:
+            if self.work.exists():
+                raise ArtifactError(f"--resume: {self.work} holds no journal (its run was killed before it recorded "
+                                    "one), so nothing can be resumed; rerun with --overwrite to start afresh")
             raise ArtifactError(f"--resume: no interrupted run found ({self.work / JOURNAL} does not exist)")
         if not resume and self.work.exists() and not overwrite:
             raise ArtifactError(
                 f"{self.work} holds an interrupted run; pass --resume to continue it or --overwrite to restart"
-            )
+                if journal else f"{self.work} holds a run killed before it recorded anything to resume; pass "
+                "--overwrite to restart")
 
     def prepare(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> dict[str, Any] | None:
         """Create or reopen the work dir and take its lock; returns the journal when resuming."""
@@ -156,11 +173,13 @@ class OutputDir:
             # or would reach the artifact
             keep = {JOURNAL, LOCK} | {entry["shard"] for entry in journal["layers"].values()}
             for leftover in self.work.iterdir():
-                if leftover.is_file() and leftover.name not in keep:
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+                elif leftover.name not in keep:
                     leftover.unlink()
         else:
             if self.work.exists():
-                shutil.rmtree(self.work)
+                _trash(self.work)
             self.work.mkdir(parents=True)
         atomic_write(self.work / LOCK, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         return journal if resume else None
@@ -186,17 +205,31 @@ class OutputDir:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))
 
     def commit(self) -> None:
-        """Move the finished work dir into place (replacing an old output only now, when --overwrite: it is moved
-        to a hidden sibling of a name no one else uses, then deleted)."""
-        (self.work / JOURNAL).unlink(missing_ok=True)
-        (self.work / LOCK).unlink(missing_ok=True)
+        """Move the finished work dir into place, replacing an old output only now (when --overwrite: it is moved to
+        a hidden sibling, then deleted). A kill at any point leaves the new output or a resumable work dir: the
+        journal and lock go only once the work dir is the output."""
+        old = None
         if self.final.exists():
-            old = self.final.with_name(f".{self.final.name}.replaced-{uuid.uuid4().hex[:12]}")
+            old = self.final.with_name(f".{self.final.name}.trash-{uuid.uuid4().hex[:12]}")
             self.final.rename(old)
-            self.work.rename(self.final)
-            shutil.rmtree(old)
-        else:
-            self.work.rename(self.final)
+        self.work.rename(self.final)
+        self._drop_run_files()
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _drop_run_files(self) -> None:
+        """Remove the journal and lock from a committed output."""
+        for name in (JOURNAL, LOCK):
+            (self.final / name).unlink(missing_ok=True)
+
+    def _sweep(self) -> None:
+        """Delete what killed runs left beside this output: trashed directories (`_trash`, `commit`), and the journal
+        and lock of a commit killed right after its rename."""
+        for name in (self.final.name, self.work.name):
+            for stale in self.final.parent.glob(f".{glob.escape(name)}.trash-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        if (self.final / MANIFEST).is_file():
+            self._drop_run_files()
 
 
 # What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.

@@ -457,11 +457,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         finally:
             scan.stop()
         _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
+        out.commit()
     except KeyboardInterrupt:
-        again = "--resume --overwrite" if out.final.exists() else "--resume"
-        reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
+        if out.work.exists():  # else the commit's rename went through: the output is complete
+            again = "--resume --overwrite" if out.final.exists() else "--resume"
+            reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
         raise
-    out.commit()
     log.info("wrote %s (%s format)", out.final, packer.name)
     manifest = json.loads((out.final / MANIFEST).read_text())
     return RunSummary(
@@ -474,8 +475,11 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
 def _weights_stamp(source: ModelSource) -> dict[str, list[int]]:
     """Each checkpoint file's size and mtime: what a resumed run checks, so that weights changed since the
     interruption (a checkpoint mended in place, say) are not mixed with layers quantized from the old ones. A stat
-    per file, where hashing a 70B checkpoint would read all of it."""
-    stats = {f.name: f.stat() for f in sorted(source.path.glob("*.safetensors"))}
+    per file, where hashing a 70B checkpoint would read all of it. A GGUF model by its own file, not by the
+    dequantized copy in the cache (which a cleared cache rebuilds with a new mtime)."""
+    origin = Path(source.origin)
+    files = [origin] if origin.suffix == ".gguf" and origin.is_file() else sorted(source.path.glob("*.safetensors"))
+    stats = {f.name: f.stat() for f in files}
     return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
 

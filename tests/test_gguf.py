@@ -76,3 +76,13 @@ def test_gguf_cache_follows_the_file_bytes(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
     converted = next((cache / "gguf").iterdir())
     assert gguf_to_safetensors(copy, cache) == converted
+
+
+def test_a_resumed_run_stamps_the_gguf_file_not_its_cached_copy(cache):
+    """A resume compares the model's files by size and mtime: for a GGUF model those of the GGUF file itself, so a
+    cache rebuilt since the interruption (a new mtime on the dequantized copy) does not refuse the resume."""
+    from quantkit.pipeline import _weights_stamp
+
+    gguf = shared_path(GGUF)
+    stamp = _weights_stamp(open_model(gguf, cache_dir=cache))
+    assert stamp == {gguf.name: [gguf.stat().st_size, gguf.stat().st_mtime_ns]}

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -169,6 +170,14 @@ def test_data_free_recipe_runs_only_the_error_sequences(synthetic, calib_txt, tm
     gptq = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "gptq",
                                     calib=str(calib_txt)))
     assert "used_samples" not in gptq.calibration
+
+
+class _Warnings(Reporter):
+    def __init__(self):
+        self.said: list[str] = []
+
+    def warn(self, message: str) -> None:
+        self.said.append(message)
 
 
 class _InterruptAfter(Reporter):
@@ -960,3 +969,71 @@ def test_an_interrupted_overwrite_says_how_to_resume(synthetic, calib_txt, tmp_p
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
     summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "overwrite": True}))
     assert [r.replayed for r in summary.layers] == [True, False, False]
+
+
+def test_a_commit_interrupted_between_its_renames_resumes(synthetic, calib_txt, tmp_path, monkeypatch):
+    """--overwrite's commit moves the old OUT aside, then OUT.partial into place: interrupted between the two, the
+    work dir still holds its journal, so --resume finishes the run (the hint says so), and the old output that was
+    moved aside is deleted then."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt),
+                      overwrite=True)
+    run_quantize(job)
+    rename = Path.rename
+
+    def cut(self, target):
+        if self.name == "b.partial":
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", cut)
+    reporter = _Warnings()
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, reporter)
+    monkeypatch.setattr(Path, "rename", rename)
+    assert not (tmp_path / "b").exists() and (tmp_path / "b.partial" / "quantkit_journal.json").is_file()
+    assert "rerun with --resume to continue" in reporter.said[-1]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".b.trash-")]  # the old output, moved aside
+    summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "overwrite": False}))
+    assert all(r.replayed for r in summary.layers)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".b", "b"))) == ["b"]
+    manifest = json.loads((tmp_path / "b" / "quantkit_manifest.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted([*manifest["files"], "quantkit_manifest.json"])
+
+
+def test_a_run_killed_before_its_journal_can_be_restarted(synthetic, calib_txt, tmp_path):
+    """OUT.partial with a lock and no journal (killed before it wrote one, or while --overwrite deleted it): a plain
+    run and --resume say there is nothing to resume and to pass --overwrite, which restarts it; a complete OUT that
+    a kill left holding its run's journal and lock, and a directory a kill left in the trash, are cleaned up."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    work = tmp_path / "b.partial"
+    work.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (work / "quantkit_run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    (work / "model-00001-of-00004.safetensors").write_bytes(b"a shard without a journal")
+    with pytest.raises(QuantkitError, match="killed before it recorded anything to resume; pass --overwrite"):
+        run_quantize(job)
+    with pytest.raises(QuantkitError, match="holds no journal .* rerun with --overwrite"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    trash = tmp_path / ".b.partial.trash-0123456789ab"
+    trash.mkdir()
+    (trash / "left.safetensors").write_bytes(b"x")
+    run_quantize(QuantizeJob(**{**job.__dict__, "overwrite": True}))
+    assert not trash.exists() and not work.exists()
+    for name in ("quantkit_journal.json", "quantkit_run.lock"):  # a commit killed right after its rename
+        (tmp_path / "b" / name).write_text("{}")
+    with pytest.raises(QuantkitError, match="already exists"):
+        run_quantize(job)
+    assert not any((tmp_path / "b" / name).exists() for name in ("quantkit_journal.json", "quantkit_run.lock"))
+
+
+def test_resume_removes_stray_directories_from_the_work_dir(synthetic, calib_txt, tmp_path):
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    (tmp_path / "b.partial" / "stray" / "deep").mkdir(parents=True)
+    run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    assert not (tmp_path / "b" / "stray").exists()
