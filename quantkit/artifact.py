@@ -10,9 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import shutil
-import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
-from quantkit.files import atomic_write, atomic_write_with, cannot_write
+from quantkit.files import atomic_write, atomic_write_with, cannot_write, owner_stamp, stamped_owner
 
 MANIFEST = "quantkit_manifest.json"
 RECIPE = "quantkit_recipe.yaml"
@@ -181,25 +179,13 @@ class OutputDir:
             if self.work.exists():
                 _trash(self.work)
             self.work.mkdir(parents=True)
-        atomic_write(self.work / LOCK, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        atomic_write(self.work / LOCK, owner_stamp())
         return journal if resume else None
 
     def writer(self) -> str | None:
         """The live run whose lock is in the work dir ("pid N on HOST"), or None: no lock, or the lock of a run that
         has ended (a kill leaves it behind). A lock of another host counts as live: its pid cannot be checked."""
-        lock, _ = json_object(self.work / LOCK, ("pid", "host"))
-        if lock is None or not isinstance(lock.get("pid"), int):
-            return None
-        if lock["host"] == socket.gethostname():
-            if lock["pid"] == os.getpid():
-                return None
-            try:
-                os.kill(lock["pid"], 0)
-            except ProcessLookupError:
-                return None
-            except PermissionError:  # alive, another user's
-                pass
-        return f"pid {lock['pid']} on {lock['host']}"
+        return stamped_owner(self.work / LOCK)
 
     def save_journal(self, journal: dict[str, Any]) -> None:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))

@@ -205,21 +205,22 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
 
     Caches (a GGUF's dequantized copy, Any-Precision's Fisher information, file digests) live in $QUANTKIT_CACHE,
     by default ~/.cache/quantkit."""
-    from quantkit.pipeline import QuantizeJob, run_quantize, step_totals
-    from quantkit.recipe import load_recipe
-
-    shorthands = [f"calibration.{key}={value}" for key, value in (("num_samples", num_samples), ("seq_len", seq_len))
-                  if value is not None]
-    resolved = load_recipe(recipe, [*overrides, *shorthands])
-    _check_device(device)
-    # the recipe with some of the --set values, to name those that made the model's shapes refuse it
-    job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
-                      device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
-                      overrides=tuple(overrides), recipe_with=lambda kept: load_recipe(recipe, [*kept, *shorthands]),
-                      dtype=dtype)
+    # SIGTERM stops as Ctrl-C does (the run says how to resume), from before the seconds that importing torch takes
+    previous = signal.signal(signal.SIGTERM, _terminate)
     reporter = _RichReporter()
-    previous = signal.signal(signal.SIGTERM, _terminate)  # stop as on Ctrl-C: the run says how to resume
     try:
+        from quantkit.pipeline import QuantizeJob, run_quantize, step_totals
+        from quantkit.recipe import load_recipe
+
+        shorthands = [f"calibration.{key}={value}" for key, value in (("num_samples", num_samples),
+                                                                      ("seq_len", seq_len)) if value is not None]
+        resolved = load_recipe(recipe, [*overrides, *shorthands])
+        _check_device(device)
+        # the recipe with some of the --set values, to name those that made the model's shapes refuse it
+        job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
+                          device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                          overrides=tuple(overrides), dtype=dtype,
+                          recipe_with=lambda kept: load_recipe(recipe, [*kept, *shorthands]))
         summary = run_quantize(job, reporter)
     finally:
         signal.signal(signal.SIGTERM, previous)

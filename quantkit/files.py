@@ -25,6 +25,37 @@ FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file
 DIR_MODE = 0o777 & ~_umask()  # what mkdir() gives a new directory
 
 
+def owner_stamp() -> str:
+    """This process as a lock file records it: {"pid": ..., "host": ...}."""
+    import socket
+
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+
+
+def stamped_owner(path: Path) -> str | None:
+    """The live process that wrote `owner_stamp()` into `path` ("pid N on HOST"), or None: no readable stamp, this
+    process, or one that has ended (a kill leaves its stamp behind). Another host's counts as live: its pid cannot be
+    checked."""
+    import socket
+
+    try:
+        stamp = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("pid"), int):
+        return None
+    if stamp.get("host") == socket.gethostname():
+        if stamp["pid"] == os.getpid():
+            return None
+        try:
+            os.kill(stamp["pid"], 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+    return f"pid {stamp['pid']} on {stamp.get('host')}"
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write `data` to `path` via a temp file in the same directory (fsynced) and a rename."""
 

@@ -48,7 +48,7 @@ from quantkit.calib import (
 )
 from quantkit.errors import QuantkitError
 from quantkit.eval.perplexity import WIKITEXT_FILE
-from quantkit.files import atomic_write
+from quantkit.files import atomic_write, owner_stamp, stamped_owner
 from quantkit.formats import Packer, get_packer
 from quantkit.formats.base import ExportError
 from quantkit.models.adapters import ROLES
@@ -514,6 +514,9 @@ def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> 
     return out
 
 
+FISHER_OWNER = "owner.json"  # in a Fisher computation's temp dir while a run writes it: its pid and host
+
+
 def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter,
             scan: FiniteScan) -> list[Path]:
     """Per-layer diagonal Fisher files of the named linears, cached under $QUANTKIT_CACHE/fisher by the checkpoint
@@ -539,10 +542,15 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
         scan.raise_if_bad()
 
     directory.parent.mkdir(parents=True, exist_ok=True)
+    for stale in directory.parent.glob(".*.tmp"):  # what killed runs left; a live run's is stamped by it
+        if (stale / FISHER_OWNER).is_file() and stamped_owner(stale / FISHER_OWNER) is None:
+            shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=directory.parent))
     try:
+        atomic_write(work / FISHER_OWNER, owner_stamp())
         diagonal_fisher(source, tokens, names, work, progress=progress)
         atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
+        (work / FISHER_OWNER).unlink()
         if directory.exists() and not done.is_file():  # a partial one, of a run that wrote in place
             shutil.rmtree(directory, ignore_errors=True)
         try:

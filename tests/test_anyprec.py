@@ -444,3 +444,37 @@ def test_anyprec_on_stories260k(stories260k, tinystories_txt, tmp_path, monkeypa
     assert result.exit_code != 0 and "172" in result.output and "export.format=quantkit" in result.output
     cli_ok("quantize", stories260k, "-o", tmp_path / "sim", *args, "--set", "export.format=quantkit")
     assert "read at 3 bits" in load_for_eval(tmp_path / "sim", bits=3).description
+
+
+def test_a_killed_fisher_computation_leaves_nothing_behind(tmp_path, calib_txt, monkeypatch):
+    """A run killed in the Fisher pass leaves its temp directory in the cache (per-layer inputs and Fisher files):
+    the next computation deletes those whose process has ended, and leaves a live run's alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import cli_ok
+
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=1))
+    fisher = tmp_path / "cache" / "fisher"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    stale, live = fisher / ".0123456789abcdef.x1.tmp", fisher / ".0123456789abcdef.x2.tmp"
+    for path, pid in ((stale, dead.pid), (live, running.pid)):
+        path.mkdir(parents=True)
+        (path / "owner.json").write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+        (path / "inputs-00000.safetensors").write_bytes(b"x" * 1000)
+    (fisher / ".unstamped.tmp").mkdir()  # not a run's (no stamp): left alone
+    try:
+        cli_ok("quantize", model, "-o", tmp_path / "a", "--recipe", "anyprec-3to8", "--calib", calib_txt,
+               "--num-samples", "4", "--seq-len", "64")
+    finally:
+        running.kill()
+        running.wait()
+    names = sorted(p.name for p in fisher.iterdir())
+    assert stale.name not in names and live.name in names and ".unstamped.tmp" in names
