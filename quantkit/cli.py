@@ -332,6 +332,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
                                 f"{'is not a directory' if parent.exists() else 'does not exist'}")
         if why := cannot_write(output_json):
             raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
+        _check_results_path(output_json, Path(model).expanduser())
     _check_device(device)
     if device == "cpu" and torch.cuda.is_available():
         console.print("note: evaluating on the CPU; --device cuda runs on the GPU", highlight=False)
@@ -353,6 +354,9 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
             ).as_dict()
         finally:
             reporter.stop()
+        if math.isnan(results["wikitext"]["perplexity"]):
+            raise QuantkitError(f"{model}: the WikiText-2 perplexity is NaN: the model computes non-finite logits "
+                                "(a NaN or Inf weight or scale; `quantkit validate` checks a packed artifact)")
     if lm_tasks:
         from quantkit.eval.lmeval import run_lm_eval
 
@@ -374,6 +378,9 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     # what the numbers depend on, so that a results file says how it was made
     options = {"tasks": names, "seq_len": seq_len, "limit": limit, "batch_size": batch_size, "dtype": dtype,
                "bits": bits, "device": device}
+    # JSON has no NaN or Infinity: a score that is not finite (an inf perplexity) is written as null
+    results = {task: {key: None if isinstance(v, float) and not math.isfinite(v) else v for key, v in metrics.items()}
+               for task, metrics in results.items()}
     payload = {"model": str(model), "description": loaded.description, "options": options, "results": results}
     if output_json:
         try:
@@ -384,6 +391,24 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
                                 "are the JSON line above") from None
     else:
         click.echo(json.dumps(payload))
+
+
+def _check_results_path(path: Path, model: Path) -> None:
+    """Refuse an --output-json that would overwrite the model being evaluated (a file of its directory, or the GGUF
+    file) or an existing file that is not an earlier results file of `quantkit eval`."""
+    if model.exists():
+        target, home = path.resolve(), model.resolve()
+        if target == home or (home.is_dir() and home in target.parents):
+            raise QuantkitError(f"--output-json {path} is inside the model being evaluated ({model}); write the "
+                                "results elsewhere")
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            earlier = None
+        if not (isinstance(earlier, dict) and {"model", "results"} <= set(earlier)):
+            raise QuantkitError(f"--output-json: {path} exists and is not a results file of quantkit eval; choose "
+                                "another path, or delete it")
 
 
 @main.command()

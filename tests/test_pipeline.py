@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, wikitext_rows
+from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, set_weight, wikitext_rows
 
 from quantkit.artifact import read_safetensors
 from quantkit.errors import QuantkitError
@@ -919,6 +919,15 @@ def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_mode
                  "/proc/quantkit-results.json")
     assert result.exit_code == 2 and "--output-json: cannot write in /proc" in result.output, result.output
     assert "evaluating" not in result.output
+    # never over the model being evaluated, nor over a file that is not an earlier results file
+    config = (rtn_artifact / "config.json").read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for where, match in [(rtn_artifact / "config.json", "is inside the model being evaluated"),
+                         (notes, "exists and is not a results file of quantkit eval")]:
+        result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json", where)
+        assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
+    assert (rtn_artifact / "config.json").read_bytes() == config and notes.read_text() == "mine"
 
 
 def test_inspect_names_a_damaged_manifest_field_and_files_outside_the_artifact(rtn_artifact, tmp_path):
@@ -1037,3 +1046,11 @@ def test_resume_removes_stray_directories_from_the_work_dir(synthetic, calib_txt
     (tmp_path / "b.partial" / "stray" / "deep").mkdir(parents=True)
     run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
     assert not (tmp_path / "b" / "stray").exists()
+
+
+def test_eval_of_a_model_with_a_nan_weight_is_an_error(synthetic, tmp_path):
+    """A NaN weight makes every logit after it NaN: eval says so and exits 2, where it reported perplexity NaN."""
+    model = shutil.copytree(synthetic, tmp_path / "m")
+    set_weight(model, "model.layers.1.mlp.down_proj.weight", float("nan"))
+    result = cli("eval", model, "--data-dir", wikitext_rows(tmp_path / "data"), "--seq-len", "64", "--limit", "2")
+    assert result.exit_code == 2 and "the WikiText-2 perplexity is NaN" in " ".join(result.output.split())
