@@ -244,3 +244,56 @@ def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tm
     clean = FiniteScan(unconverted)
     clean.wait(60)
     clean.raise_if_bad()
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    """A small sharded checkpoint with its model.safetensors.index.json."""
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    spec = SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "llama", spec)
+
+
+def test_the_index_names_the_checkpoint_files(synthetic, tmp_path):
+    """With model.safetensors.index.json the files it names are the checkpoint (a leftover model.safetensors of an
+    older save beside them is not read, where its tensors had silently won); a file it names that is missing, or a
+    tensor in another file than it says, is an error; without an index a tensor in two files is one."""
+    from safetensors.torch import load_file
+
+    d = shutil.copytree(synthetic, tmp_path / "m")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    stale = {name: load_file(d / index[name])[name] * 0.5}
+    save_file(stale, d / "model.safetensors", metadata={"format": "pt"})
+    source = open_model(d)
+    assert {p.name for p in source._where.values()} == set(index.values())
+    assert torch.equal(source.read([name])[name], load_file(d / index[name])[name])
+    (d / "model.safetensors.index.json").unlink()
+    with pytest.raises(ModelError, match=f"{name} is in both .* and model.safetensors"):
+        open_model(d)
+    (d / "model.safetensors").unlink()
+    moved = dict(index, **{name: "elsewhere.safetensors"})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(ModelError, match="elsewhere.safetensors, named by model.safetensors.index.json, is missing"):
+        open_model(d)
+    other = next(f for f in sorted(set(index.values())) if f != index[name])
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict(index, **{name: other})}))
+    with pytest.raises(ModelError, match=f"holds {name}, which model.safetensors.index.json puts in {other}"):
+        open_model(d)
+    (d / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(ModelError, match="not a safetensors index"):
+        open_model(d)
+
+
+def test_a_checkpoint_that_is_not_floating_point_is_refused(synthetic, tmp_path):
+    from safetensors.torch import load_file
+
+    d = shutil.copytree(synthetic, tmp_path / "m")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors = load_file(d / index[name])
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, d / index[name], metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"{name} \(I8\) are not floating point"):
+        open_model(d)

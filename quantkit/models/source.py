@@ -107,11 +107,27 @@ class ModelSource:
                 if pickles else ""
             )
             raise ModelError(f"{path}: no *.safetensors weights found.{hint}")
+        index = _weight_map(path)
+        if index is not None:  # the files the index names, as transformers reads them; others are not the model's
+            files = sorted({path / name for name in index.values()})
         for file in files:
             for name, entry in check_safetensors(file).items():
+                if index is not None and index.get(name) != file.name:
+                    raise ModelError(f"{file}: holds {name}, which model.safetensors.index.json "
+                                     + (f"puts in {index[name]}" if name in index else "does not list"))
+                if name in self._where:
+                    raise ModelError(f"{path}: {name} is in both {self._where[name].name} and {file.name} (a "
+                                     "leftover of another save?); keep the files of one checkpoint")
                 self._where[name] = file
                 self._dtypes[name] = entry["dtype"]
                 self._shapes[name] = tuple(entry.get("shape", ()))
+        if index is not None and (unread := sorted(set(index) - set(self._where))):
+            raise ModelError(f"{path}: model.safetensors.index.json lists {some(unread, 3)}, which "
+                             f"{some(sorted({index[n] for n in unread}), 3)} do not hold")
+        if getattr(self.config, "quantization_config", None) is None and (
+                other := sorted(n for n, d in self._dtypes.items() if d not in _FLOAT_DTYPES)):
+            raise ModelError(f"{path}: {some([f'{n} ({self._dtypes[n]})' for n in other], 3)} are not floating point; "
+                             "quantkit quantizes a floating-point checkpoint (float16, bfloat16 or float32)")
         self.num_layers: int = int(self.config.num_hidden_layers)
         for i in range(self.num_layers):
             prefix = self.adapter.layer_prefix(i)
@@ -238,6 +254,24 @@ class ModelSource:
 
     def non_layer_names(self) -> list[str]:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
+
+
+def _weight_map(path: Path) -> dict[str, str] | None:
+    """The tensor -> file map of `path`'s model.safetensors.index.json, or None where there is none; every file it
+    names must be there."""
+    index_file = path / "model.safetensors.index.json"
+    if not index_file.is_file():
+        return None
+    try:
+        weight_map = json.loads(index_file.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise ModelError(f"{index_file}: not a safetensors index ({exc})") from None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items())):
+        raise ModelError(f"{index_file}: its weight_map is not a mapping of tensor names to files of the directory")
+    if missing := sorted({v for v in weight_map.values() if not (path / v).is_file()}):
+        raise ModelError(f"{path}: {some(missing, 3)}, named by model.safetensors.index.json, is missing")
+    return weight_map
 
 
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
