@@ -297,3 +297,19 @@ def test_a_checkpoint_that_is_not_floating_point_is_refused(synthetic, tmp_path)
     save_file(tensors, d / index[name], metadata={"format": "pt"})
     with pytest.raises(ModelError, match=rf"{name} \(I8\) are not floating point"):
         open_model(d)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("num_attention_heads", 7, "cannot read config.json .*not a multiple of the number of attention heads"),
+    ("num_hidden_layers", "5", "cannot read config.json .*expected int"),
+    ("hidden_act", "bogus", "does not describe a model transformers can build \\(no 'bogus' known"),
+    ("max_position_embeddings", 1, "max_position_embeddings is 1; a window needs 2 tokens"),
+])
+def test_a_config_transformers_refuses_is_named(synthetic, tmp_path, key, value, match):
+    """transformers' own validation of config.json (strict dataclass errors, lookups of unknown names) reaches the
+    user as a one-line error, not a traceback."""
+    d = shutil.copytree(synthetic, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ModelError, match=match):
+        open_model(d)

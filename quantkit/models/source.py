@@ -24,6 +24,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from quantkit.errors import QuantkitError, some
+
+try:  # transformers' configs validate their fields as huggingface_hub's strict dataclasses
+    from huggingface_hub.errors import StrictDataclassError as _ConfigValidationError
+except ImportError:  # pragma: no cover - an older huggingface_hub
+    _ConfigValidationError = ValueError
 from quantkit.files import DIR_MODE, FILE_MODE, atomic_write
 from quantkit.models.adapters import ArchAdapter, adapter_for
 
@@ -89,8 +94,11 @@ class ModelSource:
         self.origin = origin or str(path)
         try:
             self.config: PretrainedConfig = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelError(f"{path}: cannot read config.json ({exc})") from None
+        except (OSError, ValueError, KeyError, TypeError, _ConfigValidationError) as exc:
+            raise ModelError(f"{path}: cannot read config.json ({' '.join(str(exc).split())})") from None
+        if (positions := getattr(self.config, "max_position_embeddings", 2)) < 2:
+            raise ModelError(f"{path}: config.json's max_position_embeddings is {positions}; a window needs 2 tokens "
+                             "at least")
         self.adapter: ArchAdapter = adapter_for(
             getattr(self.config, "model_type", "?"), getattr(self.config, "architectures", None)
         )
@@ -148,8 +156,10 @@ class ModelSource:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a config's zero widths warn before the shapes below name them
                 model = AutoModelForCausalLM.from_config(self.config)
-        except (ValueError, TypeError, RuntimeError, ZeroDivisionError) as exc:
-            raise ModelError(f"{self.path}: config.json does not describe a model transformers can build ({exc})") \
+        except (ValueError, TypeError, RuntimeError, ZeroDivisionError, KeyError) as exc:
+            # KeyError: a name transformers looks up in its tables (hidden_act, a rope_type) that it lacks
+            why = f"no {exc} known to transformers" if isinstance(exc, KeyError) else str(exc)
+            raise ModelError(f"{self.path}: config.json does not describe a model transformers can build ({why})") \
                 from None
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         if getattr(self.config, "tie_word_embeddings", False):
