@@ -224,6 +224,9 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
             f"({', '.join(n for n, c in sorted(PASSES.items()) if c.quantizes)}); got {[p.name for p in passes]}"
         )
     _check_clip(passes, weights, where)
+    if passes[-1].name == "squeezellm" and not weights.codebook:
+        raise RecipeError(f"{where}: squeezellm quantizes to a lookup table per output channel: set weights.codebook: "
+                          "true (per channel), as the anyprec-3to8 and squeezellm-w3 recipes do")
     return Recipe(name=name, description=description, targets=targets, passes=passes, **values)
 
 

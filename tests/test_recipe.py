@@ -83,7 +83,8 @@ def test_set_errors():
 
 @pytest.mark.parametrize("value", [".inf", "0", "-3", ".nan"])
 def test_token_weights_must_be_positive_and_finite(value):
-    with pytest.raises(RecipeError, match="sink_weight must be positive and finite"):
+    match = "expected a finite number" if value in (".inf", ".nan") else "sink_weight must be positive and finite"
+    with pytest.raises(RecipeError, match=match):
         load_recipe("gptq-w4a16-g128", [f"calibration.sink_weight={value}"])
 
 
@@ -123,3 +124,17 @@ def test_clip_is_refused_where_the_quantizer_would_ignore_its_ratios(recipe, pas
     # the groups GPTQ forms without act-order, or statically, are the weight's own
     for gptq in ("{name: gptq, act_order: false, static_groups: false}", "{name: gptq, static_groups: true}"):
         load_recipe("gptq-w4a16-g128", [f"passes=[{{name: clip}}, {gptq}]"])
+
+
+@pytest.mark.parametrize(("recipe", "override", "match"), [
+    ("qoq", "passes.smooth_attention.samples=0", "samples must be at least 1"),
+    ("qoq", "passes.clip.attention_samples=0", "attention_samples must be at least 1"),
+    ("gptq-w4a16-g128", "passes.gptq.damp=.inf", "expected a finite number, got inf"),
+    ("gptq-w4a16-g128", "weights.clip_ratio=.nan", "expected a finite number, got nan"),
+    ("anyprec-3to8", "weights={bits: 4, granularity: channel}", "squeezellm quantizes to a lookup table"),
+])
+def test_values_a_pass_cannot_run_with_are_refused_up_front(recipe, override, match):
+    """Each of these reached the run: an IndexError (no samples), a silent no-op (no q/k clip samples), a damping
+    loop that never ends (inf), a ValueError after the Fisher pass (squeezellm on plain weights)."""
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(recipe, [override])

@@ -33,6 +33,8 @@ class ClipConfig:
         for lo, step in ((self.min_ratio, self.step), (self.attention_min_ratio, self.attention_step)):
             if not 0.0 < lo <= 1.0 or not 0.0 < step < 1.0:
                 raise ValueError(f"clip grids need 0 < min_ratio <= 1 and 0 < step < 1, got {lo}, {step}")
+        if self.attention_samples < 1:
+            raise ValueError(f"attention_samples must be at least 1, got {self.attention_samples}")
 
 
 def _grid(lo: float, step: float) -> list[float]:

@@ -50,6 +50,8 @@ class SmoothAttentionConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.samples is not None and self.samples < 1:
+            raise ValueError(f"samples must be at least 1 (or null: all), got {self.samples}")
 
 
 @register
