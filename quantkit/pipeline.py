@@ -56,10 +56,10 @@ from quantkit.models.block import BlockRunner, build_block, run_by_role
 from quantkit.models.source import (
     FiniteScan,
     ModelEdges,
-    ModelError,
     ModelSource,
     content_digest,
     default_cache_dir,
+    load_tokenizer,
     open_model,
 )
 from quantkit.passes import LayerWork, get_pass
@@ -372,8 +372,6 @@ def _peak_rss() -> int:
 
 def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSummary:
     """Quantize `job.model` with `job.recipe` into `job.output`; see the module docstring."""
-    from transformers import AutoTokenizer
-
     reporter = reporter or Reporter()
     t0 = time.time()
     _return_freed_memory()
@@ -394,16 +392,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     packer, specs = _plan(source, recipe, job)
     if conversion:
         reporter.warn(conversion)
-    try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
-        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=job.trust_remote_code)
-        # without its vocabulary file a tokenizer still loads, holding its special tokens alone
-        problem = "" if len(tokenizer) > len(set(tokenizer.all_special_ids)) else "no tokens but its special ones"
-    except (OSError, ValueError, TypeError) as exc:
-        problem = str(exc)
-    if problem:
-        raise ModelError(f"{source.origin}: no usable tokenizer beside the weights ({problem}); quantkit tokenizes "
-                         "the calibration text with the model's own tokenizer (tokenizer.json, or tokenizer.model, "
-                         "with tokenizer_config.json)")
+    tokenizer = load_tokenizer(source.path, job.trust_remote_code, source.origin)
     calib = resolve_calibration(job, source, tokenizer, reporter)
     if calib.source.endswith(WIKITEXT_FILE):
         reporter.warn(f"calibrating on the WikiText-2 test split ({calib.source}), the text `quantkit eval` measures "

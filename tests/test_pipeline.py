@@ -513,8 +513,10 @@ def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tm
     _fails(tmp_path, "quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
            tmp_path / "out", match="no usable tokenizer beside the weights (no tokens but its special ones)")
     (bare / "tokenizer_config.json").unlink()
-    _fails(tmp_path, "quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
-           tmp_path / "out", match="no usable tokenizer beside the weights")
+    for command in (["quantize", bare, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+                     tmp_path / "out"], ["eval", bare, "--data-dir", wikitext_rows(tmp_path / "data")]):
+        _fails(tmp_path, *command, match="no tokenizer beside the weights (tokenizer.json, tokenizer.model, "
+               "vocab.json, tokenizer_config.json are all missing)")
     holed = shutil.copytree(synthetic, tmp_path / "holed")
     index = json.loads((holed / "model.safetensors.index.json").read_text())
     name = "model.layers.1.mlp.up_proj.weight"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from quantkit import simulate
 from quantkit.artifact import (
@@ -26,7 +26,7 @@ from quantkit.artifact import (
 from quantkit.errors import QuantkitError, some
 from quantkit.formats import get_packer
 from quantkit.models.adapters import adapter_for
-from quantkit.models.source import open_model
+from quantkit.models.source import load_tokenizer, open_model
 from quantkit.pipeline import linear_parts
 from quantkit.quantizers import QuantizedLinear, QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
@@ -62,7 +62,7 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     if missing := sorted(info["missing_keys"]):  # a quantized one's: transformers fills them at random and goes on
         raise QuantkitError(f"{path}: the checkpoint lacks tensor(s) {some(missing)}, which would be evaluated as "
                             "random values")
-    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(source.path, trust_remote_code, source.origin)
     method = _quant_method(model.config)
     kind = (f"{method} checkpoint, dequantized by transformers" if method else
             "GGUF, dequantized by transformers" if source.origin.endswith(".gguf") else "unquantized")
@@ -213,7 +213,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     blocks = list(model.get_submodule(adapter.layers_prefix))
     simulate.attach(blocks, linear_names, model.config, act, kv, runtime=runtime,
                     kv_projections=adapter.kv_projections)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     sim = ", ".join(s for s in (_describe_act(act), f"KV{kv.bits} per-head{' pre-RoPE' if kv.pre_rope else ''}"
                                 if kv else "") if s)
     width = f", read at {bits} bits" if bits is not None else ""

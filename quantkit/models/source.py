@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -264,6 +265,31 @@ class ModelSource:
 
     def non_layer_names(self) -> list[str]:
         return [n for n in self._where if not n.startswith(self.adapter.layers_prefix + ".")]
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False, what: str | None = None) -> Any:
+    """The tokenizer saved beside the weights in `path` (`what` names the model in errors), or a ModelError that
+    says what is missing: quantkit tokenizes calibration and evaluation text with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    what = what or str(path)
+    need = ("quantkit tokenizes text with the model's own tokenizer (tokenizer.json, or tokenizer.model with "
+            "tokenizer_config.json), saved beside the weights")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelError(f"{what}: no tokenizer beside the weights ({', '.join(_TOKENIZER_FILES)} are all missing); "
+                         f"{need}")
+    try:  # transformers raises for unreadable files, and makes an empty tokenizer where there are none
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # without its vocabulary file a tokenizer still loads, holding its special tokens alone
+        problem = "" if len(tokenizer) > len(set(tokenizer.all_special_ids)) else "no tokens but its special ones"
+    except (OSError, ValueError, TypeError) as exc:
+        problem = " ".join(str(exc).split())
+    if problem:
+        raise ModelError(f"{what}: no usable tokenizer beside the weights ({problem}); {need}")
+    return tokenizer
 
 
 def _weight_map(path: Path) -> dict[str, str] | None:
