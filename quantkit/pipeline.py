@@ -350,6 +350,36 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel says a process can still take (MemAvailable), or None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_cache_fits(recipe: Recipe, source: ModelSource) -> None:
+    """Refuse, before any work, calibration whose token windows and activation cache alone would not fit in the
+    memory available (a run would be killed, or fail deep in sampling, with no word of why)."""
+    calibration = recipe.calibration
+    cached = calibration.num_samples  # windows in the cache: all, or only the error's where no pass reads them
+    if recipe.engine.error_samples is not None and not any(
+            get_pass(p.name).reads_activations for p in recipe.passes if p.enabled):
+        cached = min(cached, recipe.engine.error_samples)
+    width = source.config.hidden_size * CACHE_DTYPES[recipe.engine.cache_dtype].itemsize
+    need = calibration.seq_len * (8 * calibration.num_samples + width * cached)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise QuantkitError(
+            f"calibration on {calibration.num_samples} windows of {calibration.seq_len} tokens keeps "
+            f"{need / 2**30:.1f} GiB of activations (hidden size {source.config.hidden_size}, "
+            f"{recipe.engine.cache_dtype}), more than the {available / 2**30:.1f} GiB of memory available; lower "
+            "--num-samples or --seq-len, or set engine.cache_dtype=bfloat16")
+
+
 def _return_freed_memory() -> None:
     """Make glibc serve allocations of 1 MiB and up with mmap, so freed tensors go back to the OS at once.
 
@@ -390,6 +420,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         job = replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
     recipe = job.recipe
     packer, specs = _plan(source, recipe, job)
+    _check_cache_fits(recipe, source)
     if conversion:
         reporter.warn(conversion)
     tokenizer = load_tokenizer(source.path, job.trust_remote_code, source.origin)

@@ -1056,3 +1056,11 @@ def test_eval_of_a_model_with_a_nan_weight_is_an_error(synthetic, tmp_path):
     set_weight(model, "model.layers.1.mlp.down_proj.weight", float("nan"))
     result = cli("eval", model, "--data-dir", wikitext_rows(tmp_path / "data"), "--seq-len", "64", "--limit", "2")
     assert result.exit_code == 2 and "the WikiText-2 perplexity is NaN" in " ".join(result.output.split())
+
+
+def test_calibration_larger_than_memory_is_refused_up_front(synthetic, calib_txt, tmp_path):
+    """A --num-samples whose activation cache exceeds the machine's memory was killed by the OOM killer (or failed
+    with a MemoryError deep in sampling) with no word of why: it is refused before any work, with the sizes."""
+    _fails(tmp_path, "quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, "--num-samples",
+           "100000000", "--seq-len", "64", "-o", tmp_path / "out",
+           match="calibration on 100000000 windows of 64 tokens keeps")
