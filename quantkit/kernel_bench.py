@@ -46,6 +46,9 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
         return SHAPE_SETS[text]
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if part in SHAPE_SETS:  # sets and shapes of one's own mix: "llama3-8b,qwen2-7b", "llama3-8b,"
+            shapes.extend(SHAPE_SETS[part])
+            continue
         n, sep, k = part.lower().partition("x")
         if not (sep and n.isascii() and n.isdigit() and k.isascii() and k.isdigit()):  # not "²" and the like
             raise ValueError(f"{part!r} is neither a shape set ({', '.join(SHAPE_SETS)}) nor NxK (e.g. 4096x14336)")
@@ -55,7 +58,7 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
         shapes.append((int(n), int(k)))
     if not shapes:
         raise ValueError(f"no shapes in {text!r}: name a set ({', '.join(SHAPE_SETS)}) or give NxK,NxK,...")
-    return tuple(shapes)
+    return tuple(dict.fromkeys(shapes))  # each shape once, in the order named
 
 
 @dataclass(frozen=True)

@@ -412,6 +412,11 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
              source.num_layers, str(source.checkpoint_dtype).removeprefix("torch."), source.path)
+    artifact = (source.path / MANIFEST).is_file()
+    if artifact or getattr(source.config, "quantization_config", None) is not None:
+        what = "a quantkit artifact" if artifact else "its config.json has a quantization_config"
+        raise QuantkitError(f"{source.origin} is already quantized ({what}); quantize the original floating-point "
+                            "checkpoint")
     conversion = _choose_dtype(job, source)  # said once the format has taken the dtype (in _plan)
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
     if job.calib is not None:  # the saved recipe names the data calibrated on, so that it reproduces the run

@@ -346,7 +346,7 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     # A file wins over a bundled name, a bundled name over anything else there (an output directory named after
     # its recipe, say).
     if path.suffix in (".yaml", ".yml") and not path.is_file():
-        raise RecipeError(f"recipe file {path} not found")
+        raise RecipeError(f"recipe file {path} {'is a directory' if path.is_dir() else 'not found'}")
     if not path.is_file():
         if str(name_or_path) not in bundled:
             what = f"{path} is not a file, and there is no" if path.exists() else "unknown recipe"

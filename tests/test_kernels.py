@@ -1761,6 +1761,9 @@ def test_bench_shapes_are_named_sets_or_ones_own_and_refused_with_the_reason():
     assert all(n % SHAPE_MULTIPLE == 0 and k % SHAPE_MULTIPLE == 0 for shapes in SHAPE_SETS.values()
                for n, k in shapes)
     assert parse_shapes("4096x14336, 384X640") == ((4096, 14336), (384, 640))
+    # sets mix with shapes of one's own, each shape once; a trailing comma is nothing
+    assert parse_shapes("llama3-8b,") == parse_shapes("llama3-8b")
+    assert parse_shapes("4096x4096,llama3-8b") == ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))
     for bad, says in (("llama9", "neither a shape set"), ("4096x100", "multiples of 128"), ("0x128", "positive"),
                       (",", "no shapes")):
         with pytest.raises(ValueError, match=says):

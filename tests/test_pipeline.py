@@ -1064,3 +1064,18 @@ def test_calibration_larger_than_memory_is_refused_up_front(synthetic, calib_txt
     _fails(tmp_path, "quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, "--num-samples",
            "100000000", "--seq-len", "64", "-o", tmp_path / "out",
            match="calibration on 100000000 windows of 64 tokens keeps")
+
+
+def test_misleading_inputs_are_named_for_what_they_are(synthetic, rtn_artifact, calib_txt, tmp_path):
+    """An artifact given to quantize is already quantized (it said a tensor was not found); a --data-dir that is a
+    file is not a directory (it said it did not exist); a recipe path that is a directory is one (it said not
+    found)."""
+    _fails(tmp_path, "quantize", rtn_artifact, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match="is already quantized (a quantkit artifact); quantize the original")
+    a_file = tmp_path / "data.txt"
+    a_file.write_text("x")
+    _fails(tmp_path, "quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", "c4", "--data-dir", a_file,
+           *FAST, "-o", tmp_path / "out", match=f"data dir {a_file} is not a directory")
+    (tmp_path / "r.yaml").mkdir()
+    _fails(tmp_path, "quantize", synthetic, "--recipe", tmp_path / "r.yaml", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match="r.yaml is a directory")
