@@ -189,7 +189,7 @@ def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer, sour
 
 def _choose_dtype(job: QuantizeJob, source: ModelSource) -> str:
     """Set the dtype `source` reads floating tensors as, from `job.dtype`: "auto" keeps the source's own (a float16 or
-    bfloat16 checkpoint's; float16 for a 32-bit one) unless the export format's engines take float16 only.
+    bfloat16 checkpoint's; float16 for a float32 or float64 one) unless the export format's engines take float16 only.
     Returns the warning that says what is converted and why, or ""."""
     stored = source.checkpoint_dtype
     only_fp16 = get_packer(job.recipe.export.format).float16_only
@@ -197,8 +197,8 @@ def _choose_dtype(job: QuantizeJob, source: ModelSource) -> str:
         target, why = getattr(torch, job.dtype), f"--dtype {job.dtype}"
     elif only_fp16:
         target, why = torch.float16, f"{job.recipe.export.format} checkpoints are float16: {only_fp16}"
-    else:  # ModelSource.dtype's rule: only a 32-bit checkpoint converts
-        target, why = source.dtype, "quantkit writes 32-bit checkpoints as float16"
+    else:  # ModelSource.dtype's rule: only a float32 or float64 checkpoint converts
+        target, why = source.dtype, "quantkit writes float32 and float64 checkpoints as float16"
     source.convert_to(target)
     if not source.converts:
         return ""
