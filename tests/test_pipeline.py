@@ -851,11 +851,15 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
         assert "Traceback" not in result.output
 
     def drop(root: Path, name: str) -> Path:
-        """Remove tensor `name` from the shard of `root` that holds it; returns that shard."""
+        """Remove tensor `name` from the shard of `root` that holds it, and from the index; returns that shard."""
         shard = next(p for p in sorted(root.glob("*.safetensors")) if name in load_file(str(p)))
         tensors = load_file(str(shard))
         del tensors[name]
         save_file(tensors, str(shard))
+        index = root / "model.safetensors.index.json"
+        content = json.loads(index.read_text())
+        del content["weight_map"][name]
+        index.write_text(json.dumps(content))
         return shard
 
     fewer = shutil.copytree(rtn_artifact, tmp_path / "fewer")
@@ -868,6 +872,7 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
 
     lacking = shutil.copytree(rtn_artifact, tmp_path / "lacking")
     record_rewritten_file(lacking, drop(lacking, "model.layers.1.input_layernorm.weight"))
+    record_rewritten_file(lacking, lacking / "model.safetensors.index.json")
     refused(lacking, "the artifact lacks tensor(s) model.layers.1.input_layernorm.weight")
 
     fp = shutil.copytree(synthetic, tmp_path / "fp")

@@ -131,8 +131,9 @@ class ModelSource:
                 self._dtypes[name] = entry["dtype"]
                 self._shapes[name] = tuple(entry.get("shape", ()))
         if index is not None and (unread := sorted(set(index) - set(self._where))):
-            raise ModelError(f"{path}: model.safetensors.index.json lists {some(unread, 3)}, which "
-                             f"{some(sorted({index[n] for n in unread}), 3)} do not hold")
+            holders = sorted({index[n] for n in unread})
+            raise ModelError(f"{path}: model.safetensors.index.json lists {some(unread, 3)}, which {some(holders, 3)} "
+                             f"{'does' if len(holders) == 1 else 'do'} not hold")
         if getattr(self.config, "quantization_config", None) is None and (
                 other := sorted(n for n, d in self._dtypes.items() if d not in _FLOAT_DTYPES)):
             raise ModelError(f"{path}: {some([f'{n} ({self._dtypes[n]})' for n in other], 3)} are not floating point; "
