@@ -295,7 +295,7 @@ def test_a_checkpoint_that_is_not_floating_point_is_refused(synthetic, tmp_path)
     tensors = load_file(d / index[name])
     tensors[name] = tensors[name].to(torch.int8)
     save_file(tensors, d / index[name], metadata={"format": "pt"})
-    with pytest.raises(ModelError, match=rf"{name} \(I8\) are not floating point"):
+    with pytest.raises(ModelError, match=rf"{name} \(I8\) is not floating point"):
         open_model(d)
 
 

@@ -136,8 +136,9 @@ class ModelSource:
                              f"{'does' if len(holders) == 1 else 'do'} not hold")
         if getattr(self.config, "quantization_config", None) is None and (
                 other := sorted(n for n, d in self._dtypes.items() if d not in _FLOAT_DTYPES)):
-            raise ModelError(f"{path}: {some([f'{n} ({self._dtypes[n]})' for n in other], 3)} are not floating point; "
-                             "quantkit quantizes a floating-point checkpoint (float16, bfloat16 or float32)")
+            raise ModelError(f"{path}: {some([f'{n} ({self._dtypes[n]})' for n in other], 3)} "
+                             f"{'is' if len(other) == 1 else 'are'} not floating point; quantkit quantizes a "
+                             "floating-point checkpoint (float16, bfloat16 or float32)")
         self.num_layers: int = int(self.config.num_hidden_layers)
         for i in range(self.num_layers):
             prefix = self.adapter.layer_prefix(i)
@@ -307,7 +308,8 @@ def _weight_map(path: Path) -> dict[str, str] | None:
             and all(isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items())):
         raise ModelError(f"{index_file}: its weight_map is not a mapping of tensor names to files of the directory")
     if missing := sorted({v for v in weight_map.values() if not (path / v).is_file()}):
-        raise ModelError(f"{path}: {some(missing, 3)}, named by model.safetensors.index.json, is missing")
+        raise ModelError(f"{path}: {some(missing, 3)}, named by model.safetensors.index.json, "
+                         f"{'is' if len(missing) == 1 else 'are'} missing")
     return weight_map
 
 
