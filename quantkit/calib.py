@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import torch
 import yaml
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, not_a_directory
 from quantkit.files import json_objects
 from quantkit.resources import data_path
 
@@ -235,7 +235,7 @@ def _not_found_message(spec: NamedSet, root: Path | None, hub_state: str) -> str
     if root is None:
         where = f"no data dir given (--data-dir or ${DATA_DIR_ENV})"
     elif not root.is_dir():
-        where = f"data dir {root} {'is not a directory' if root.exists() else 'does not exist'}"
+        where = f"data dir {root} {not_a_directory(root)}"
     else:
         where = f"none of its files is under data dir {root}"
     layout = "\n".join(f"    <data dir>/{relative}" for relative in spec.local)

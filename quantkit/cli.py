@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, not_a_directory
 
 console = Console(stderr=True)
 
@@ -328,8 +328,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
             raise QuantkitError(f"--output-json {str(output_json)!r}: name the file to write")
         parent = output_json.parent
         if not parent.is_dir():
-            raise QuantkitError(f"--output-json: {parent} "
-                                f"{'is not a directory' if parent.exists() else 'does not exist'}")
+            raise QuantkitError(f"--output-json: {parent} {not_a_directory(parent)}")
         if why := cannot_write(output_json):
             raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
         _check_results_path(output_json, Path(model).expanduser())

@@ -46,7 +46,7 @@ from quantkit.calib import (
     named_sets,
     resolve_named_set,
 )
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, dtype_name
 from quantkit.eval.perplexity import WIKITEXT_FILE
 from quantkit.files import atomic_write, owner_stamp, stamped_owner
 from quantkit.formats import Packer, get_packer
@@ -174,9 +174,9 @@ def spec_notes(recipe: Recipe, specs: dict[str, QuantSpec], packer: Packer, sour
     """What the artifact's specs say beyond the recipe: a dtype other than the checkpoint's, the roles that
     `weights.indivisible: per_channel` took per channel, the width the errors of an Any-Precision model measure, and
     the export format's own caveats (who loads it, what they cannot run)."""
-    name = {dtype: str(dtype).removeprefix("torch.") for dtype in (source.dtype, source.checkpoint_dtype)}
-    converted = [f"dtype {name[source.dtype]}: the weights were read from the {name[source.checkpoint_dtype]} "
-                 f"checkpoint as {name[source.dtype]}"] if source.converts else []
+    read, stored = dtype_name(source.dtype), dtype_name(source.checkpoint_dtype)
+    converted = ([f"dtype {read}: the weights were read from the {stored} checkpoint as {read}"]
+                 if source.converts else [])
     fell_back = [role for role, spec in specs.items()
                  if recipe.weights.granularity == "group" and spec.granularity != "group"]
     per_channel = [f"weights.indivisible=per_channel: {', '.join(fell_back)} quantized per channel, not in groups of "
@@ -202,8 +202,8 @@ def _choose_dtype(job: QuantizeJob, source: ModelSource) -> str:
     source.convert_to(target)
     if not source.converts:
         return ""
-    return (f"converting the {str(stored).removeprefix('torch.')} checkpoint to {str(target).removeprefix('torch.')}"
-            f" ({why}); every weight is checked to fit its range")
+    return (f"converting the {dtype_name(stored)} checkpoint to {dtype_name(target)} ({why}); every weight is "
+            "checked to fit its range")
 
 
 def _plan(source: ModelSource, recipe: Recipe, job: QuantizeJob) -> tuple[Packer, dict[str, QuantSpec]]:
@@ -411,7 +411,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
     source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
-             source.num_layers, str(source.checkpoint_dtype).removeprefix("torch."), source.path)
+             source.num_layers, dtype_name(source.checkpoint_dtype), source.path)
     artifact = (source.path / MANIFEST).is_file()
     if artifact or getattr(source.config, "quantization_config", None) is not None:
         what = "a quantkit artifact" if artifact else "its config.json has a quantization_config"
@@ -447,7 +447,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         identity = {
             "model": source.origin, "weights": _weights_stamp(source),
             "recipe": recipe_yaml, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
-            "calibration_sha256": calib.sha256, "device": job.device, "dtype": str(source.dtype).removeprefix("torch."),
+            "calibration_sha256": calib.sha256, "device": job.device, "dtype": dtype_name(source.dtype),
         }
         if journal is not None:
             if differences := _identity_differences(journal, identity):
@@ -839,7 +839,7 @@ def _finalize(
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = packer.quantization_config(specs)
     config.update(packer.config_entries(specs, a.layers_prefix, {role: a.linears[role] for role in specs}))
-    config["torch_dtype"] = str(source.dtype).removeprefix("torch.")
+    config["torch_dtype"] = dtype_name(source.dtype)
     if untied:
         config["tie_word_embeddings"] = False
     config.pop("dtype", None)

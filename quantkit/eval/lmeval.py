@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, not_a_directory
 from quantkit.files import json_objects
 from quantkit.resources import data_path
 
@@ -235,8 +235,7 @@ def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) ->
     missing = [(info.name, root / f) for info in infos for f in info.data_files if not (root / f).is_file()]
     if missing:
         lines = "\n".join(f"  task {name}: missing data file {path}" for name, path in missing)
-        note = "" if root.is_dir() else (f" (data directory {root} "
-                                          f"{'is not a directory' if root.exists() else 'does not exist'})")
+        note = "" if root.is_dir() else f" (data directory {root} {not_a_directory(root)})"
         raise EvalDataError(f"lm-eval data not found{note}:\n{lines}\n{how}")
     for info in infos:  # every row of the right layout, which lm-eval would find only once the model is loaded
         for name in info.data_files:

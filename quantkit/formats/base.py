@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, dtype_name
 from quantkit.quantizers import QuantizedLinear, QuantSpec
 
 # the linear roles of a decoder block, as `quantkit.models.adapters.ROLES` names them (formats sit below models, so
@@ -82,7 +82,7 @@ class Packer:
         """Raise ExportError unless the artifact is float16, where the format's engines take nothing else."""
         if self.float16_only and self.dtype != torch.float16:
             raise ExportError(f"{self.name} checkpoints must be float16 ({self.float16_only}); --dtype asks for "
-                              f"{str(self.dtype).removeprefix('torch.')} (--dtype auto or float16 reads the checkpoint "
+                              f"{dtype_name(self.dtype)} (--dtype auto or float16 reads the checkpoint "
                               "as float16)")
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from quantkit.errors import QuantkitError, some
+from quantkit.errors import QuantkitError, dtype_name, some
 
 try:  # transformers' configs validate their fields as huggingface_hub's strict dataclasses
     from huggingface_hub.errors import StrictDataclassError as _ConfigValidationError
@@ -242,7 +242,7 @@ class ModelSource:
     def out_of_range(self, name: str, largest: float) -> ModelError:
         """The error for tensor `name`, whose values reach `largest` in magnitude, past the range of the dtype it is
         read as."""
-        target = str(self._convert_to).removeprefix("torch.")
+        target = dtype_name(self._convert_to)
         way = ("--dtype bfloat16 keeps its range, with an export format that takes bfloat16"
                if self._convert_to == torch.float16 else "no 16-bit dtype holds it")
         return ModelError(f"{self.origin}: tensor {name!r} holds {largest:.6g}, past {target}'s range "
