@@ -87,10 +87,15 @@ def _ours(path: Path) -> bool:
         p.name.startswith(".") and p.name.endswith(".tmp") for p in path.iterdir())
 
 
+def _trash_name(path: Path) -> Path:
+    """A hidden sibling of `path` of a name no one else uses, where it waits to be deleted (`OutputDir._sweep`)."""
+    return path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
+
+
 def _trash(path: Path) -> None:
     """Delete directory `path` in one step as readers see it: renamed to a hidden sibling, then deleted; a kill
     on the way leaves only the sibling, which the next run on this output deletes (`OutputDir.check`)."""
-    hidden = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
+    hidden = _trash_name(path)
     path.rename(hidden)
     shutil.rmtree(hidden, ignore_errors=True)
 
@@ -196,7 +201,7 @@ class OutputDir:
         journal and lock go only once the work dir is the output."""
         old = None
         if self.final.exists():
-            old = self.final.with_name(f".{self.final.name}.trash-{uuid.uuid4().hex[:12]}")
+            old = _trash_name(self.final)
             self.final.rename(old)
         self.work.rename(self.final)
         self._drop_run_files()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,8 +28,6 @@ DIR_MODE = 0o777 & ~_umask()  # what mkdir() gives a new directory
 
 def owner_stamp() -> str:
     """This process as a lock file records it: {"pid": ..., "host": ...}."""
-    import socket
-
     return json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
 
 
@@ -36,8 +35,6 @@ def stamped_owner(path: Path) -> str | None:
     """The live process that wrote `owner_stamp()` into `path` ("pid N on HOST"), or None: no readable stamp, this
     process, or one that has ended (a kill leaves its stamp behind). Another host's counts as live: its pid cannot be
     checked."""
-    import socket
-
     try:
         stamp = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

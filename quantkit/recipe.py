@@ -361,20 +361,18 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping")
 
-    def parse(kept: tuple[str, ...]) -> Recipe:
-        edited = copy.deepcopy(raw)
+    def edited(kept: tuple[str, ...]) -> dict:
+        recipe = copy.deepcopy(raw)
         for assignment in kept:
-            apply_override(edited, assignment)
-        return parse_recipe(edited, where=path.name)
+            apply_override(recipe, assignment)
+        return recipe
 
-    edited = copy.deepcopy(raw)
-    for assignment in overrides:  # a --set path the recipe lacks is its own error, before any field is checked
-        apply_override(edited, assignment)
+    overridden = edited(tuple(overrides))  # a --set path the recipe lacks fails here, before any field check
     try:
-        return parse_recipe(edited, where=path.name)
+        return parse_recipe(overridden, where=path.name)
     except (ConfigError, RecipeError) as exc:
         # the overrides by what they set: --num-samples and --seq-len arrive here as calibration.* ones too
-        if not (culprits := blame_overrides(tuple(overrides), parse)):
+        if not (culprits := blame_overrides(tuple(overrides), lambda kept: parse_recipe(edited(kept), path.name))):
             raise
         raise RecipeError(f"{exc} {culprits}") from None
 
