@@ -915,9 +915,10 @@ def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_mode
         (data / "piqa" / "validation.jsonl").write_text(row + "\n")
         result = cli("eval", rtn_artifact, "--tasks", "piqa", "--data-dir", data)
         assert result.exit_code == 2 and f"line 1: {match} (task piqa)" in " ".join(result.output.split())
-    (data / WIKITEXT_FILE).write_text("")
-    result = cli("eval", rtn_artifact, "--data-dir", data)
-    assert result.exit_code == 2 and "test.jsonl holds no text (task wikitext)" in " ".join(result.output.split())
+    for blank in ("", '{"text": ""}\n{"text": " \\n"}\n'):  # no rows, or rows of whitespace only
+        (data / WIKITEXT_FILE).write_text(blank)
+        result = cli("eval", rtn_artifact, "--data-dir", data)
+        assert result.exit_code == 2 and "test.jsonl holds no text (task wikitext)" in " ".join(result.output.split())
     for where, match in [("", "--output-json '.': name the file to write"),
                          (tmp_path / "nowhere" / "r.json", "nowhere does not exist")]:
         result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json", where)

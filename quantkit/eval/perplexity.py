@@ -64,7 +64,7 @@ def wikitext_rows(data_dir: str | Path | None) -> list[str]:
         if not isinstance(row["text"], str):
             raise DataFormatError(f"{path}, line {number}: field 'text' is {type(row['text']).__name__}, not text")
         rows.append(row["text"])
-    if not any(rows):
+    if not any(row.strip() for row in rows):  # blank rows alone would tokenize to almost nothing
         raise DataFormatError(f"{path} holds no text (task wikitext); {fix}")
     return rows
 
