@@ -5,6 +5,7 @@ Sources
     skipped (they separate nothing and hold no text), everything else is kept verbatim.
   - ``.jsonl`` / ``.json`` (JSON lines): one object per line, the document is ``obj[text_field]``. Rows are
     kept verbatim, empty strings included, so ``"\\n\\n".join(rows)`` matches the HF/GPTQ protocol (WikiText).
+    A ``.json`` file may instead hold one JSON array of such objects (read whole, not streamed).
   - ``.parquet`` (pyarrow): the ``text_field`` column, nulls skipped.
   - The text formats may be compressed: ``.gz``, or ``.zst`` when the ``zstandard`` package is installed.
   - A named set (``pileval``, ``c4``, ``wikitext2``, ``tinystories``): a YAML file in ``calib/`` lists the file
@@ -33,12 +34,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import itertools
+import json
 import os
 import random
 import socket
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,7 +262,8 @@ def _formats(path: Path) -> tuple[str, str | None]:
     if fmt not in _FORMATS or (compression and fmt == ".parquet"):
         raise CalibrationError(
             f"{path}: unsupported calibration file type; use .txt (one document per line), .jsonl/.json "
-            f"(JSON lines with a text field) or .parquet, the text ones optionally compressed as .gz or .zst"
+            f"(JSON lines with a text field, or a .json array of such objects) or .parquet, the text ones "
+            f"optionally compressed as .gz or .zst"
         )
     return fmt, compression
 
@@ -293,6 +297,17 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
                 for line in handle:
                     if line.strip():
                         yield line.rstrip("\r\n")
+            elif fmt == ".json":
+                head = []  # the lines up to the first that is not blank: JSON lines, or an array's opening
+                for line in handle:
+                    head.append(line)
+                    if line.strip():
+                        break
+                lines = itertools.chain(head, handle)
+                if head and head[-1].lstrip().startswith("["):
+                    yield from _iter_json_array("".join(lines), path, text_field)
+                else:
+                    yield from _iter_jsonl(lines, path, text_field)
             else:
                 yield from _iter_jsonl(handle, path, text_field)
         except UnicodeDecodeError as exc:
@@ -301,15 +316,35 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
             raise CalibrationError(f"cannot read {path}: {exc}") from exc
 
 
-def _iter_jsonl(handle: IO[str], path: Path, text_field: str) -> Iterator[str]:
-    for number, row in json_objects(handle, path, (text_field,), CalibrationError,
-                                    fix="choose the field with the recipe's calibration.text_field"):
-        value = row[text_field]
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise CalibrationError(f"{path}, line {number}: field {text_field!r} is {type(value).__name__}, not text")
-        yield value
+_FIELD_FIX = "choose the field with the recipe's calibration.text_field"
+
+
+def _document(value: Any, where: str, text_field: str) -> str | None:
+    """The document held in `text_field` of a JSON row (`where`: its file and position); None for a null."""
+    if value is None or isinstance(value, str):
+        return value
+    raise CalibrationError(f"{where}: field {text_field!r} is {type(value).__name__}, not text")
+
+
+def _iter_jsonl(lines: Iterable[str], path: Path, text_field: str) -> Iterator[str]:
+    for number, row in json_objects(lines, path, (text_field,), CalibrationError, fix=_FIELD_FIX):
+        if (document := _document(row[text_field], f"{path}, line {number}", text_field)) is not None:
+            yield document
+
+
+def _iter_json_array(text: str, path: Path, text_field: str) -> Iterator[str]:
+    """The documents of a .json file holding one array of objects (as `datasets`' `to_json(lines=False)` writes)."""
+    try:
+        rows = json.loads(text)  # a list: the text opens with "["
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{path} opens a JSON array that does not parse: {exc}") from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or text_field not in row:
+            found = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
+            raise CalibrationError(f"{path}, array element {index}: no field {text_field!r} (found {found}); "
+                                   + _FIELD_FIX)
+        if (document := _document(row[text_field], f"{path}, array element {index}", text_field)) is not None:
+            yield document
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:

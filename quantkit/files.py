@@ -91,6 +91,15 @@ def cannot_write(path: Path) -> str | None:
     return None
 
 
+def _json_lines_hint(line: str) -> str:
+    """How to mend a line that opens a JSON document spread over lines (an array, or a pretty-printed object)."""
+    if line.lstrip().startswith("["):
+        return " (a JSON array? convert it to JSON lines, one object per line)"
+    if line.strip() == "{":
+        return " (a pretty-printed JSON object? write each object on one line)"
+    return ""
+
+
 def json_objects(lines: Iterable[str], path: Path, fields: Sequence[str], error: Callable[[str], Exception],
                  fix: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
     """The line number and JSON object of each non-blank line of `lines` (read from `path`), each object holding
@@ -102,8 +111,9 @@ def json_objects(lines: Iterable[str], path: Path, fields: Sequence[str], error:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            hint = " (a JSON array? convert it to JSON lines, one object per line)" if number == 1 else ""
-            raise error(f"{path}, line {number}: not a JSON object per line{hint}: {exc}") from None
+            raise error(f"{path}, line {number}: not a JSON object per line{_json_lines_hint(line)}: {exc}") from None
+        if isinstance(row, list):
+            raise error(f"{path}, line {number}: a JSON array, not one object per line; convert it to JSON lines")
         missing = [field for field in fields if field not in row] if isinstance(row, dict) else list(fields)
         if missing:
             found = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__

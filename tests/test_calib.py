@@ -96,6 +96,35 @@ def test_jsonl_and_parquet_with_configurable_field(tmp_path, tokenizer, fmt):
     assert torch.equal(cal.tokens, first_windows(encode(tokenizer, DOCS), 4, 20))
 
 
+def test_json_file_of_one_array_or_of_lines(tmp_path):
+    """A .json file holds JSON lines or one array of objects (pretty-printed or not); both give the rows verbatim."""
+    rows = [{"text": doc, "id": i} for i, doc in enumerate(DOCS)] + [{"text": None}]  # a null is skipped
+    for name, text in [("lines.json", "".join(json.dumps(row) + "\n" for row in rows)),
+                       ("array.json", "\n" + json.dumps(rows, indent=2)),
+                       ("flat.json", json.dumps(rows))]:
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        assert list(iter_documents(tmp_path / name)) == DOCS, name
+    (tmp_path / "array.json.gz").write_bytes(gzip.compress((tmp_path / "array.json").read_bytes()))
+    assert list(iter_documents(tmp_path / "array.json.gz")) == DOCS
+
+
+@pytest.mark.parametrize(("name", "text", "match"), [
+    ("cut.json", '[{"text": "a"},', r"cut\.json opens a JSON array that does not parse"),
+    ("mixed.json", '[{"text": "a"}, "b"]', r"mixed\.json, array element 1: no field 'text' \(found str\)"),
+    ("field.json", '[{"story": "a"}]', r"array element 0: no field 'text' \(found 'story'\); choose the field"),
+    ("number.json", '[{"text": 5}]', r"number\.json, array element 0: field 'text' is int, not text"),
+    ("array.jsonl", '[\n{"text": "a"}\n]', r"line 1: not a JSON object per line \(a JSON array\? convert it"),
+    ("flat.jsonl", '[{"text": "a"}]', r"line 1: a JSON array, not one object per line; convert it to JSON lines"),
+    ("pretty.jsonl", '{\n  "text": "a"\n}', r"line 1: not a JSON object per line \(a pretty-printed JSON object\?"),
+    ("text.jsonl", 'just words', r"line 1: not a JSON object per line: Expecting value"),
+])
+def test_json_that_is_not_rows_names_what_it_is(tmp_path, name, text, match):
+    """Each way a JSON file can fail to hold rows gets its own message (the array hint only for an array)."""
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    with pytest.raises(CalibrationError, match=match):
+        list(iter_documents(tmp_path / name))
+
+
 def test_missing_field_names_the_fields_found(tmp_path, tokenizer):
     jsonl = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     with pytest.raises(CalibrationError, match=r"line 1: no field 'story' \(found 'text', 'id'\)"):
