@@ -840,7 +840,8 @@ def test_calibrating_on_the_wikitext_test_split_warns(synthetic, tmp_path):
 def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_path):
     """What would score a model with layers missing or weights at random values is an error, not a perplexity: a
     config.json naming fewer layers than the manifest wrote, a tensor gone from an artifact (its manifest updated,
-    so the sizes agree) or from an FP checkpoint, and a quantkit-format artifact without its manifest."""
+    so the sizes agree) or from an FP checkpoint, and a checkpoint of a method transformers cannot load (a quantkit
+    artifact without its manifest among them)."""
     from safetensors.torch import load_file, save_file
 
     data = wikitext_rows(tmp_path / "data")
@@ -882,9 +883,15 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     bare = shutil.copytree(rtn_artifact, tmp_path / "bare")
     (bare / "quantkit_manifest.json").unlink()
     config = json.loads((bare / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "quantkit"}
-    (bare / "config.json").write_text(json.dumps(config))
-    refused(bare, "is a quantkit-format artifact without its quantkit_manifest.json")
+    # methods transformers does not load: refused before it loads the model with the linears at random
+    for method, match in [("quantkit", "is a quantkit artifact (export format quantkit) without its "
+                                       "quantkit_manifest.json"),
+                          ("qoq", "is a quantkit artifact (export format qserve) without its quantkit_manifest.json"),
+                          ("marlin24", "quantization method 'marlin24' (config.json's quantization_config), which "
+                                       "transformers cannot load and quantkit did not write")]:
+        config["quantization_config"] = {"quant_method": method}
+        (bare / "config.json").write_text(json.dumps(config))
+        refused(bare, match)
     # a compressed-tensors checkpoint without quantkit's manifest is transformers' to load, and what it lacks is named
     packed = shutil.copytree(rtn_artifact, tmp_path / "packed")
     (packed / "quantkit_manifest.json").unlink()

@@ -24,7 +24,7 @@ from quantkit.artifact import (
     read_safetensors,
 )
 from quantkit.errors import QuantkitError, some
-from quantkit.formats import get_packer
+from quantkit.formats import PACKERS, get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import load_tokenizer, open_model
 from quantkit.pipeline import linear_parts
@@ -53,9 +53,7 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     if bits is not None:
         raise QuantkitError(f"--bits applies to Any-Precision artifacts; {path} is not a quantkit artifact")
     config, _ = json_object(Path(path) / "config.json")
-    if _quant_method(config or {}) == "quantkit":  # transformers has no such method: it would load random weights
-        raise ArtifactError(f"{path} is a quantkit-format artifact without its {MANIFEST}; copy the artifact again, "
-                            "or quantize again")
+    _check_transformers_loads(Path(path), _quant_method(config or {}))
     source = open_model(path, trust_remote_code=trust_remote_code)  # an FP checkpoint's tensors checked here
     model, info = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                        output_loading_info=True)
@@ -67,6 +65,20 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     kind = (f"{method} checkpoint, dequantized by transformers" if method else
             "GGUF, dequantized by transformers" if source.origin.endswith(".gguf") else "unquantized")
     return EvalModel(model.to(device).eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
+
+
+def _check_transformers_loads(path: Path, method: str | None) -> None:
+    """Refuse a checkpoint of a quantization method transformers does not know: it would load the model with its
+    quantized linears missing, filled at random, after printing its load report."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    if method is None or method in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        return
+    if fmt := next((name for name, packer in PACKERS.items() if packer.quant_method == method), None):
+        raise ArtifactError(f"{path} is a quantkit artifact (export format {fmt}) without its {MANIFEST}, which "
+                            "quantkit reads it by; copy the artifact again, or quantize again")
+    raise QuantkitError(f"{path}: quantization method {method!r} (config.json's quantization_config), which "
+                        "transformers cannot load and quantkit did not write")
 
 
 def _describe_act(act: simulate.ActivationSim | None) -> str:

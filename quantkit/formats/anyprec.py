@@ -30,6 +30,7 @@ _LUT = re.compile(r"lut([1-8])")
 
 class AnyPrecisionPacker(Packer):
     name = "anyprec"
+    quant_method = "anyprec"
     float16_only = "any-precision-llm's AnyPrecisionLinear and kernels take float16 only"
 
     def check_recipe(self) -> None:
@@ -81,7 +82,7 @@ class AnyPrecisionPacker(Packer):
         if len(widths) != 1:
             raise ExportError(f"anyprec checkpoints use one seed and parent width for every linear; got {widths}")
         seed, parent = widths.pop()
-        return {"quant_method": "anyprec", "seed_precision": seed, "parent_precision": parent, "group_count": 1}
+        return {"quant_method": self.quant_method, "seed_precision": seed, "parent_precision": parent, "group_count": 1}
 
     def config_entries(self, specs: dict[str, QuantSpec], layers_prefix: str,
                        linears: dict[str, tuple[str, ...]]) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def gather_scales(laid_out: np.ndarray) -> np.ndarray:
 
 class AtomPacker(Packer):
     name = "atom"
+    quant_method = "atom"
 
     def owns(self, key: str) -> bool:
         return key in TENSORS
@@ -128,7 +129,8 @@ class AtomPacker(Packer):
         return QuantizedLinear(codes, QParams(scale=scale, zero=None, group_size=GROUP), spec, g_idx)
 
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
-        return {"quant_method": "atom", "wbits": 4, "group_size": GROUP, "outliers": OUTLIERS, "outlier_bits": 8,
+        return {"quant_method": self.quant_method, "wbits": 4, "group_size": GROUP, "outliers": OUTLIERS,
+                "outlier_bits": 8,
                 "note": "Atom LinearInt4 layout; no public engine loads it; quantkit's kernels read it"}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:

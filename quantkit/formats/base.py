@@ -30,6 +30,8 @@ class Packer:
     """
 
     name: ClassVar[str]
+    # config.json's quantization_config.quant_method, which engines dispatch on
+    quant_method: ClassVar[str]
     # the engines build an lm_head of their own and never tie it to the embedding (OmniServe): a tied model's
     # artifact carries a copy of the embedding as lm_head.weight
     writes_lm_head: ClassVar[bool] = False

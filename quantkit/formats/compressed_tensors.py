@@ -102,6 +102,7 @@ def _unpack_rows(w: np.ndarray, bits: int, length: int) -> np.ndarray:
 
 class CompressedTensorsPacker(Packer):
     name = "compressed-tensors"
+    quant_method = "compressed-tensors"
 
     def check_recipe(self) -> None:
         act = self.recipe.activations
@@ -254,7 +255,7 @@ class CompressedTensorsPacker(Packer):
                 "format": format_name,
             }
         return {
-            "quant_method": "compressed-tensors",
+            "quant_method": self.quant_method,
             "format": format_name,
             "quantization_status": "compressed",
             "config_groups": groups,

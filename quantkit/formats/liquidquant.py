@@ -147,6 +147,7 @@ def kernel_int8(qweight: np.ndarray, s2a: np.ndarray) -> np.ndarray:
 
 class LiquidQuantPacker(Packer):
     name = "liquidquant"
+    quant_method = "liquidquant"
 
     def owns(self, key: str) -> bool:
         return key in TENSORS
@@ -210,7 +211,7 @@ class LiquidQuantPacker(Packer):
         return QuantizedLinear(codes, qp, spec)
 
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
-        return {"quant_method": "liquidquant", "wbits": 4, "abits": 8, "group_size": BLOCK, "layout": "lqq_dual64",
+        return {"quant_method": self.quant_method, "wbits": 4, "abits": 8, "group_size": BLOCK, "layout": "lqq_dual64",
                 "note": "no public engine loads it; quantkit's kernels read it"}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:

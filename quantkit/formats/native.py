@@ -32,6 +32,7 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 class NativePacker(Packer):
     name = "quantkit"
+    quant_method = "quantkit"
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """Every spec and shape the quantizer handles can be stored."""
@@ -67,7 +68,7 @@ class NativePacker(Packer):
 
     def quantization_config(self, specs: dict[str, QuantSpec]) -> dict[str, Any]:
         """Marks the checkpoint as quantkit-only so no engine mistakes it for a format it loads."""
-        return {"quant_method": "quantkit", "note": NOTE}
+        return {"quant_method": self.quant_method, "note": NOTE}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         """The artifact is for quantkit's simulation only."""

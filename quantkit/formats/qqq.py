@@ -132,6 +132,7 @@ def _untile(lanes: np.ndarray, per_group: bool, k: int, n: int) -> np.ndarray:
 
 class QQQPacker(Packer):
     name = "qqq"
+    quant_method = "qqq"
     float16_only = "vLLM's QQQ method takes fp16 only"
 
     def owns(self, key: str) -> bool:
@@ -208,7 +209,7 @@ class QQQPacker(Packer):
         sizes = {GROUP if s.granularity == "group" else -1 for s in specs.values()}
         if len(sizes) != 1:
             raise ExportError(f"qqq checkpoints use one group size for every linear; got {sorted(sizes)}")
-        return {"quant_method": "qqq", "wbits": 4, "group_size": sizes.pop()}
+        return {"quant_method": self.quant_method, "wbits": 4, "group_size": sizes.pop()}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         return ["export format qqq: vLLM loads it from PR #5218 until its removal (PR #23204, Aug 2025), so pin a "

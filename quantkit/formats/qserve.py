@@ -92,6 +92,7 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
 
 class QServePacker(Packer):
     name = "qserve"
+    quant_method = "qoq"
     writes_lm_head = True  # OmniServe's LlamaForCausalLM has an lm_head of its own and never ties it
     float16_only = "QServe asserts it"
 
@@ -221,7 +222,7 @@ class QServePacker(Packer):
             raise ExportError(f"qserve checkpoints use one weight variant for every linear; got group sizes "
                               f"{sorted(sizes)} (-1 = per channel)")
         (size,) = sizes
-        return {"quant_method": "qoq", "wbits": 4, "group_size": size}
+        return {"quant_method": self.quant_method, "wbits": 4, "group_size": size}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         """Group sizes and shapes no engine's QServe kernel runs, and OmniServe's norm handling."""
