@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from quantkit.models.source import gguf_to_safetensors, open_model
+from quantkit.models.source import ModelError, gguf_to_safetensors, open_model
 from tests.conftest import shared_path
 
 GGUF = "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,3 +87,18 @@ def test_a_resumed_run_stamps_the_gguf_file_not_its_cached_copy(cache):
     gguf = shared_path(GGUF)
     stamp = _weights_stamp(open_model(gguf, cache_dir=cache))
     assert stamp == {gguf.name: [gguf.stat().st_size, gguf.stat().st_mtime_ns]}
+
+
+def test_a_damaged_gguf_file_is_named_as_such(tmp_path):
+    """Bytes that are no GGUF, a header cut short, a tensor count corrupted and a file cut in its tensor data each
+    say the file is damaged (transformers said a corrupted count made an invalid JSON file)."""
+    gguf = shared_path(GGUF)
+    data = gguf.read_bytes()
+    count = struct.unpack_from("<Q", data, 8)[0]
+    cases = {"noise.gguf": bytes(range(256)) * 4, "header.gguf": data[:12],
+             "count.gguf": data[:8] + struct.pack("<Q", count * 1000) + data[16:], "cut.gguf": data[: len(data) // 2]}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelError, match=rf"{name}: not a readable GGUF file, damaged or truncated .*; download"):
+            gguf_to_safetensors(tmp_path / name, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())

@@ -493,6 +493,20 @@ def content_digest(path: Path, cache_dir: Path | None = None) -> str:
     return digest
 
 
+def _check_gguf(gguf: Path) -> None:
+    """Parse the GGUF file's header, metadata and tensor table (memory-mapped, about a second): a damaged one is
+    named as such here, where transformers would report a failure of its own ("not a valid JSON file")."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # pragma: no cover
+        raise ModelError(f"reading GGUF needs the gguf package: {exc}") from None
+    try:
+        GGUFReader(gguf)
+    except Exception as exc:  # the parser fails on damaged bytes in any of its own ways
+        raise ModelError(f"{gguf}: not a readable GGUF file, damaged or truncated ({type(exc).__name__}: {exc}); "
+                         "download it again") from None
+
+
 def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its content.
 
@@ -509,6 +523,7 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover
         raise ModelError(f"reading GGUF needs transformers and gguf: {exc}") from None
+    _check_gguf(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
