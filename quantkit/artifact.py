@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from quantkit import __version__
 from quantkit.errors import QuantkitError
 from quantkit.files import atomic_write, atomic_write_with, cannot_write, owner_stamp, stamped_owner
 
@@ -167,6 +168,10 @@ class OutputDir:
         self.check(resume, overwrite, protect)
         if resume:
             journal, problem = json_object(self.work / JOURNAL, ("layers", *JOURNAL_IDENTITY))
+            if journal is not None and (writer := _other_writer(journal)):
+                raise ArtifactError(f"--resume: {self.work} was written by {writer}, this is quantkit {__version__} "
+                                    f"(journal format {JOURNAL_FORMAT}), whose layers could differ; rerun with "
+                                    "--overwrite to start afresh, or resume with the quantkit that began the run")
             problem = problem or _journal_problem(journal)
             if problem:
                 raise ArtifactError(f"--resume: {self.work / JOURNAL} is damaged ({problem}); rerun with "
@@ -221,6 +226,25 @@ class OutputDir:
                 shutil.rmtree(stale, ignore_errors=True)
         if (self.final / MANIFEST).is_file():
             self._drop_run_files()
+
+
+# The shape of a journal and the meaning of what its layers hold: bumped when either changes, so that a run resumed
+# by another quantkit is refused, not read as damaged or mixed with layers of other arithmetic.
+JOURNAL_FORMAT = 2
+
+
+def new_journal(identity: dict[str, Any]) -> dict[str, Any]:
+    """The journal of a fresh run with `identity` (the JOURNAL_IDENTITY fields), no layer done yet."""
+    return {**identity, "quantkit_version": __version__, "journal_format": JOURNAL_FORMAT, "layers": {}}
+
+
+def _other_writer(journal: dict[str, Any]) -> str:
+    """Which other quantkit wrote `journal` ("quantkit 0.1.0 (journal format 1)"), or "" if this one did or the
+    journal names no version (every quantkit's journal does: it is damaged)."""
+    version, fmt = journal.get("quantkit_version"), journal.get("journal_format")
+    if not isinstance(version, str) or (version == __version__ and fmt == JOURNAL_FORMAT):
+        return ""
+    return f"quantkit {version}" + (f" (journal format {fmt})" if fmt is not None else " (an earlier journal format)")
 
 
 # What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.

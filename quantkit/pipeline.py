@@ -34,6 +34,7 @@ from quantkit.artifact import (
     RECIPE,
     OutputDir,
     atomic_save_safetensors,
+    new_journal,
     read_safetensors,
     sha256_file,
     shard_name,
@@ -454,7 +455,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
                 raise QuantkitError(f"--resume: the interrupted run differs from this one: {'; '.join(differences)}; "
                                     "rerun with --overwrite to start afresh, or resume with what it used")
         else:
-            journal = {**identity, "quantkit_version": __version__, "layers": {}}
+            journal = new_journal(identity)
             out.save_journal(journal)
         passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
         edges = None  # held only when a pass rewrites them; otherwise _finalize copies them from the checkpoint

@@ -505,6 +505,32 @@ def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, c
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
 
+@pytest.mark.parametrize(("fields", "writer"), [
+    ({"journal_format": None}, r"quantkit \S+ \(an earlier journal format\)"),
+    ({"journal_format": 1}, r"quantkit \S+ \(journal format 1\)"),
+    ({"quantkit_version": "0.0.9"}, r"quantkit 0\.0\.9 \(journal format \d+\)"),
+])
+def test_resume_of_a_run_another_quantkit_began_is_refused(synthetic, calib_txt, tmp_path, fields, writer):
+    """A journal written by another quantkit version or journal format is named as such (an older one lacking a
+    field had read as damaged), and not resumed: its layers could come from other arithmetic."""
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, _InterruptAfter(1))
+    path = tmp_path / "b.partial" / "quantkit_journal.json"
+    journal = json.loads(path.read_text())
+    for key, value in fields.items():
+        if value is None:
+            del journal[key]
+        else:
+            journal[key] = value
+    del journal["calibration_sha256"]  # an older shape, as well
+    path.write_text(json.dumps(journal))
+    with pytest.raises(QuantkitError, match=rf"b\.partial was written by {writer}, this is quantkit .*rerun with "
+                                             "--overwrite to start afresh, or resume with the quantkit that began"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
 def test_model_without_tokenizer_or_a_linear_is_refused(synthetic, calib_txt, tmp_path):
     from safetensors.torch import load_file, save_file
 
