@@ -10,9 +10,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import shutil
+import tempfile
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,15 @@ from safetensors.torch import save_file
 
 from quantkit import __version__
 from quantkit.errors import QuantkitError
-from quantkit.files import atomic_write, atomic_write_with, cannot_write, owner_stamp, stamped_owner
+from quantkit.files import (
+    DIR_MODE,
+    atomic_write,
+    atomic_write_with,
+    cannot_write,
+    lock_held,
+    stamped_owner,
+    take_lock,
+)
 
 MANIFEST = "quantkit_manifest.json"
 RECIPE = "quantkit_recipe.yaml"
@@ -103,9 +114,14 @@ def _trash(path: Path) -> None:
 
 @dataclass
 class OutputDir:
-    """The final and in-progress locations of one run's output."""
+    """The final and in-progress locations of one run's output, and the lock of the run writing it.
+
+    The run holds an flock on `OUT.partial/quantkit_run.lock` (with its pid and host written in it) from before the
+    work dir appears until the commit, so no other run ever sees the work dir unlocked; the kernel drops the lock
+    when the process ends, a kill included."""
 
     final: Path
+    _lock: int | None = field(default=None, init=False, repr=False)
 
     @property
     def work(self) -> Path:
@@ -179,23 +195,61 @@ class OutputDir:
             # what a resumed run takes from there: its journal, lock and the journal's layer shards; anything else
             # (an atomic write a kill cut short, a shard the journal never recorded, a stray file) is written again
             # or would reach the artifact
+            self._lock = self._take(self.work)
             keep = {JOURNAL, LOCK} | {entry["shard"] for entry in journal["layers"].values()}
             for leftover in self.work.iterdir():
                 if leftover.is_dir() and not leftover.is_symlink():
                     shutil.rmtree(leftover)
                 elif leftover.name not in keep:
                     leftover.unlink()
-        else:
-            if self.work.exists():
-                _trash(self.work)
-            self.work.mkdir(parents=True)
-        atomic_write(self.work / LOCK, owner_stamp())
-        return journal if resume else None
+            return journal
+        self.work.parent.mkdir(parents=True, exist_ok=True)
+        # made under a hidden name with its lock held, then renamed into place: no run sees it unlocked
+        fresh = Path(tempfile.mkdtemp(prefix=f".{self.work.name}.new-", dir=self.work.parent))
+        try:
+            fresh.chmod(DIR_MODE)
+            self._lock = self._take(fresh)
+            if self.work.exists():  # checked replaceable above; locked again here, as another run could take it
+                stale = self._take(self.work)
+                try:
+                    _trash(self.work)
+                finally:
+                    os.close(stale)
+            try:
+                fresh.rename(self.work)
+            except OSError:  # another run's work dir appeared meanwhile (a non-empty directory is not replaced)
+                raise ArtifactError(f"another quantkit run took {self.work} meanwhile; wait for it, or choose another "
+                                    "output path") from None
+        except BaseException:
+            self.release()
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        return None
+
+    def _take(self, work: Path) -> int:
+        """The lock of work dir `work`, held; an error if another run holds it."""
+        fd = take_lock(work / LOCK)
+        if fd is None:
+            raise ArtifactError(f"another quantkit run ({stamped_owner(work / LOCK) or 'a process of this host'}) "
+                                f"is writing {self.work}; wait for it")
+        return fd
+
+    def release(self) -> None:
+        """Let go of the run's lock (the process's end does as well)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def writer(self) -> str | None:
-        """The live run whose lock is in the work dir ("pid N on HOST"), or None: no lock, or the lock of a run that
-        has ended (a kill leaves it behind). A lock of another host counts as live: its pid cannot be checked."""
-        return stamped_owner(self.work / LOCK)
+        """The live run whose lock is in the work dir ("pid N on HOST"), or None: this run, no lock, or the lock of a
+        run that has ended (a kill leaves the file behind, not its flock). A stamp of another host counts as live:
+        its pid cannot be checked."""
+        if self._lock is not None:
+            return None
+        lock = self.work / LOCK
+        if lock_held(lock):
+            return stamped_owner(lock) or "a process of this host"
+        return stamped_owner(lock)
 
     def save_journal(self, journal: dict[str, Any]) -> None:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))
@@ -210,6 +264,7 @@ class OutputDir:
             self.final.rename(old)
         self.work.rename(self.final)
         self._drop_run_files()
+        self.release()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -224,6 +279,14 @@ class OutputDir:
         for name in (self.final.name, self.work.name):
             for stale in self.final.parent.glob(f".{glob.escape(name)}.trash-*"):
                 shutil.rmtree(stale, ignore_errors=True)
+        # a work dir a kill left before it was renamed into place; one of a live run is locked (or just made)
+        for fresh in self.final.parent.glob(f".{glob.escape(self.work.name)}.new-*"):
+            try:
+                old = time.time() - fresh.stat().st_mtime > 60
+            except OSError:  # gone meanwhile
+                continue
+            if old and not lock_held(fresh / LOCK):
+                shutil.rmtree(fresh, ignore_errors=True)
         if (self.final / MANIFEST).is_file():
             self._drop_run_files()
 

@@ -7,6 +7,7 @@ one implementation. Finished files get the mode a plain `open` would give them u
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -51,6 +52,45 @@ def stamped_owner(path: Path) -> str | None:
         except PermissionError:  # alive, another user's
             pass
     return f"pid {stamp['pid']} on {stamp.get('host')}"
+
+
+def take_lock(path: Path) -> int | None:
+    """Hold an exclusive advisory lock (flock) on `path`, created if missing, and write this process's
+    `owner_stamp()` into it. Returns the open descriptor, which holds the lock until it is closed or the process
+    ends, a kill included; None if another open of the file holds it. On a filesystem without flock the stamp alone
+    remains (`stamped_owner`)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:  # no flock here (ENOLCK, EINVAL): the stamp is the lock
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, owner_stamp().encode(), 0)
+    os.fsync(fd)
+    return fd
+
+
+def lock_held(path: Path) -> bool:
+    """Whether some open of `path` holds the flock `take_lock` takes (a live run: a process's locks end with it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the probe's own lock
+    return False
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

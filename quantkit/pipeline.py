@@ -489,6 +489,8 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             again = "--resume --overwrite" if out.final.exists() else "--resume"
             reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
         raise
+    finally:
+        out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
     log.info("wrote %s (%s format)", out.final, packer.name)
     manifest = json.loads((out.final / MANIFEST).read_text())
     return RunSummary(

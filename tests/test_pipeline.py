@@ -331,6 +331,56 @@ def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, ca
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted([*manifest["files"], "quantkit_manifest.json"])
 
 
+def test_a_run_holds_its_work_dir_locked_from_its_first_instant(tmp_path, monkeypatch):
+    """The work dir appears with its run's lock held (made under a hidden name, then renamed into place), so a
+    second run, even one past its checks (an --overwrite run racing the first's start), can neither resume nor
+    trash it, and one whose rename loses the race says so; a released run's dir is replaced."""
+    from quantkit.artifact import LOCK, ArtifactError, OutputDir
+    from quantkit.files import lock_held
+
+    first = OutputDir(tmp_path / "b")
+    assert first.prepare(resume=False, overwrite=False) is None
+    assert lock_held(first.work / LOCK) and json.loads((first.work / LOCK).read_text())["pid"] == os.getpid()
+    second = OutputDir(tmp_path / "b")
+    for resume, overwrite in [(False, True), (True, False)]:
+        with pytest.raises(ArtifactError, match=r"another quantkit run \(a process of this host\) is writing"):
+            second.prepare(resume, overwrite)
+    monkeypatch.setattr(OutputDir, "check", lambda *args, **kwargs: None)  # as if checked before the first began
+    with pytest.raises(ArtifactError, match="another quantkit run .* is writing"):
+        second.prepare(resume=False, overwrite=True)
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda path: path != first.work and exists(path))
+    with pytest.raises(ArtifactError, match=r"another quantkit run took .*b\.partial meanwhile"):
+        second.prepare(resume=False, overwrite=False)
+    monkeypatch.setattr(Path, "exists", exists)
+    assert lock_held(first.work / LOCK) and [p.name for p in tmp_path.iterdir()] == ["b.partial"]
+    first.release()
+    second.prepare(resume=False, overwrite=True)
+    assert lock_held(second.work / LOCK) and [p.name for p in tmp_path.iterdir()] == ["b.partial"]
+
+
+def test_a_run_lock_ends_with_its_process(tmp_path):
+    """The flock a run holds is the kernel's: taken while its process lives, free once it is killed."""
+    from quantkit.files import lock_held, take_lock
+
+    path = tmp_path / "quantkit_run.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from quantkit.files import take_lock; "
+         "assert take_lock(Path(sys.argv[1])) is not None; print('held', flush=True); time.sleep(60)", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock_held(path) and take_lock(path) is None
+        assert json.loads(path.read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not lock_held(path)
+    fd = take_lock(path)
+    assert fd is not None and json.loads(path.read_text())["pid"] == os.getpid()
+    os.close(fd)
+
+
 def test_unwritable_or_unnamed_outputs_are_refused_before_the_model_is_read(synthetic, calib_txt, tmp_path):
     (tmp_path / "afile").write_text("x")
     for output, match in ((".", "name the output directory itself"),
