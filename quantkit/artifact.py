@@ -70,10 +70,19 @@ def read_safetensors(path: Path, header_only: bool = False) -> dict[str, torch.T
         raise ArtifactError(f"{path}: cannot read this safetensors file, corrupt or truncated ({exc})") from None
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's content but its own digest (`manifest_sha256`), in canonical JSON: what
+    `inspect --verify` tells an edited manifest by, where the files' digests cover every other file."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def verify_files(path: Path, manifest: dict[str, Any]) -> list[str]:
-    """The files of artifact `path` whose sha256 differs from the one its manifest recorded (every byte read)."""
-    return [name for name, entry in manifest.get("files", {}).items()
-            if sha256_file(Path(path) / name) != entry["sha256"]]
+    """The files of artifact `path` whose sha256 differs from the one its manifest recorded (every byte read), the
+    manifest first if its content differs from its own digest (an artifact written before it had one: unchecked)."""
+    edited = "manifest_sha256" in manifest and manifest_digest(manifest) != manifest["manifest_sha256"]
+    return [MANIFEST] * edited + [name for name, entry in manifest.get("files", {}).items()
+                                  if sha256_file(Path(path) / name) != entry["sha256"]]
 
 
 def shard_name(index: int, total: int) -> str:

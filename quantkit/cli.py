@@ -423,8 +423,8 @@ def recipes() -> None:
 @_verbose_too
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True,
-              help="Also hash every file and compare it with the sha256 the manifest recorded (reads every byte); "
-              "exit 1 naming the files that differ.")
+              help="Also hash every file and compare it with the sha256 the manifest recorded (reads every byte), "
+              "and the manifest with its own digest; exit 1 naming the files that differ.")
 def inspect(output: Path, verify: bool) -> None:
     """Summarize an artifact: format, bits, groups, layers, bytes, recipe, calibration hash, per-layer error."""
     from quantkit.artifact import artifact_config, load_manifest, read_safetensors, verify_files

@@ -34,6 +34,7 @@ from quantkit.artifact import (
     RECIPE,
     OutputDir,
     atomic_save_safetensors,
+    manifest_digest,
     new_journal,
     read_safetensors,
     sha256_file,
@@ -879,6 +880,7 @@ def _finalize(
         "peak_rss_bytes": _peak_rss(),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
     }
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
 
 

@@ -44,10 +44,12 @@ def set_weight(model: Path, name: str, value: float, at: tuple[int, int] = (-1, 
 def record_rewritten_file(artifact: Path, path: Path) -> None:
     """Record a file a test rewrote on purpose in the artifact's manifest (bytes, sha256), as quantize would have,
     so that the artifact reads as whole rather than damaged."""
-    from quantkit.artifact import MANIFEST, sha256_file
+    from quantkit.artifact import MANIFEST, manifest_digest, sha256_file
 
     manifest = json.loads((artifact / MANIFEST).read_text())
-    manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    if path.name != MANIFEST:
+        manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 

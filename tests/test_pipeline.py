@@ -837,8 +837,9 @@ def test_damaged_artifact_is_refused_with_the_file_named(stories260k, tinystorie
 
 
 def test_inspect_verify_hashes_every_file(stories260k, tinystories_txt, tmp_path):
-    """--verify reads every file against its recorded sha256: a shard changed in place, at its size (which the size
-    check cannot see), fails with exit 1 and its name; the untouched artifact verifies."""
+    """--verify reads every file against its recorded sha256, and the manifest against its own digest: a shard
+    changed in place, at its size (which the size check cannot see), or an edited manifest fails with exit 1 and its
+    name; the untouched artifact verifies."""
     out = tmp_path / "art"
     cli_ok("quantize", stories260k, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", tinystories_txt, *FAST,
            "--set", "weights.indivisible=per_channel")
@@ -849,6 +850,15 @@ def test_inspect_verify_hashes_every_file(stories260k, tinystories_txt, tmp_path
     shard.write_bytes(bytes(data))
     result = cli("inspect", out, "--verify")
     assert result.exit_code == 1 and "1 file(s) differ" in result.output and shard.name in result.output
+    shard.write_bytes(bytes(data[:-1] + bytes([data[-1] ^ 0x01])))
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    manifest["layers"][0]["rel_error"] /= 2  # an edit of the manifest itself, which no file digest covers
+    (out / "quantkit_manifest.json").write_text(json.dumps(manifest, indent=2))
+    result = cli("inspect", out, "--verify")
+    assert result.exit_code == 1 and "1 file(s) differ" in result.output and "quantkit_manifest.json" in result.output
+    del manifest["manifest_sha256"]  # an artifact written before manifests had a digest: its files still checked
+    (out / "quantkit_manifest.json").write_text(json.dumps(manifest, indent=2))
+    assert "files match their recorded sha256" in cli_ok("inspect", out, "--verify").output
 
 
 def test_inspect_describes_outliers_and_lookup_tables():
