@@ -237,11 +237,18 @@ def test_cuda_calibration_matches_cpu(synthetic, calib_txt, tmp_path):
         assert equal > 0.90 and near > 0.998, f"{k}: {equal:.4%} of codes equal, {near:.4%} within one step"
 
 
-def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
-    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+def _interrupted(synthetic: Path, calib_txt: Path, out: Path, recipe: str = "rtn-w4a16-g128") -> QuantizeJob:
+    """The job of a run of `recipe` on the synthetic model, interrupted after its first layer: `out`.partial holds
+    its journal and first shard."""
+    job = QuantizeJob(model=str(synthetic), output=out, calib=str(calib_txt),
+                      recipe=load_recipe(recipe, ["calibration.num_samples=4", "calibration.seq_len=64"]))
     with pytest.raises(KeyboardInterrupt):
         run_quantize(job, _InterruptAfter(1))
+    return job
+
+
+def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b", "gptq-w4a16-g128")
     journal_path = tmp_path / "b.partial" / "quantkit_journal.json"
     journal = json.loads(journal_path.read_text())
     journal["device"] = "cuda"
@@ -275,10 +282,7 @@ def test_a_layer_whose_packed_weights_overflow_stops_the_run(synthetic, calib_tx
 def test_resume_in_another_dtype_is_refused(synthetic, calib_txt, tmp_path):
     """The artifact's dtype is part of what a resumed run must share: layers written as float16 are not mixed with
     bfloat16 ones."""
-    recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b", "gptq-w4a16-g128")
     assert json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())["dtype"] == "float16"
     with pytest.raises(QuantkitError, match="differs from this one: dtype 'float16' vs 'bfloat16'"):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "dtype": "bfloat16"}))
@@ -307,10 +311,7 @@ def test_resume_refuses_changed_weights_and_names_what_differs(synthetic, calib_
 def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, calib_txt, tmp_path):
     """A temp file that a kill left in OUT.partial does not reach the artifact; a work directory whose lock names a
     live process (another run) is refused, for a fresh start as for a resume; a dead one's lock is taken over."""
-    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
     work = tmp_path / "b.partial"
     lock = json.loads((work / "quantkit_run.lock").read_text())
     assert lock["pid"] == os.getpid()
@@ -523,10 +524,7 @@ def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path)
 def test_resume_takes_the_same_model_however_spelt(synthetic, calib_txt, tmp_path, monkeypatch):
     """The journal names a local model by its absolute path, so a resumed run may spell it otherwise (relative, or
     from another directory)."""
-    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
     monkeypatch.chdir(synthetic.parent)
     run_quantize(QuantizeJob(**{**job.__dict__, "model": f"./{synthetic.name}/", "resume": True}))
     manifest = json.loads((tmp_path / "b" / "quantkit_manifest.json").read_text())
@@ -536,10 +534,7 @@ def test_resume_takes_the_same_model_however_spelt(synthetic, calib_txt, tmp_pat
 @pytest.mark.parametrize("content", ['{"layers": ', "[]", '{"model": "x"}', "no sha256", "no model", "recipe=123",
                                      "recipe=a: [1", "recipe=- a list", "weights=[]"])
 def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, content):
-    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
     path = tmp_path / "b.partial" / "quantkit_journal.json"
     if content.startswith("no "):  # a journal that reads, without a field a resume takes
         journal = json.loads(path.read_text())
@@ -563,10 +558,7 @@ def test_resume_with_a_damaged_journal_says_so(synthetic, calib_txt, tmp_path, c
 def test_resume_of_a_run_another_quantkit_began_is_refused(synthetic, calib_txt, tmp_path, fields, writer):
     """A journal written by another quantkit version or journal format is named as such (an older one lacking a
     field had read as damaged), and not resumed: its layers could come from other arithmetic."""
-    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
     path = tmp_path / "b.partial" / "quantkit_journal.json"
     journal = json.loads(path.read_text())
     for key, value in fields.items():
@@ -1140,10 +1132,7 @@ def test_a_run_killed_before_its_journal_can_be_restarted(synthetic, calib_txt, 
 
 
 def test_resume_removes_stray_directories_from_the_work_dir(synthetic, calib_txt, tmp_path):
-    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
-    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
-    with pytest.raises(KeyboardInterrupt):
-        run_quantize(job, _InterruptAfter(1))
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
     (tmp_path / "b.partial" / "stray" / "deep").mkdir(parents=True)
     run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
     assert not (tmp_path / "b" / "stray").exists()
