@@ -75,8 +75,8 @@ def _check_transformers_loads(path: Path, method: str | None) -> None:
     if method is None or method in AUTO_QUANTIZATION_CONFIG_MAPPING:
         return
     if fmt := next((name for name, packer in PACKERS.items() if packer.quant_method == method), None):
-        raise ArtifactError(f"{path} is a quantkit artifact (export format {fmt}) without its {MANIFEST}, which "
-                            "quantkit reads it by; copy the artifact again, or quantize again")
+        raise ArtifactError(f"{path} is a quantkit artifact (export format {fmt}) without its {MANIFEST}; copy the "
+                            "artifact again, or quantize again")
     raise QuantkitError(f"{path}: quantization method {method!r} (config.json's quantization_config), which "
                         "transformers cannot load and quantkit did not write")
 
