@@ -478,3 +478,23 @@ def test_a_killed_fisher_computation_leaves_nothing_behind(tmp_path, calib_txt, 
         running.wait()
     names = sorted(p.name for p in fisher.iterdir())
     assert stale.name not in names and live.name in names and ".unstamped.tmp" in names
+
+
+def test_anyprec_packer_refuses_infinite_centroids_and_missing_planes():
+    """An infinite centroid passes the fp16 round trip (inf == inf) but is no table entry: refused. An artifact
+    missing its last plane reads as 7-bit codes, which an 8-bit spec must refuse rather than unpack."""
+    from quantkit.formats.anyprec import AnyPrecisionPacker
+    from quantkit.formats.base import ExportError
+    from quantkit.quantizers import QuantizedLinear
+    from quantkit.recipe import load_recipe
+
+    q, _, _ = _codebook_result()
+    packer = AnyPrecisionPacker(load_recipe("anyprec-3to8"), torch.float16)
+    lut = q.qparams.lut.clone()
+    lut[0, -1] = float("inf")
+    infinite = QuantizedLinear(q.codes, q.qparams.map(lambda f, t: lut if f == "lut" else t), q.spec)
+    with pytest.raises(ExportError, match="finite"):
+        packer.pack(infinite)
+    packed = packer.pack(q)
+    with pytest.raises(ExportError, match="7 planes"):
+        packer.unpack(dict(packed, qweight=packed["qweight"][:7]), q.spec)

@@ -233,3 +233,41 @@ def test_atom_packer_round_trip_and_refusals():
     with pytest.raises(ExportError, match="int16 reorder_index"):
         packer.check("mlp.down_proj", spec, (32, 32768 + 128))
     packer.check("mlp.down_proj", spec, (32, 32768))  # indices 0 .. 32767 fit
+
+
+def _atom_linear():
+    from quantkit.quantizers import QuantizedLinear
+
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128, outliers=128, row_block=2)
+    w, _, order = _problem(n=32, k=384)
+    codes, qp, g_idx = ordered_quantize(w, spec, order)
+    return QuantizedLinear(codes, qp, spec, g_idx)
+
+
+def test_atom_packer_refuses_what_its_layout_cannot_hold():
+    """An INT4 code outside [-8, 7], a scale fp16 cannot hold, column groups other than 128 + 128 outliers, and
+    K = 128 (outliers only, no INT4 group) are refused, not written wrong."""
+    from quantkit.formats.atom import AtomPacker
+    from quantkit.formats.base import ExportError
+    from quantkit.quantizers import QuantizedLinear
+    from quantkit.recipe import load_recipe
+
+    packer = AtomPacker(load_recipe("atom-w4a4"), torch.float16)
+    q = _atom_linear()
+    packer.pack(q)
+    normal_col = int(torch.nonzero(q.g_idx == 0)[0])
+    for bad in (8, -9):
+        codes = q.codes.clone()
+        codes[0, normal_col] = bad
+        with pytest.raises(ExportError, match=r"outside \[-8, 7\]"):
+            packer.pack(QuantizedLinear(codes, q.qparams, q.spec, q.g_idx))
+    scale = q.qparams.scale.clone()
+    scale[0, 0] = 0.1  # not an fp16 value
+    with pytest.raises(ExportError, match="fp16"):
+        packer.pack(QuantizedLinear(q.codes, q.qparams.map(lambda f, t: scale if f == "scale" else t), q.spec, q.g_idx))
+    g_idx = q.g_idx.clone()
+    g_idx[normal_col] = 1  # groups of 127 and 129
+    with pytest.raises(ExportError, match="groups of 128"):
+        packer.pack(QuantizedLinear(q.codes, q.qparams, q.spec, g_idx))
+    with pytest.raises(ExportError, match="positive multiple"):
+        packer.check("mlp.down_proj", q.spec, (32, 128))

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantkit.formats.base import ExportError
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker, pack_int32, unpack_int32
 from quantkit.quantizers import QuantizedLinear, QuantSpec, compute_qparams, quantize
 from quantkit.recipe import load_recipe
@@ -174,3 +175,34 @@ def test_pack_in_row_slices_equals_library(chunk, dim):
         assert torch.equal(unpack_int32(ours, 4, codes.shape[dim], dim), codes)
     finally:
         ct._CHUNK = previous
+
+
+def test_per_tensor_scale_and_int_quantized_zero_point_shapes():
+    """compressed-tensors' tensor strategy stores weight_scale as [1]; an int-quantized (W8A8) asymmetric zero point
+    has the scale's shape [N, 1], as the library's observers make them."""
+    torch.manual_seed(3)
+    w = torch.randn(16, 64)
+    spec = QuantSpec(bits=4, symmetric=True, granularity="tensor")
+    qp = compute_qparams(w, spec)
+    tensors = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), torch.float16).pack(
+        QuantizedLinear(quantize(w, qp, spec), qp, spec))
+    assert tensors["weight_scale"].shape == (1,)
+    spec = QuantSpec(bits=8, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    tensors = CompressedTensorsPacker(load_recipe("rtn-w8a8"), torch.float16).pack(
+        QuantizedLinear(quantize(w, qp, spec), qp, spec))
+    assert tensors["weight"].dtype == torch.int8
+    assert tensors["weight_zero_point"].shape == tensors["weight_scale"].shape == (16, 1)
+
+
+def test_check_group_must_divide_k_and_actorder_only_for_groups():
+    """A group size that does not divide K is refused up front; the config's actorder belongs to group strategies
+    only (compressed-tensors rejects actorder on channel weights)."""
+    packer = CompressedTensorsPacker(load_recipe("gptq-w4a16-g128"), torch.float16)
+    with pytest.raises(ExportError, match="group size 128 does not divide input width 96"):
+        packer.check("mlp.down_proj", QuantSpec(bits=4, group_size=128), (64, 96))
+    roles = ("qkv", "o", "gate_up", "down")
+    group = packer.quantization_config(dict.fromkeys(roles, QuantSpec(bits=4, group_size=128)))
+    assert group["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    channel = packer.quantization_config(dict.fromkeys(roles, QuantSpec(bits=4, granularity="channel")))
+    assert channel["config_groups"]["group_0"]["weights"]["actorder"] is None

@@ -313,3 +313,34 @@ def test_emulation_matches_the_reference_dequant_at_the_extremes(fmt, group, rec
     x[0] = 0.0
     check = check_against_reference(emulate(fmt, tensors, x), weight, x)
     assert check.exact and check.rel_error < 4e-3
+
+
+def test_int8_gemm_reports_negative_int32_overflow():
+    """-127 * 127 * 140000 = -2.26e9 lies below int32's -2^31: reported like the positive overflow."""
+    big = np.full((1, 140000), 127, dtype=np.int64)
+    with pytest.raises(OverflowError):
+        int8_gemm(-big, big)
+
+
+def test_anyprec_gemv_sums_in_word_order_then_the_xor_tree():
+    """The float32 order is part of the kernel's bits. One row of 1024 columns, 3 bits, table [0, 1, 2048]:
+    token 0 puts 2^24 on thread 0, 1 on thread 1 and -2^24 on thread 16, so the tree (16 first) gives
+    (2^24 - 2^24) + 1 = 1 where pairing 0 with 1 first would lose the 1 (2^24 + 1 rounds to 2^24);
+    token 1 puts 2^24, 1, -2^24 on thread 0's weights u = 0, 1, 2, whose word-order sum is 0 (the 1 is lost)."""
+    from quantkit.emulate import emulate_anyprec
+    from quantkit.formats.anyprec_layout import column_map, pack_planes
+
+    cmap = column_map(1024)
+    assert (cmap[0, 0], cmap[0, 1], cmap[0, 2], cmap[1, 0], cmap[16, 0]) == (0, 1, 2, 8, 128)
+    codes = np.zeros((1, 1024), dtype=np.int64)
+    codes[0, [0, 2, 128]] = 2  # table entry 2048
+    codes[0, [1, 8]] = 1  # table entry 1
+    lut = np.zeros((1, 8), dtype=np.float16)
+    lut[0, 1], lut[0, 2] = 1, 2048
+    tensors = {"qweight": torch.from_numpy(pack_planes(codes, 3)), "lut3": torch.from_numpy(lut)}
+    x = np.zeros((2, 1024), dtype=np.float32)
+    x[0, 0], x[0, 8], x[0, 128] = 8192, 1, -8192  # threads 0, 1, 16
+    x[1, 0], x[1, 1], x[1, 2] = 8192, 1, -8192  # thread 0, u = 0, 1, 2
+    decoded, y = emulate_anyprec(tensors, x, 3)
+    assert np.array_equal(decoded, codes)
+    assert y.dtype == np.float16 and y[:, 0].tolist() == [1.0, 0.0]

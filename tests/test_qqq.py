@@ -227,3 +227,46 @@ def test_recipes_run_on_stories260k(stories260k, tinystories_txt, tmp_path, reci
     manifest = json.loads((out / MANIFEST).read_text())
     assert all(r["rel_error"] < 0.5 for r in manifest["layers"])
     assert "simulating A8 per-token" in load_for_eval(out).description
+
+
+def _group_linear(code: int, r: float) -> QuantizedLinear:
+    """A finished per-group linear [64, 128]: all codes 0 but code[0, 0], every ratio 1 but ratio[0, 0] = r."""
+    codes = torch.zeros(64, 128, dtype=torch.int8)
+    codes[0, 0] = code
+    ratio = torch.ones(64, 1)
+    ratio[0, 0] = r
+    qp = QParams(scale=ratio.clone(), zero=None, group_size=128, s_channel=torch.ones(64, 1), ratio=ratio)
+    return QuantizedLinear(codes, qp, PER_GROUP)
+
+
+def test_packer_refuses_an_int8_weight_of_128():
+    """-8 * 15.9375 = -127.5 rounds half-to-even to -128 (the kernel's hfma2 too): outside QQQ's [-127, 127], so
+    refused; -8 * 15.875 = -127 packs."""
+    assert float(np.float16(15.9375)) == 15.9375
+    assert int(kernel_int8(pack_b(np.array([[-8]]).repeat(128, 0).repeat(64, 1) + 8, True),
+                           permute_columns(np.full((1, 64), np.float16(15.9375)), SCALE_PERM))[0, 0]) == -128
+    with pytest.raises(ExportError, match=r"\[-127, 127\]"):
+        _packer().pack(_group_linear(-8, 15.9375))
+    _packer().pack(_group_linear(-8, 15.875))
+
+
+def test_packer_refuses_ratios_that_are_not_fp16():
+    """s_group is fp16: a ratio fp16 cannot hold (1 + 2^-12) is refused rather than rounded silently."""
+    with pytest.raises(ExportError, match="fp16 ratios"):
+        _packer().pack(_group_linear(1, 1 + 2**-12))
+
+
+def test_per_channel_packer_refuses_code_minus_8():
+    """Per channel QQQ stores the narrow range [-7, 7]; a code -8 is refused."""
+    q = _linear(PER_CHANNEL)
+    codes = q.codes.clone()
+    codes[0, 0] = -8
+    with pytest.raises(ExportError, match="narrow_range"):
+        _packer().pack(QuantizedLinear(codes, q.qparams, PER_CHANNEL))
+
+
+def test_per_channel_unpack_agrees_with_the_kernel_for_every_nibble():
+    """For arbitrary words (every nibble 0..15, 8 included), the unpacked signed code times 16 is exactly the INT8
+    value the kernel's `w & 0xF0F0F0F0` masking reads: nibble 8 is -8, not +8."""
+    b = np.random.default_rng(5).integers(-(2**31), 2**31, (8, 128)).astype(np.int32)  # K = 128, N = 64
+    assert np.array_equal(16 * unpack_b(b, per_group=False), kernel_int8(b, None))

@@ -389,3 +389,32 @@ def test_emulation_shape_errors():
         emulate_group_dequant(qweight, s2_scales, s2_zeros, group_size=64)  # expects [2, 32]
     with pytest.raises(ValueError):
         emulate_group_dequant(qweight, s2_scales, s2_zeros, group_size=100)
+
+
+def test_group_params_refuse_s2_past_int8():
+    """s2 = 128 does not fit the int8 s2_scales (it would wrap to -128): refused, while 127 packs."""
+    zero = torch.zeros(32, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"1\.\.127"):
+        pack_group_params(torch.full((32, 1), 128), zero)
+    s2_scales, _ = pack_group_params(torch.full((32, 1), 127), zero)
+    assert int(s2_scales.min()) == 127
+
+
+def test_reference_level2_scale_rounds_to_nearest():
+    """Group [-33, 119] with s1 = 1: s2 = round(152 / 15 = 10.13) = 10 (not the ceiling 11), z = round(3.3) = 3,
+    and 119 -> round(11.9 + 3) = 15 (clamped), -33 -> round(-0.3) = 0, 0 -> 3."""
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -33.0, 119.0
+    codes, s1, s2, zero = progressive_quantize_reference(w, group_size=32)
+    assert (float(s1[0]), int(s2[0, 0]), int(zero[0, 0])) == (1.0, 10, 3)
+    assert codes[0, :3].tolist() == [0, 15, 3]
+
+
+def test_reference_level1_clamps_to_the_protective_range():
+    """max|w| = 119 * 4097 / 4096 rounds s1 = fp16(1.000244) down to 1, so w / s1 = 119.03 must clamp to 119:
+    group [-8.5, 119] gives s2 = round(127.5 / 15 = 8.5) = 8 (ties to even), where 119.03 would give 9."""
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -8.5, 119 * 4097 / 4096
+    codes, s1, s2, zero = progressive_quantize_reference(w, group_size=32)
+    assert (float(s1[0]), int(s2[0, 0]), int(zero[0, 0])) == (1.0, 8, 1)  # z = round(8.5 / 8 = 1.06) = 1
+    assert codes[0, :3].tolist() == [0, 15, 1]

@@ -10,7 +10,13 @@ from quantkit.formats import get_packer
 from quantkit.formats.base import ExportError
 from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 from quantkit.formats.qserve import QServePacker
-from quantkit.formats.qserve_layout import emulate_group_dequant, pack_qweight, s2_order, unpack_qweight
+from quantkit.formats.qserve_layout import (
+    emulate_group_dequant,
+    pack_group_params,
+    pack_qweight,
+    s2_order,
+    unpack_qweight,
+)
 from quantkit.quantizers import (
     QParams,
     QuantizedLinear,
@@ -363,3 +369,75 @@ def test_omniserve_norm_note_only_where_norms_are_not_ones(recipe, overrides, wa
     packer = QServePacker(load_recipe(recipe, overrides), torch.float16)
     notes = packer.notes(dict.fromkeys(("qkv", "o", "gate_up", "down"), group_spec(128)))
     assert any("ignores every '*norm*' tensor" in n for n in notes) == warned
+
+
+def test_unpack_code_bounds_keep_every_code_in_int8():
+    """For every storable (s2, z_u) (z_u * s2 <= 128), unpack's per-group code bounds are the smallest and largest
+    UINT4 codes u with (u - z_u) * s2 in [-128, 127], found here by trying all 16 codes (e.g. s2 = 16, z_u = 8:
+    u = 0 gives -128, so the lowest signed code is -8)."""
+    pairs = [(s2, z) for s2 in range(1, 128) for z in range(16) if z * s2 <= 128]
+    n = -(-len(pairs) // 32) * 32
+    pairs += [(1, 0)] * (n - len(pairs))
+    s2 = torch.tensor([[p[0]] for p in pairs])
+    zero = torch.tensor([[p[1]] for p in pairs])
+    s2_scales, s2_zeros = pack_group_params(s2, zero)
+    tensors = {"qweight": pack_qweight(torch.zeros(n, 32, dtype=torch.uint8)), "s1_scales": torch.ones(n).half(),
+               "s2_scales": s2_scales, "s2_zeros": s2_zeros}
+    qp = make_packer().unpack(tensors, group_spec(32)).qparams
+    for i, (s, z) in enumerate(pairs):
+        fits = [u for u in range(16) if -128 <= (u - z) * s <= 127]
+        assert (int(qp.code_lo[i, 0]), int(qp.code_hi[i, 0])) == (min(fits) - 8, max(fits) - 8), (s, z)
+        assert int(qp.zero[i, 0]) == z - 8 and float(qp.s2[i, 0]) == s
+
+
+def test_unpack_refuses_s2_zeros_that_are_no_multiple_of_s2():
+    """A damaged s2_zeros (-7 beside s2 = 3) names no integer zero: unpack refuses it rather than flooring."""
+    s2_scales, s2_zeros = pack_group_params(torch.full((32, 1), 3), torch.full((32, 1), 2))
+    assert int(s2_zeros[0, 0]) == -6
+    s2_zeros[0, 0] = -7
+    tensors = {"qweight": pack_qweight(torch.zeros(32, 32, dtype=torch.uint8)), "s1_scales": torch.ones(32).half(),
+               "s2_scales": s2_scales, "s2_zeros": s2_zeros}
+    with pytest.raises(ExportError, match="negated multiple"):
+        make_packer().unpack(tensors, group_spec(32))
+
+
+def test_per_channel_unpack_recovers_the_zero_only_when_szero_is_a_multiple():
+    """Scale 0.5 with szero 1.5 = 3 * 0.5 gives z_u = 3 (signed -5); szero 0.75 is no multiple of 0.5, so no integer
+    zero is claimed, and the weights still dequantize through szero: w = q_u * 0.5 - 0.75."""
+    codes = torch.arange(32 * 32).reshape(32, 32) % 16
+    for szero, zero in ((1.5, -5), (0.75, None)):
+        tensors = {"qweight": pack_qweight(codes), "s1_scales": torch.full((32,), 0.5).half(),
+                   "s1_szeros": torch.full((32,), szero).half()}
+        back = make_packer().unpack(tensors, CHANNEL)
+        if zero is None:
+            assert back.qparams.zero is None
+        else:
+            assert torch.equal(back.qparams.zero, torch.full((32, 1), zero, dtype=torch.int32))
+        assert torch.equal(back.dequantize(), codes.float() * 0.5 - szero)
+
+
+def test_pack_refuses_a_scale_other_than_s1_times_s2():
+    """The progressive export stores s1 and s2 only: a scale that is not their exact product cannot be stored."""
+    q = quantized(random_weight(32, 256, seed=6), group_spec(128))
+    scale = q.qparams.scale.clone()
+    scale[0, 0] *= 1.5
+    qp = q.qparams.map(lambda f, t: scale if f == "scale" else t)
+    with pytest.raises(ExportError, match=r"s1 \* s2"):
+        make_packer().pack(QuantizedLinear(q.codes, qp, q.spec))
+
+
+def test_check_refuses_protective_range_from_120():
+    """119 is the largest protective range whose scaled zeros always fit int8: 119 passes, 120 is refused."""
+    packer = make_packer()
+    packer.check(MODULE, group_spec(128, protect=119), (64, 256))
+    with pytest.raises(ExportError, match="protective_range <= 119"):
+        packer.check(MODULE, group_spec(128, protect=120), (64, 256))
+
+
+def test_pack_refuses_codes_outside_signed_int4():
+    """A signed code 8 (UINT4 16) cannot be stored: the packer says so as an ExportError, not a layout ValueError."""
+    q = quantized(random_weight(32, 128, seed=8), CHANNEL)
+    codes = q.codes.clone()
+    codes[0, 0] = 8
+    with pytest.raises(ExportError, match=r"\[-8, 7\]"):
+        make_packer().pack(QuantizedLinear(codes, q.qparams, CHANNEL))

@@ -143,3 +143,96 @@ def test_per_token_matches_the_formula_and_leaves_its_input_alone(symmetric, dty
         zero = torch.round(-lo / scale)
         want = ((torch.round(xf / scale) + zero).clamp(0, 15) - zero) * scale
     assert out.dtype == dtype and torch.equal(out, want.to(dtype))
+
+
+def test_asymmetric_zero_is_rounded_to_nearest_not_floored():
+    """Range [-1.75, 13.25]: scale 15 / 15 = 1, zero = round(-8 + 1.75) = round(-6.25) = -6 (a floor would give -7)."""
+    w = torch.tensor([[-1.75, 13.25, 0.0, 5.6]])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 1.0 and qp.zero.item() == -6
+    q = quantize(w, qp, spec)
+    assert q.tolist() == [[-8, 7, -6, 0]]  # round(-1.75) - 6, round(13.25) - 6, 0 - 6, round(5.6) - 6
+    assert dequantize(q, qp).tolist() == [[-2.0, 13.0, 0.0, 6.0]]
+
+
+def test_asymmetric_all_positive_row_scales_over_zero_to_max():
+    """All-positive row [3, 7.5]: the range widens to [0, 7.5], so scale = 7.5 / 15 = 0.5 (not (7.5 - 3) / 15)."""
+    w = torch.tensor([[3.0, 7.5, 4.5, 6.0]])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 0.5 and qp.zero.item() == -8
+    assert quantize(w, qp, spec).tolist() == [[-2, 7, 1, 4]]  # w / 0.5 - 8, exact
+
+
+def test_scaled_zero_form_codes_hand_worked():
+    """zero_form 'scaled' (QServe per channel): szero = fp16((zero + 8) * scale) = 2, and the codes are
+    round((w + szero) / scale) - 8, so w_hat = (q + 8) * scale - szero equals the integer-zero form's."""
+    w = torch.tensor([[-1.75, 13.25, 0.0, 5.6]])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel", zero_form="scaled")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 1.0 and qp.zero.item() == -6 and qp.szero.item() == 2.0 and qp.code_offset == 8
+    q = quantize(w, qp, spec)
+    assert q.tolist() == [[-8, 7, -6, 0]]  # round(0.25) - 8, round(15.25) - 8, 2 - 8, round(7.6) - 8
+    assert dequantize(q, qp).tolist() == [[-2.0, 13.0, 0.0, 6.0]]
+
+
+PROGRESSIVE_G32 = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True)
+
+
+def test_progressive_level2_scale_rounds_to_nearest_and_codes_round_half_even():
+    """Group [-33, 119] (s1 = fp16(119 / 119) = 1): s2 = round(152 / 15 = 10.13) = 10 (a ceiling gives 11),
+    z_u = round(3.3) = 3; 25 / 10 = 2.5 is a tie, round-half-even gives 2, so its code is 2 + 3 - 8 = -3."""
+    w = torch.zeros(1, 32)
+    w[0, :3] = torch.tensor([-33.0, 119.0, 25.0])
+    qp = compute_qparams(w, PROGRESSIVE_G32)
+    assert qp.s1.item() == 1.0 and qp.s2.item() == 10.0 and qp.zero.item() == 3 - 8
+    # code bounds: z_u - floor(128 / 10) < 0 -> 0, z_u + floor(127 / 10) = 15
+    assert (qp.code_lo.item(), qp.code_hi.item()) == (-8, 7)
+    assert quantize(w, qp, PROGRESSIVE_G32)[0, :4].tolist() == [-8, 7, -3, -5]  # -3.3 -> -3, 11.9 -> 12 (clamped)
+
+
+def test_progressive_level1_clamps_to_the_protective_range():
+    """max|w| = 119 * 4097 / 4096 gives s1 = fp16(1.000244) = 1, so w / s1 exceeds 119 and must clamp to it:
+    group [-8.5, 119] -> s2 = round(127.5 / 15 = 8.5) = 8 (ties to even); unclamped, 127.53 / 15 would give 9."""
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -8.5, 119 * 4097 / 4096
+    qp = compute_qparams(w, PROGRESSIVE_G32)
+    assert qp.s1.item() == 1.0 and qp.s2.item() == 8.0 and qp.zero.item() == 1 - 8  # z_u = round(8.5 / 8) = 1
+    assert quantize(w, qp, PROGRESSIVE_G32)[0, :3].tolist() == [-8, 7, -7]
+
+
+def test_progressive_code_floor_reaches_minus_128():
+    """P = 127, group [-127, 110]: s1 = 1, s2 = round(237 / 15 = 15.8) = 16, z_u = round(127 / 16) = 8; the lowest
+    code u = 0 gives (0 - 8) * 16 = -128, still INT8, so code_lo = 0 - 8 (z_u - floor(128 / s2)), not -7."""
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True,
+                     protective_range=127)
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -127.0, 110.0
+    qp = compute_qparams(w, spec)
+    assert (qp.s1.item(), qp.s2.item(), qp.zero.item() + 8) == (1.0, 16.0, 8)
+    assert (qp.code_lo.item(), qp.code_hi.item()) == (-8, 7)  # z_u + floor(127 / 16) = 15
+    q = quantize(w, qp, spec)
+    assert q[0, :2].tolist() == [-8, 7]  # round(-7.94) = -8; round(6.875) = 7
+    assert dequantize(q, qp)[0, :2].tolist() == [-128.0, 112.0]
+
+
+def test_lqq_clip_narrows_the_int8_level1_values():
+    """LiquidQuant level 2 clips the rounded INT8 values: x8 = round(-10.6) = -11, and with clip 0.5 the offset is
+    round(-11 * 0.5 = -5.5) = -6 (ties to even), not round(-10.6 * 0.5 = -5.3) = -5; s2 = round(66 / 15) = 4."""
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True, level2="lqq")
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -10.6, 119.0
+    qp = compute_qparams(w, spec, clip_ratio=0.5)
+    assert qp.s1.item() == 1.0 and qp.offset.item() == -6.0 and qp.s2.item() == 4.0  # hi = round(59.5) = 60
+
+
+def test_search_qparams_tries_the_smallest_ratio():
+    """grid=1 compares exactly the ratios 1.0 and min_ratio = 0.8. Row [7.5, 2.4 x 127]: at 1.0 (scale 1) each 2.4
+    is off by 0.4 (127 * 0.4^2.4 = 14.1); at 0.8 (scale fp16(0.8)) the 2.4s are exact codes 3 and only 7.5 clips
+    to 7 * 0.8 (1.9^2.4 = 4.7), so the search must return the 0.8 scale."""
+    w = torch.full((1, 128), 2.4)
+    w[0, 0] = 7.5
+    spec = QuantSpec(bits=4, symmetric=True, granularity="channel")
+    best = search_qparams(w, spec, grid=1)
+    assert best.scale.item() == torch.tensor(0.8).half().item()
