@@ -5,7 +5,8 @@ Conventions (shared by every pass and packer, and matching compressed-tensors):
 - symmetric: scale = clip * amax / ((qmax - qmin) / 2), no zero point (GPTQ/compressed-tensors full range);
 - asymmetric: [min, max] widened to include 0, scale = clip * (max - min) / (2^b - 1),
   zero = round(qmin - min / scale) clamped to [qmin, qmax];
-- q = clamp(round(w / scale) + zero, qmin, qmax), w_hat = (q - zero) * scale;
+- q = clamp(round(w / scale + zero), qmin, qmax) (the zero added before rounding, as QServe's Eq. 7 and
+  compressed-tensors do; ties go to even), w_hat = (q - zero) * scale;
 - scales are rounded to the storage dtype (fp16 by default) *before* codes are computed, so the stored
   artifact dequantizes to exactly the weights the calibration and eval used.
 
@@ -400,15 +401,14 @@ def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
         x = (w / qp.s1.to(w.device).reshape(-1, *([1] * (w.ndim - 1)))).clamp(-qp.protect, qp.protect)
         if qp.offset is not None:  # LQQ: unsigned codes of the INT8 values above the group minimum
             q = torch.round((torch.round(x) - ex(qp.offset)) / ex(qp.s2)) - qp.code_offset
-        else:
-            q = torch.round(x / ex(qp.s2)) + ex(qp.zero)
+        else:  # QServe's Eq. 7, round(x / s + z): the zero is added before rounding (ties-to-even sees it)
+            q = torch.round(x / ex(qp.s2) + ex(qp.zero))
         return torch.maximum(torch.minimum(q, ex(qp.code_hi).float()), ex(qp.code_lo).float())
     if qp.szero is not None:
         q = torch.round((w + ex(qp.szero)) / ex(qp.scale)) - qp.code_offset
     else:
-        q = torch.round(w / ex(qp.scale))
-        if qp.zero is not None:
-            q = q + ex(qp.zero)
+        q = w / ex(qp.scale)
+        q = torch.round(q if qp.zero is None else q + ex(qp.zero))  # as Eq. 7 and compressed-tensors round
     return q.clamp(spec.qmin, spec.qmax)
 
 

@@ -206,3 +206,20 @@ def test_check_group_must_divide_k_and_actorder_only_for_groups():
     assert group["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
     channel = packer.quantization_config(dict.fromkeys(roles, QuantSpec(bits=4, granularity="channel")))
     assert channel["config_groups"]["group_0"]["weights"]["actorder"] is None
+
+
+def test_asymmetric_codes_equal_the_librarys_on_ties():
+    """compressed-tensors quantizes round(w / s + z) with ties to even; a row of half-steps (w / s = k + 0.5 for
+    every odd w) gets the library's codes exactly, where round(w / s) + z differs on each tie."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize as library_quantize
+
+    w = torch.zeros(4, 16)
+    w[:, 0], w[:, 1] = -2.0, 28.0  # scale 2, zero -7: every odd w lands on a tie
+    w[:, 2:] = torch.arange(14).float() / 2 + torch.arange(4)[:, None]
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert torch.equal(qp.scale.float(), torch.full((4, 1), 2.0))
+    library = library_quantize(w, qp.scale.float(), qp.zero.to(torch.int8),
+                               QuantizationArgs(num_bits=4, symmetric=False, strategy="channel"))
+    assert torch.equal(quantize(w, qp, spec), library.to(torch.int8))

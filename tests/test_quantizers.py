@@ -182,14 +182,30 @@ PROGRESSIVE_G32 = QuantSpec(bits=4, symmetric=False, granularity="group", group_
 
 def test_progressive_level2_scale_rounds_to_nearest_and_codes_round_half_even():
     """Group [-33, 119] (s1 = fp16(119 / 119) = 1): s2 = round(152 / 15 = 10.13) = 10 (a ceiling gives 11),
-    z_u = round(3.3) = 3; 25 / 10 = 2.5 is a tie, round-half-even gives 2, so its code is 2 + 3 - 8 = -3."""
+    z_u = round(3.3) = 3. 25 / 10 = 2.5 is a tie: QServe's Eq. 7 rounds x / s + z = 5.5 to even, u = 6 (code -2);
+    rounding 2.5 first and adding z would give 2 + 3 = 5. The packer's reference agrees code for code."""
+    from quantkit.formats.qserve_layout import progressive_quantize_reference
+
     w = torch.zeros(1, 32)
     w[0, :3] = torch.tensor([-33.0, 119.0, 25.0])
     qp = compute_qparams(w, PROGRESSIVE_G32)
     assert qp.s1.item() == 1.0 and qp.s2.item() == 10.0 and qp.zero.item() == 3 - 8
     # code bounds: z_u - floor(128 / 10) < 0 -> 0, z_u + floor(127 / 10) = 15
     assert (qp.code_lo.item(), qp.code_hi.item()) == (-8, 7)
-    assert quantize(w, qp, PROGRESSIVE_G32)[0, :4].tolist() == [-8, 7, -3, -5]  # -3.3 -> -3, 11.9 -> 12 (clamped)
+    codes = quantize(w, qp, PROGRESSIVE_G32)
+    assert codes[0, :4].tolist() == [-8, 7, -2, -5]  # -3.3 -> 0 - 8, 14.9 -> 15 - 8, 5.5 -> 6 - 8, 3 -> 3 - 8
+    assert torch.equal(codes.long() + 8, progressive_quantize_reference(w, group_size=32)[0].long())
+
+
+def test_asymmetric_codes_add_the_zero_before_rounding():
+    """Eq. 7, round(w / s + z) with ties to even, on a tie: w = 1, s = 2, z = 1 gives round(1.5) = 2, where
+    round(0.5) + 1 = 1. Asymmetric 4-bit over [-2, 28]: s = 30 / 15 = 2, z = round(1) = 1 (signed domain: -7)."""
+    w = torch.zeros(1, 8)
+    w[0, :3] = torch.tensor([-2.0, 28.0, 1.0])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    assert qp.scale.item() == 2.0 and qp.zero.item() == 1 - 8
+    assert quantize(w, qp, spec)[0, :4].tolist() == [-8, 7, -6, -7]  # round(1.5 - 7 = -5.5) = -6; 0 -> z
 
 
 def test_progressive_level1_clamps_to_the_protective_range():
