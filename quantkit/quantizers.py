@@ -481,8 +481,10 @@ def fake_quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = Tr
                             ) -> torch.Tensor:
     """Dynamic per-token activation quantization (last dim): s = amax / qmax (times `clip_ratio`, for symmetric),
     q = round(x / s), as `emulate.quantize_tokens`. QServe's and vLLM's kernels round x * (127 / amax) instead,
-    which moved 1.3 codes in 10^6 by one step on outlier-heavy fp16 rows; vLLM's asymmetric kernel takes the
-    token's own [min, max] where this range always holds 0, which differs only for a token of one sign."""
+    which moved 1.3 codes in 10^6 by one step on outlier-heavy fp16 rows. Asymmetric: round(x / s) + z, the zero
+    added after rounding as vLLM's azp kernel does (`float_to_int32_rn(val / scale) + azp`), unlike the weights'
+    Eq. 7; that kernel takes the token's own [min, max] where this range always holds 0, which differs only for a
+    token of one sign."""
     qmax = (1 << (bits - 1)) - 1
     xf = x.float()
     # amax and amin are single fast reductions, while abs() costs a full temporary; the chain below works in
