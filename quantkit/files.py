@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,17 @@ def take_lock(path: Path) -> int | None:
     remains (`stamped_owner`)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except OSError:  # no flock here (ENOLCK, EINVAL): the stamp is the lock
-        pass
+        for attempt in range(3):  # another run's `lock_held` probe holds it for an instant: try again, briefly
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 2:
+                    os.close(fd)
+                    return None
+                time.sleep(0.05)
+            except OSError:  # no flock here (ENOLCK, EINVAL): the stamp is the lock
+                break
     except BaseException:
         os.close(fd)
         raise

@@ -382,6 +382,26 @@ def test_a_run_lock_ends_with_its_process(tmp_path):
     os.close(fd)
 
 
+def test_a_lock_probe_does_not_refuse_a_run_taking_the_lock(tmp_path):
+    """Another run's check probes the lock by taking it for an instant (`lock_held`); a run that takes the lock in
+    that instant waits the probe out rather than being refused."""
+    import fcntl
+    import threading
+
+    from quantkit.files import take_lock
+
+    path = tmp_path / "quantkit_run.lock"
+    path.touch()
+    probe = os.open(path, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    release = threading.Timer(0.03, os.close, [probe])
+    release.start()
+    fd = take_lock(path)
+    release.join()
+    assert fd is not None
+    os.close(fd)
+
+
 def test_unwritable_or_unnamed_outputs_are_refused_before_the_model_is_read(synthetic, calib_txt, tmp_path):
     (tmp_path / "afile").write_text("x")
     for output, match in ((".", "name the output directory itself"),
