@@ -31,7 +31,7 @@ from quantkit.files import (
     atomic_write_with,
     cannot_write,
     lock_held,
-    stamped_owner,
+    lock_owner,
     take_lock,
 )
 
@@ -239,7 +239,7 @@ class OutputDir:
         """The lock of work dir `work`, held; an error if another run holds it."""
         fd = take_lock(work / LOCK)
         if fd is None:
-            raise ArtifactError(f"another quantkit run ({stamped_owner(work / LOCK) or 'a process of this host'}) "
+            raise ArtifactError(f"another quantkit run ({lock_owner(work / LOCK) or 'a process of this host'}) "
                                 f"is writing {self.work}; wait for it")
         return fd
 
@@ -253,12 +253,7 @@ class OutputDir:
         """The live run whose lock is in the work dir ("pid N on HOST"), or None: this run, no lock, or the lock of a
         run that has ended (a kill leaves the file behind, not its flock). A stamp of another host counts as live:
         its pid cannot be checked."""
-        if self._lock is not None:
-            return None
-        lock = self.work / LOCK
-        if lock_held(lock):
-            return stamped_owner(lock) or "a process of this host"
-        return stamped_owner(lock)
+        return None if self._lock is not None else lock_owner(self.work / LOCK)
 
     def save_journal(self, journal: dict[str, Any]) -> None:
         atomic_write(self.work / JOURNAL, json.dumps(journal, indent=1))

@@ -99,6 +99,15 @@ def lock_held(path: Path) -> bool:
     return False
 
 
+def lock_owner(path: Path) -> str | None:
+    """The live process holding `path`'s lock ("pid N on HOST"), or None: no one, this process, or one that has
+    ended. On this host the flock of `take_lock` decides where it is held (a kill frees it); otherwise the stamp
+    (`stamped_owner`), by which another host's counts as live."""
+    if lock_held(path):
+        return stamped_owner(path) or "a process of this host"
+    return stamped_owner(path)
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write `data` to `path` via a temp file in the same directory (fsynced) and a rename."""
 

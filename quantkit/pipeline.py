@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import resource
 import shutil
@@ -50,7 +51,7 @@ from quantkit.calib import (
 )
 from quantkit.errors import QuantkitError, dtype_name
 from quantkit.eval.perplexity import WIKITEXT_FILE
-from quantkit.files import atomic_write, owner_stamp, stamped_owner
+from quantkit.files import atomic_write, lock_owner, take_lock
 from quantkit.formats import Packer, get_packer
 from quantkit.formats.base import ExportError
 from quantkit.models.adapters import ROLES
@@ -543,7 +544,7 @@ def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> 
     return out
 
 
-FISHER_OWNER = "owner.json"  # in a Fisher computation's temp dir while a run writes it: its pid and host
+FISHER_OWNER = "owner.json"  # in a Fisher computation's temp dir, locked while a run writes it (its pid and host)
 
 
 def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter,
@@ -571,12 +572,12 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
         scan.raise_if_bad()
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    for stale in directory.parent.glob(".*.tmp"):  # what killed runs left; a live run's is stamped by it
-        if (stale / FISHER_OWNER).is_file() and stamped_owner(stale / FISHER_OWNER) is None:
+    for stale in directory.parent.glob(".*.tmp"):  # what killed runs left; a live run's is locked by it
+        if (stale / FISHER_OWNER).is_file() and lock_owner(stale / FISHER_OWNER) is None:
             shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=directory.parent))
+    owner = take_lock(work / FISHER_OWNER)  # a directory of its own: no one else holds it
     try:
-        atomic_write(work / FISHER_OWNER, owner_stamp())
         diagonal_fisher(source, tokens, names, work, progress=progress)
         atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
         (work / FISHER_OWNER).unlink()
@@ -588,6 +589,8 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
             if not done.is_file():
                 raise
     finally:
+        if owner is not None:
+            os.close(owner)
         shutil.rmtree(work, ignore_errors=True)
     return paths
 
