@@ -174,7 +174,9 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # the built-in ring: each stage's activation tile by one TMA copy from x's tensor map, completing on the stage's
     # mbarrier, so the loop needs no proxy fence (QK_WGMMA_TMA), 8 stages with copies 6 steps ahead (no define: the
     # default build). Run 10 (H200) took it as the default: 0.72-0.91x the cp.async ring's time (W5L3) per channel and
-    # for LiquidQuant, 0.96-1.01x per group; TMA with W5L3's ring took 0.73-1.04x, with OVERLAP's retirement 0.82-1.05x
+    # for LiquidQuant, 0.96-1.01x per group; TMA with W5L3's ring took 0.73-1.04x, with OVERLAP's retirement 0.82-1.05x.
+    # Since run 11 it takes the 256-token blocks where their grid fills the waves (TALL, below), as every default
+    # launch does; the ring's configurations below change whichever kernel that is
     "TMA-W8L6": ({}, {}),
     "TMA-W8L7": ({"QK_WGMMA_LEAD": 7}, {}),
     "TMA-W5L3": ({"QK_WGMMA_STAGES": 5, "QK_WGMMA_LEAD": 3}, {}),
@@ -188,8 +190,10 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # 256 tokens a block (one block an SM, 128 accumulators a thread): each warpgroup's dequantized weights feed two
     # m64n128 wgmmas, so the main loop issues 0.53-0.56x the instructions a multiply-add (QServe 198 a step for 256
     # tokens where 128 took 182, QQQ 198 and 186, LiquidQuant 156 and 140); with the ring of 8 stages of 21 KiB,
-    # or of 10 (210 KiB)
+    # or of 10 (210 KiB). By default a launch takes it where its grid fills the waves (kernels.WGMMA_TALL None; run
+    # 11: 0.74-0.96x on three shapes, 1.00-1.12x on 6144 x 4096); TALL takes it on every shape, SQUARE on none
     "TALL": ({}, {"WGMMA_TALL": True}),
+    "SQUARE": ({}, {"WGMMA_TALL": False}),
     "TALL-W10L8": ({"QK_WGMMA_STAGES": 10, "QK_WGMMA_LEAD": 8}, {"WGMMA_TALL": True}),
     # 256 channels a block (one block an SM), with the default ring and deeper ones
     "WIDE": ({}, {"WGMMA_WIDE": True}),
@@ -226,9 +230,11 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
 # `--configs pending` times them after the default in this order, so that a run cut short still has the first.
 PENDING: tuple[str, ...] = ("EPI-AFTER", "SLOT-PLAN", "RED-ALL", "EPI-MID-QG", "MEET-ACQREL", "NO-RED", "EPI-LATE",
                              "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8", "Z2", "ATOM-A2")
-# --large --configs pending: the 256-token blocks (not yet timed), the old cp.async ring against the new default,
-# then the TMA ring's variants and the 256-channel blocks under it.
-LARGE_PENDING: tuple[str, ...] = ("TALL", "TALL-W10L8", "W5L3", "TMA-W8L7", "TMA-W5L3", "TMA-OVERLAP", "WIDE")
+# --large --configs pending: the 128-token blocks on every shape and the 256-token ones on every shape against the
+# default's choice by wave fill; the 256-token ring of 10 (run 11: 0.97-0.99x TALL's time per group, 1.04-1.06x for
+# LiquidQuant) and the TMA ring of 5 (run 11: 0.85-0.97x the 128-token ring of 8 per channel on the long shapes),
+# each now over the default's choice; then the 256-channel blocks.
+LARGE_PENDING: tuple[str, ...] = ("SQUARE", "TALL", "TALL-W10L8", "TMA-W5L3", "TMA-W8L7", "WIDE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:

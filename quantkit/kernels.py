@@ -407,10 +407,14 @@ WGMMA_WIDE = False
 WGMMA_TALL_TILES = {fmt: replace(t, bm=256, kernel="wgmma_tall",
                                  stage_bytes=-(-(256 * t.bk + TILES[fmt].stage_bytes - 128 * t.bk) // 1024) * 1024)
                     for fmt, t in WGMMA.items()}
-# Whether a Hopper launch takes the 256-token kernel (over WGMMA_WIDE's). The per-group wgmma loops issue about as
-# many instructions a step as the tensor cores take cycles (bench/sass_loops.py: issue-bound), so they stand to gain
-# most (smallm_tune --large's TALL); not yet timed, so off.
-WGMMA_TALL = False
+# Whether a Hopper launch takes the 256-token kernel (over WGMMA_WIDE's): True always, False never (the tuning's and
+# the tests' settings), None (the default) where its grid fills the GPU's waves at least TALL_MIN_FILL of the way
+# (`wave_fill`; one block an SM). On the H200 (kernels_h200_smallm_tune.json run 11, M = 1024) it took 0.74-0.96x the
+# 128-token kernels' time on 4096 x 4096, 28672 x 4096 and 4096 x 14336, whose 128 and 896 blocks fill 0.97 of their
+# waves on 132 SMs, and 1.00-1.12x on 6144 x 4096, whose 192 fill 0.73: there the last wave's blocks run alone, where
+# the 128-token kernel's split finer.
+WGMMA_TALL: bool | None = None
+TALL_MIN_FILL = 0.9
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
 # M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
@@ -445,11 +449,19 @@ def use_wgmma(fmt: str, m: int, n: int, k: int, tiled: bool | None, wgmma: bool 
             and hopper_available())
 
 
-def wgmma_tiles(fmt: str, n: int, k: int) -> Tiles:
-    """The Hopper kernel a launch of layout `fmt` on [N, K] takes: 256 tokens a block where WGMMA_TALL is on, else
-    256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
-    if WGMMA_TALL:
-        return WGMMA_TALL_TILES[fmt]
+def wave_fill(blocks: int, slots: int) -> float:
+    """The share of `slots` (an SM each, or a block slot) that `blocks` keep busy over the waves they take."""
+    return blocks / (-(-blocks // slots) * slots)
+
+
+def wgmma_tiles(fmt: str, m: int, n: int, k: int) -> Tiles:
+    """The Hopper kernel a launch of layout `fmt` on [M, K] x [N, K] takes: 256 tokens a block where WGMMA_TALL says
+    so (by default, where that grid fills TALL_MIN_FILL of its waves), else 256 channels where WGMMA_WIDE is on and N
+    allows it, else 128 of each."""
+    tall = WGMMA_TALL_TILES[fmt]
+    blocks = (n // tall.bn) * -(-m // tall.bm)
+    if WGMMA_TALL or (WGMMA_TALL is None and wave_fill(blocks, multiprocessors()) >= TALL_MIN_FILL):
+        return tall
     return WGMMA2[fmt] if WGMMA_WIDE and WGMMA2[fmt].fits(n, k) else WGMMA[fmt]
 
 
@@ -460,7 +472,7 @@ def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, ou
     if use_wgmma(fmt, m, n, k, tiled, wgmma):
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-        tiles = wgmma_tiles(fmt, n, k)
+        tiles = wgmma_tiles(fmt, m, n, k)
         if WGMMA_TMA:  # x (the first argument) by tensor copies: its map last, a stage's mbarrier after the ring
             args = [*args, TensorMap(0, m, k, tiles.bm, tiles.bk)]
             tiles = replace(tiles, slack=tiles.slack + 8 * tiles.stages)
@@ -958,6 +970,27 @@ def cuda_available() -> bool:
         return False
 
 
+# The SMs of the GPUs the Hopper kernels are built for (an H100 SXM's and an H200's), for choices made without one
+# (the warp simulator's runs).
+HOPPER_SMS = 132
+
+
+def multiprocessors() -> int:
+    """The CUDA device's SM count, or HOPPER_SMS without one."""
+    if not cuda_available():
+        return HOPPER_SMS
+    import cupy
+
+    return _device_multiprocessors(cupy.cuda.runtime.getDevice())
+
+
+@cache
+def _device_multiprocessors(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
 def hopper_available() -> bool:
     """True when the CUDA device is a Hopper GPU (compute capability 9.0), which runs the *_wgmma kernels, and
     QUANTKIT_WGMMA=0 does not turn them off (validate and bench then leave them out)."""
@@ -1051,6 +1084,8 @@ def _module(name: str, hopper: bool = False) -> Any:
 TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "SPLITK_RED_PLAN", "BULK_DECODE",
            "BULK_SLOTS", "WGMMA_WIDE", "WGMMA_TALL", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST",
            "ANYPREC_TC_FEW")
+# The types each switch takes: its default's, and also None for WGMMA_TALL (the choice made per launch).
+SWITCH_TYPES = {name: (type(globals()[name]),) for name in TUNABLE} | {"WGMMA_TALL": (bool, type(None))}
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:
@@ -1058,8 +1093,9 @@ def apply_settings(settings: dict[str, bool | int]) -> None:
     if unknown := sorted(set(settings) - set(TUNABLE)):
         raise ValueError(f"unknown kernel settings {', '.join(unknown)}; the tunable ones are {', '.join(TUNABLE)}")
     for name, value in settings.items():
-        if type(value) is not type(globals()[name]):
-            raise ValueError(f"kernel setting {name} takes a {type(globals()[name]).__name__}, got {value!r}")
+        if type(value) not in SWITCH_TYPES[name]:
+            types = " or ".join("null" if t is type(None) else t.__name__ for t in SWITCH_TYPES[name])
+            raise ValueError(f"kernel setting {name} takes a {types}, got {value!r}")
         globals()[name] = value
 
 

@@ -404,14 +404,42 @@ def test_hopper_launch_with_tensor_copies_passes_x_by_its_map(fmt, group, monkey
 
 def test_wide_hopper_kernel_only_where_n_allows_it(monkeypatch):
     """WGMMA_WIDE picks the 256-channel kernel only where N % 256 == 0, elsewhere the 128-channel one; off, never."""
-    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
-    assert kernels.wgmma_tiles("qserve", 512, 4096) is kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qserve", 1024, 384, 4096) is kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qserve", 1024, 512, 4096) is kernels.WGMMA["qserve"]
     monkeypatch.setattr(kernels, "WGMMA_WIDE", True)
-    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA["qserve"]
-    assert kernels.wgmma_tiles("qqq", 512, 4096) is kernels.WGMMA2["qqq"]
-    monkeypatch.setattr(kernels, "WGMMA_TALL", True)  # 256 tokens a block, whatever N, over WGMMA_WIDE
-    assert kernels.wgmma_tiles("qqq", 512, 4096) is kernels.WGMMA_TALL_TILES["qqq"]
-    assert kernels.wgmma_tiles("qserve", 384, 4096) is kernels.WGMMA_TALL_TILES["qserve"]
+    assert kernels.wgmma_tiles("qserve", 1024, 384, 4096) is kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qqq", 1024, 512, 4096) is kernels.WGMMA2["qqq"]
+    monkeypatch.setattr(kernels, "WGMMA_TALL", True)  # 256 tokens a block, whatever the shape, over WGMMA_WIDE
+    assert kernels.wgmma_tiles("qqq", 1024, 512, 4096) is kernels.WGMMA_TALL_TILES["qqq"]
+    assert kernels.wgmma_tiles("qserve", 64, 384, 4096) is kernels.WGMMA_TALL_TILES["qserve"]
+
+
+@pytest.mark.parametrize(("m", "n", "tall"), [
+    (1024, 4096, True),    # 32 x 4 = 128 blocks: 0.97 of one wave of 132
+    (1024, 28672, True),   # 896 blocks in 7 waves: 0.97
+    (1024, 6144, False),   # 192 blocks in 2 waves: 0.73 (the H200 took 1.00-1.12x the 128-token kernels' time)
+    (1000, 4096, True),    # the last 256-token block partial counts as a block
+    (512, 4096, False),    # 64 blocks: half the SMs idle
+    (2048, 6144, True),    # 384 blocks in 3 waves: 0.97
+    (64, 128, False),
+])
+def test_tall_hopper_kernel_where_its_grid_fills_the_waves(monkeypatch, m, n, tall):
+    """By default (WGMMA_TALL None) a launch takes the 256-token kernel where its grid, one block an SM, fills at
+    least TALL_MIN_FILL of its waves on the device's SMs (132 here, an H100 SXM's and an H200's); False never."""
+    monkeypatch.setattr(kernels, "multiprocessors", lambda: 132)
+    assert kernels.WGMMA_TALL is None
+    expected = kernels.WGMMA_TALL_TILES["qserve"] if tall else kernels.WGMMA["qserve"]
+    assert kernels.wgmma_tiles("qserve", m, n, 4096) is expected
+    monkeypatch.setattr(kernels, "WGMMA_TALL", False)
+    assert kernels.wgmma_tiles("qserve", m, n, 4096) is kernels.WGMMA["qserve"]
+
+
+def test_wave_fill():
+    """The share of the slots a grid keeps busy over its waves, the last one partial."""
+    assert kernels.wave_fill(132, 132) == 1.0
+    assert kernels.wave_fill(192, 132) == 192 / 264
+    assert kernels.wave_fill(1, 132) == 1 / 132
+    assert kernels.wave_fill(265, 132) == 265 / 396
 
 
 @needs_compiler
@@ -575,8 +603,13 @@ def test_kernel_settings_come_from_the_environment_checked():
     tuning = json.loads(done.stdout)
     assert tuning["settings"]["BULK_DECODE"] is True and tuning["settings"]["SPLITK_BLOCKS_MAX"] == 4
     assert tuning["settings"]["ANYPREC_TC_FAST"] is True and tuning["defines"] == ["QK_SMALLM_AHEAD=6"]
+    assert tuning["settings"]["WGMMA_TALL"] is None  # by default chosen per launch
+    for tall in ("true", "null"):
+        done = run(f'{{"WGMMA_TALL": {tall}}}')
+        assert done.returncode == 0 and json.loads(done.stdout)["settings"]["WGMMA_TALL"] == json.loads(tall)
     for bad, says in [('{"BULK_DECODES": true}', "unknown kernel settings BULK_DECODES"),
-                      ('{"SPLITK_BLOCKS_MAX": "4"}', "SPLITK_BLOCKS_MAX takes a int"), ("[1]", "QUANTKIT_KERNEL")]:
+                      ('{"SPLITK_BLOCKS_MAX": "4"}', "SPLITK_BLOCKS_MAX takes a int"),
+                      ('{"WGMMA_TALL": 1}', "WGMMA_TALL takes a bool or null"), ("[1]", "QUANTKIT_KERNEL")]:
         done = run(bad)
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
 
