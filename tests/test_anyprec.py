@@ -14,6 +14,7 @@ from quantkit.formats.anyprec_layout import column_map, lut_dequantize, pack_pla
 from quantkit.nonuniform import (
     SortedRows,
     _draw,
+    _kmeanspp_starts,
     any_precision,
     codes_from_borders,
     kmeans_rows,
@@ -498,3 +499,37 @@ def test_anyprec_packer_refuses_infinite_centroids_and_missing_planes():
     packed = packer.pack(q)
     with pytest.raises(ExportError, match="7 planes"):
         packer.unpack(dict(packed, qweight=packed["qweight"][:7]), q.spec)
+
+
+def test_exact_zero_weights_get_no_sensitivity_by_hand():
+    """Weights equal to 0 (pruned, or never trained) weigh nothing in the clustering, whatever their Fisher
+    value, as the authors' code does: row [0, 1, 2, 0] with sensitivities [5, 1, 3, 5] sorts to [0, 0, 1, 2] with
+    weights [0, 0, 1, 3], so the prefix sums of f are [0, 0, 0, 1, 4], and one cluster sits at the weighted mean
+    of the non-zero weights, (1 + 6) / 4."""
+    rows = SortedRows.build(torch.tensor([[0.0, 1.0, 2.0, 0.0]]), torch.tensor([[5.0, 1.0, 3.0, 5.0]]))
+    assert rows.values.tolist() == [[0.0, 0.0, 1.0, 2.0]]
+    assert rows.f.tolist() == [[0.0, 0.0, 0.0, 1.0, 4.0]]
+    assert rows.fw.tolist() == [[0.0, 0.0, 0.0, 1.0, 7.0]]
+    centroids, _ = kmeans_rows(rows, 1, restarts=0)
+    assert centroids.tolist() == [[1.75]]
+
+
+def test_seed_starts_from_the_weighted_quantile_midpoints_by_hand():
+    """The quantile start of k clusters takes the values at the weighted quantiles (j + 1/2) / k. Row 1..8 with
+    sensitivities [1] * 7 + [9] (total 16), two clusters: targets 4 and 12 pick the values 4 and 8; one Lloyd
+    step splits at their midpoint 6, giving centroids mean(1..6) = 3.5 and (7 + 9 x 8) / 10 = 7.9."""
+    w = torch.arange(1.0, 9.0)[None]
+    f = torch.tensor([[1.0] * 7 + [9.0]])
+    centroids, borders = kmeans_rows(SortedRows.build(w, f), 2, max_iter=1, restarts=0)
+    assert borders.tolist() == [[0, 6, 8]]
+    assert centroids[0].tolist() == pytest.approx([3.5, 7.9])
+
+
+def test_kmeanspp_never_draws_a_value_twice_while_others_are_left():
+    """k-means++ draws each next centroid with probability f x D^2, D the distance to the NEAREST centroid drawn so
+    far, so a value already drawn has probability 0: a row of k distinct values with k clusters always starts at
+    exactly those k values (checked on 500 rows, i.e. 500 independent draws of each step)."""
+    w = torch.tensor([[-1.0, 0.5, 2.0, 3.0, 7.0]]).repeat(500, 1)
+    rows = SortedRows.build(w, torch.ones_like(w))
+    starts = _kmeanspp_starts(rows, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(starts, rows.values)

@@ -295,3 +295,36 @@ def test_emulation_quantizes_activations_exactly_as_eval_simulates_them():
     sim = ActivationSim(bits=4, group_size=128, outliers=128, clip_ratio=0.9)
     simulated = fake_quantize_activation(x, sim, q.g_idx).numpy()
     assert np.array_equal(x_hat, simulated)
+
+
+def test_outlier_order_sorts_each_roles_input_channels_by_square_sum(tmp_path):
+    """outlier_order: each role's column order lists its input channels by ascending sum of x^2 over every
+    calibration token (all chunks), so the largest come last as the INT8 outliers; the square-sums are
+    recomputed here from plain hooks on the block's first linear of each role."""
+    from quantkit.models.block import BlockRunner, build_block
+    from quantkit.models.source import open_model
+    from quantkit.passes import LayerWork
+    from quantkit.passes.outliers import OutlierOrder, OutlierOrderConfig
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    source = open_model(write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                             num_hidden_layers=1)))
+    linears = {n: r for r, n in source.adapter.linear_names()}
+    inputs = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(6)) * torch.rand(
+        64, generator=torch.Generator().manual_seed(7))  # uneven channels
+    work = LayerWork(index=0, block=build_block(source, 0), linears=linears, specs={}, inputs=inputs,
+                     runner=BlockRunner(source, 16, batch_size=2), adapter=source.adapter, config=source.config)
+    firsts: dict[str, str] = {}
+    for name, role in linears.items():
+        firsts.setdefault(role, name)
+    seen: dict[str, list[torch.Tensor]] = {r: [] for r in firsts}
+    work.forward({n: (lambda x, r=r: seen[r].append(x.detach().reshape(-1, x.shape[-1]).double()))
+                  for r, n in firsts.items()})
+    OutlierOrder(OutlierOrderConfig()).run(work)
+    assert sorted(work.column_order) == sorted(firsts)
+    for role, xs in seen.items():
+        s = torch.cat(xs).square().sum(dim=0)
+        order = work.column_order[role]
+        assert sorted(order.tolist()) == list(range(s.numel()))
+        along = s[order]
+        assert (along[1:] >= along[:-1] * (1 - 1e-6)).all(), role

@@ -124,3 +124,74 @@ def test_quantized_hessian_inputs_need_activations():
         parse_recipe(raw)
     with pytest.raises(RecipeError, match="hessian_inputs"):
         parse_recipe({**raw, "calibration": {"hessian_inputs": "fake"}})
+
+
+def test_clip_grid_runs_from_one_down_to_min_ratio_inclusive():
+    from quantkit.passes.clip import _grid
+
+    assert _grid(0.5, 0.02) == pytest.approx([1.0 - 0.02 * i for i in range(26)])
+    assert _grid(0.6, 0.05)[-1] == pytest.approx(0.6) and len(_grid(0.6, 0.05)) == 9
+    assert _grid(1.0, 0.1) == [1.0]
+
+
+def test_hessian_clip_search_is_the_brute_force_argmin_per_row_and_group():
+    """QServe's clipping objective per (row, group): d_g^T H_gg d_g with d = w - fake_quant(w; ratio), H_gg the
+    group's diagonal block of the Hessian (off-diagonal blocks ignored). The search returns, for every (row,
+    group), the first ratio of least error and that error: checked against explicit loops with a hand-written
+    symmetric 4-bit fake quantizer (scale = ratio x amax / 7.5)."""
+    from quantkit.passes.clip import hessian_clip_search
+    from quantkit.quantizers import QuantSpec
+
+    g = torch.Generator().manual_seed(8)
+    n, k, gs = 3, 24, 8
+    w = torch.randn(n, k, generator=g)
+    w[1, gs:2 * gs] = 0  # an all-zero group: every ratio ties at 0, and the first (1, no clipping) is kept
+    x = torch.randn(64, k, generator=g) + torch.randn(64, 1, generator=g)  # correlated columns
+    h = 2 * x.T @ x / 64
+    ratios = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=gs)
+    best, err = hessian_clip_search(w, h, spec, torch.float32, ratios)
+    assert best.shape == err.shape == (n, k // gs)
+    chosen = 0
+    for r in range(n):
+        for grp in range(k // gs):
+            cols = slice(grp * gs, (grp + 1) * gs)
+            v = w[r, cols].double()
+            block = h[cols, cols].double()
+            errors = []
+            for ratio in ratios:
+                scale = float(v.abs().max()) * ratio / 7.5 or 1.0  # a zero group keeps scale 1
+                d = v - torch.clamp(torch.round(v / scale), -8, 7) * scale
+                errors.append(float(d @ block @ d))
+            i = min(range(len(ratios)), key=lambda j, e=errors: e[j])
+            assert float(best[r, grp]) == pytest.approx(ratios[i]), (r, grp, errors)
+            assert float(err[r, grp]) == pytest.approx(errors[i], rel=1e-4)
+            chosen += i > 0
+    assert chosen > 0  # not vacuous: some group is clipped
+    assert float(best[1, 1]) == 1.0 and float(err[1, 1]) == 0.0
+
+
+def test_attention_clip_ratio_minimizes_the_attention_output_error(block_work):
+    """q_proj / k_proj take the one ratio of the coarse grid (1 down to 0.6 by 0.05) whose fake-quantized weight
+    moves the attention module's output least (squared error), and the FP weight is left in place afterwards."""
+    from quantkit.passes.clip import Clip, ClipConfig
+    from quantkit.quantizers import QuantSpec, fake_quantize
+
+    work = block_work(None)
+    name = work.adapter.q_proj
+    spec = QuantSpec(bits=3, symmetric=True, granularity="channel")
+    work.specs[name] = spec
+    module = work.module(name)
+    original = module.weight.data.clone()
+    reference = work.attention_output(4)
+    errors = {}
+    for i in range(9):
+        ratio = 1.0 - 0.05 * i
+        module.weight.data = fake_quantize(original, QuantSpec(bits=3, symmetric=True, granularity="channel",
+                                                               clip_ratio=ratio), torch.float16)
+        errors[ratio] = float((work.attention_output(4) - reference).pow(2).sum())
+    module.weight.data = original.clone()
+    chosen = Clip(ClipConfig())._attention_ratio(work, name)
+    assert torch.equal(module.weight.data, original)
+    assert chosen == pytest.approx(min(errors, key=errors.get))
+    assert max(errors.values()) > 1.01 * min(errors.values())  # not vacuous: the ratios differ

@@ -165,3 +165,177 @@ def test_hadamard_impossible_orders_are_named(n):
 def test_rotate_without_fold_norms_is_refused():
     with pytest.raises(RecipeError, match="rotate needs fold_norms"):
         load_recipe("rtn-w4a16-g128", ["passes=[{name: rotate}, {name: rtn}]"])
+
+
+def _gqa_block_work(tmp_path: Path):
+    """A GQA block (4 query heads over 2 KV heads of width 16) with 3 calibration sequences run in chunks of 2
+    and 1, so statistics must be gathered over every chunk."""
+    from quantkit.models.block import BlockRunner, build_block
+    from quantkit.models.source import open_model
+    from quantkit.passes import LayerWork
+
+    config = SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2)
+    source = open_model(write_synthetic_llama(tmp_path / "gqa", config))
+    linears = {n: r for r, n in source.adapter.linear_names()}
+    inputs = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(4))
+    return LayerWork(index=0, block=build_block(source, 0), linears=linears, specs=dict.fromkeys(linears, PER_CHANNEL),
+                     inputs=inputs, runner=BlockRunner(source, 16, batch_size=2), adapter=source.adapter,
+                     config=source.config)
+
+
+def _absmax_inputs(work, names: list[str]) -> dict[str, torch.Tensor]:
+    """max |x| per input channel of each named linear over all calibration tokens, from plain hooks."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    work.forward({n: (lambda x, n=n: seen[n].append(x.detach().reshape(-1, x.shape[-1]))) for n in names})
+    return {n: torch.cat(xs).abs().amax(dim=0) for n, xs in seen.items()}
+
+
+def test_reorder_sorts_input_channels_by_ascending_salience(tmp_path):
+    """After reorder, the down_proj input channels come in ascending max|X|, and within each head the o_proj
+    input channels come in ascending max|X| max-pooled over the query heads of the head's KV group (one
+    permutation per KV head, shared by its query heads), measured on the transformed block."""
+    from quantkit.passes.reorder import Reorder, ReorderConfig
+
+    work = _gqa_block_work(tmp_path)
+    a = work.adapter
+    q = work.weight(a.q_proj).data
+    for head in (1, 3):  # sharper attention in one query head of each group: the heads' saliences differ
+        q[head * 16:(head + 1) * 16] *= 30
+    before = _absmax_inputs(work, [a.o_proj, a.down_proj])
+    Reorder(ReorderConfig()).run(work)
+    after = _absmax_inputs(work, [a.o_proj, a.down_proj])
+    down = after[a.down_proj]
+    assert (down[1:] >= down[:-1]).all()
+    torch.testing.assert_close(down.sort().values, before[a.down_proj].sort().values)  # the same channels, reordered
+    pooled = after[a.o_proj].reshape(2, 2, 16).amax(dim=1)  # [KV head, channel]
+    assert (pooled[:, 1:] >= pooled[:, :-1]).all()
+
+
+def test_smooth_attention_scales_by_the_pair_maximum_of_the_keys(tmp_path):
+    """SmoothAttention: lambda = max(max|K_i|, max|K_i+D/2|)^alpha per KV channel i (max over every calibration
+    token and chunk, tied across the RoPE pair), k_proj rows divided by it and the q_proj rows of each query head
+    of the KV group multiplied by it. The expected scales are built from the observed keys by explicit loops."""
+    from quantkit.passes.smooth import SmoothAttention, SmoothAttentionConfig
+
+    work = _gqa_block_work(tmp_path)
+    a = work.adapter
+    keys: list[torch.Tensor] = []
+    work.forward(attention_observer=lambda k, v: keys.append(k.detach().clone()))
+    m = torch.cat(keys).abs().amax(dim=(0, 2))  # [H_kv, D]
+    k_before = work.weight(a.k_proj).detach().clone()
+    q_before = work.weight(a.q_proj).detach().clone()
+    SmoothAttention(SmoothAttentionConfig(alpha=0.3)).run(work)
+    lam_k = torch.empty(2 * 16)
+    lam_q = torch.empty(4 * 16)
+    for kv in range(2):
+        for i in range(16):
+            lam = float(max(m[kv, i % 8], m[kv, i % 8 + 8])) ** 0.3
+            lam_k[kv * 16 + i] = lam
+            for head in (2 * kv, 2 * kv + 1):  # the query heads reading KV head kv
+                lam_q[head * 16 + i] = lam
+    torch.testing.assert_close(work.weight(a.k_proj).detach(), k_before / lam_k[:, None], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(work.weight(a.q_proj).detach(), q_before * lam_q[:, None], rtol=1e-5, atol=1e-7)
+
+
+def test_alpha_candidates_by_hand():
+    """SmoothQuant's lambda_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha), both maxima pooled over the channels of
+    one group (the o point under GQA: the channels that share a v_proj row)."""
+    from quantkit.passes.smooth import Smooth, SmoothConfig
+
+    x = torch.tensor([[1.0, -4.0, 2.0, 0.5], [0.5, 1.0, -1.0, 0.25]])  # max|X| per channel: 1, 4, 2, 0.5
+    weights = [torch.tensor([[2.0, 1.0, -1.0, 4.0]]), torch.tensor([[0.5, -0.5, 0.5, 1.0]])]  # max|W|: 2 1 1 4
+    smooth = Smooth(SmoothConfig(alphas=[0.0, 0.5, 1.0]))
+    candidates = smooth._candidates(x, weights, torch.tensor([0, 0, 1, 1]))
+    # pooled: max|X| = 4, 4, 2, 2 and max|W| = 2, 2, 4, 4
+    assert [a for a, _ in candidates] == [0.0, 0.5, 1.0]
+    assert candidates[0][1].tolist() == pytest.approx([0.5, 0.5, 0.25, 0.25])
+    assert candidates[1][1].tolist() == pytest.approx([2 ** 0.5, 2 ** 0.5, 2 ** -0.5, 2 ** -0.5])
+    assert candidates[2][1].tolist() == pytest.approx([4.0, 4.0, 2.0, 2.0])
+    ungrouped = smooth._candidates(x, weights, torch.arange(4))
+    assert ungrouped[1][1].tolist() == pytest.approx([0.5 ** 0.5, 2.0, 2 ** 0.5, 0.125 ** 0.5])
+
+
+def test_every_small_order_is_a_true_hadamard_or_refused():
+    """For every multiple of 4 up to 400 (and 1, 2), `hadamard` returns a +-1 matrix with H H^T = n I or raises
+    HadamardError: never a wrong matrix from a Paley construction on a non-prime q (25 for 52, 49 for 100, ...)."""
+    built = 0
+    for n in [1, 2, *range(4, 401, 4)]:
+        try:
+            h = hadamard(n).double()
+        except HadamardError:
+            continue
+        built += 1
+        assert set(h.unique().tolist()) <= {-1.0, 1.0}, n
+        assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64)), n
+    assert built > 80  # most orders are built
+
+
+def test_coarse_to_fine_search_reaches_a_full_stride_either_side_of_the_coarse_best():
+    """The fine pass covers every index within one stride of the coarse best, both ends included: errors steep on
+    one side put the minimum stride - 1 away from the coarse winner (11 from 20, 9 from 0, stride 10)."""
+    from quantkit.passes.smooth import _search
+
+    def lopsided(target: int, left: float, right: float):
+        return lambda i: left * (target - i) if i < target else right * (i - target)
+
+    assert _search(30, lopsided(11, 100.0, 1.0), 10) == 11  # coarse best 20 (error 9) beats 10 (error 100)
+    assert _search(30, lopsided(9, 1.0, 100.0), 10) == 9  # coarse best 0 (error 9) beats 10 (error 100)
+
+
+def test_smoothing_objective_by_hand():
+    """The error a smoothing candidate is judged by: the point's output with the consumers' weights quantized and,
+    when the recipe simulates them, the activations quantized per token (act_bits), against the FP output; gate_up
+    measures SiLU(gate) * up. Worked by hand: x = [1, -0.3, 0.6] per-token 4-bit is [1, -2/7, 4/7] (s = 1/7: -2.1 and
+    4.2 round to -2 and 4), and an 8-bit symmetric identity row dequantizes to c = 127 / 127.5."""
+    import math
+
+    from torch import nn
+
+    from quantkit.passes import LayerWork
+    from quantkit.passes.smooth import Smooth, SmoothConfig, _point_output
+
+    x = torch.tensor([[1.0, -0.3, 0.6]])
+    eye = torch.eye(3)
+    spec = QuantSpec(bits=8, symmetric=True, granularity="channel")
+    c = 127 / 127.5
+    smooth = Smooth(SmoothConfig())
+    for act_bits, expected in ((None, (c - 1) ** 2 * (1 + 0.09 + 0.36)),
+                               (4, (c - 1) ** 2 + (-2 / 7 * c + 0.3) ** 2 + (4 / 7 * c - 0.6) ** 2)):
+        work = LayerWork(index=0, block=nn.ModuleDict(), linears={}, specs={"lin": spec}, scale_dtype=torch.float32,
+                         act_bits=act_bits)
+        assert smooth._error(work, "o", ["lin"], x, [eye], x) == pytest.approx(expected, rel=1e-4)
+    gate, up = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[3.0, 1.0, 0.0]])  # gate 1, up 2.7
+    out = _point_output("gate_up", x, [gate, up])
+    assert out[0].tolist() == pytest.approx([2.7 / (1 + math.exp(-1))])
+    assert _point_output("qkv", x, [gate, up])[0].tolist() == pytest.approx([1.0, 2.7])
+
+
+def test_smoothing_samples_skip_the_first_token(tmp_path):
+    """The objective's tokens are evenly spaced from half a step in: with max_tokens 8 of one 16-token sequence,
+    tokens 1, 3, ..., 15 (never the attention sink at 0, which would otherwise get a share it should not have)."""
+    from quantkit.passes.smooth import Smooth, SmoothConfig
+
+    work = _gqa_block_work(tmp_path)
+    name = work.adapter.down_proj
+    seen: list[torch.Tensor] = []
+    work.forward({name: lambda x: seen.append(x.detach().clone())}, samples=1)
+    rows = Smooth(SmoothConfig(max_tokens=8))._sample_inputs(work, [name])[name]
+    assert torch.equal(rows, seen[0][0, 1::2])
+
+
+def test_smoothing_that_only_ties_no_smoothing_leaves_the_block_alone(tmp_path):
+    """A candidate must beat no smoothing strictly: with down_proj's columns scaled to max|W| = 1 exactly and the
+    grid {alpha = 0}, lambda = 1 / max|W| = 1 everywhere, its error ties the unsmoothed one, and the point is left
+    as it was (metric -1, weights untouched)."""
+    from quantkit.passes.smooth import Smooth, SmoothConfig
+
+    work = _gqa_block_work(tmp_path)
+    a = work.adapter
+    down = work.weight(a.down_proj).data
+    down.div_(down.abs().amax(dim=0))
+    before = {n: work.weight(n).detach().clone() for n in (a.down_proj, a.up_proj)}
+    x = torch.randn(64, down.shape[1], generator=torch.Generator().manual_seed(3))
+    Smooth(SmoothConfig(targets=["down"], alphas=[0.0]))._smooth_point(work, "down", x)
+    assert work.metrics[f"{a.down_proj}.smooth_alpha"] == -1.0
+    assert all(torch.equal(work.weight(n), w) for n, w in before.items())
