@@ -296,8 +296,9 @@ class OutputDir:
 
 
 # The shape of a journal and the meaning of what its layers hold: bumped when either changes, so that a run resumed
-# by another quantkit is refused, not read as damaged or mixed with layers of other arithmetic.
-JOURNAL_FORMAT = 2
+# by another quantkit is refused, not read as damaged or mixed with layers of other arithmetic. 3: "weights" stamps
+# the config and tokenizer files too.
+JOURNAL_FORMAT = 3
 
 
 def new_journal(identity: dict[str, Any]) -> dict[str, Any]:

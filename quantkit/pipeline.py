@@ -502,13 +502,23 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     )
 
 
+# The files of a checkpoint folder that shape a run: the weights, the config every block's forward reads (norm
+# epsilon, RoPE) and the tokenizer that turns the calibration text into tokens (its JSON, a SentencePiece model, BPE
+# merges and vocabularies).
+CHECKPOINT_FILES = ("*.safetensors", "*.json", "*.model", "merges.txt", "vocab.*")
+
+
 def _weights_stamp(source: ModelSource) -> dict[str, list[int]]:
-    """Each checkpoint file's size and mtime: what a resumed run checks, so that weights changed since the
-    interruption (a checkpoint mended in place, say) are not mixed with layers quantized from the old ones. A stat
-    per file, where hashing a 70B checkpoint would read all of it. A GGUF model by its own file, not by the
-    dequantized copy in the cache (which a cleared cache rebuilds with a new mtime)."""
+    """Each checkpoint file's size and mtime (CHECKPOINT_FILES): what a resumed run checks, so that weights or a
+    config changed since the interruption (a checkpoint mended in place, say) are not mixed with layers quantized
+    from the old ones. A stat per file, where hashing a 70B checkpoint would read all of it. A GGUF model by its own
+    file, which holds its config and tokenizer too, not by the dequantized copy in the cache (which a cleared cache
+    rebuilds with a new mtime)."""
     origin = Path(source.origin)
-    files = [origin] if origin.suffix == ".gguf" and origin.is_file() else sorted(source.path.glob("*.safetensors"))
+    if origin.suffix == ".gguf" and origin.is_file():
+        files = [origin]
+    else:
+        files = sorted({f for pattern in CHECKPOINT_FILES for f in source.path.glob(pattern) if f.is_file()})
     stats = {f.name: f.stat() for f in files}
     return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
@@ -556,7 +566,7 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
     their files; `scan` is consulted after every layer."""
     from quantkit.fisher import diagonal_fisher
 
-    files = sorted(source.path.glob("*.safetensors"))
+    files = [*sorted(source.path.glob("*.safetensors")), *source.path.glob("config.json")]  # the forward reads it
     identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
                 hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names,
                 *([f"read as {source.dtype}"] if source.converts else [])]
@@ -564,7 +574,11 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
     directory = default_cache_dir() / "fisher" / key
     done = directory / "complete.json"
     paths = [directory / f"fisher-{i:05d}.safetensors" for i in range(source.num_layers)]
-    if done.is_file() and all(p.is_file() for p in paths):
+
+    def complete() -> bool:
+        return done.is_file() and all(p.is_file() for p in paths)
+
+    if complete():
         reporter.phase("Fisher (cached)", 1, 1)
         return paths
     def progress(phase: str, i: int, n: int) -> None:
@@ -581,12 +595,12 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
         diagonal_fisher(source, tokens, names, work, progress=progress)
         atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
         (work / FISHER_OWNER).unlink()
-        if directory.exists() and not done.is_file():  # a partial one, of a run that wrote in place
+        if directory.exists() and not complete():  # a partial one: of a run that wrote in place, or a file lost
             shutil.rmtree(directory, ignore_errors=True)
         try:
             work.rename(directory)
         except OSError:  # another run put its complete copy there first: the same numbers
-            if not done.is_file():
+            if not complete():
                 raise
     finally:
         if owner is not None:

@@ -330,6 +330,7 @@ def test_resume_takes_no_leftover_and_no_run_that_is_still_writing(synthetic, ca
     run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))  # its lock is a dead process's now
     manifest = json.loads((tmp_path / "b" / "quantkit_manifest.json").read_text())
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted([*manifest["files"], "quantkit_manifest.json"])
+    assert "notes.txt" not in manifest["files"] and not [name for name in manifest["files"] if name.endswith(".tmp")]
 
 
 def test_a_run_holds_its_work_dir_locked_from_its_first_instant(tmp_path, monkeypatch):
@@ -1080,13 +1081,17 @@ def test_a_directory_named_after_a_recipe_does_not_hide_it(tmp_path, monkeypatch
 
 
 def test_an_interrupted_overwrite_says_how_to_resume(synthetic, calib_txt, tmp_path):
-    """A run that replaces OUT and is interrupted is continued by --resume --overwrite, which the refusal of a bare
-    --resume names (OUT is complete, but OUT.partial is the run to continue)."""
+    """A run that replaces OUT and is interrupted is continued by --resume --overwrite, which its interruption's
+    hint and the refusal of a bare --resume name (OUT is complete, but OUT.partial is the run to continue)."""
     recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
     job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
     run_quantize(job)
+    reporter = _InterruptAfter(1)
+    reporter.said = []
+    reporter.warn = reporter.said.append
     with pytest.raises(KeyboardInterrupt):
-        run_quantize(QuantizeJob(**{**job.__dict__, "overwrite": True}), _InterruptAfter(1))
+        run_quantize(QuantizeJob(**{**job.__dict__, "overwrite": True}), reporter)
+    assert "rerun with --resume --overwrite to continue" in reporter.said[-1]
     with pytest.raises(QuantkitError, match="holds an interrupted run that replaces .*--resume --overwrite"):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
     summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "overwrite": True}))
@@ -1187,3 +1192,287 @@ def test_misleading_inputs_are_named_for_what_they_are(synthetic, rtn_artifact, 
     (tmp_path / "r.yaml").mkdir()
     _fails(tmp_path, "quantize", synthetic, "--recipe", tmp_path / "r.yaml", "--calib", calib_txt, *FAST, "-o",
            tmp_path / "out", match="r.yaml is a directory")
+
+
+def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path, monkeypatch):
+    """A writer that fails half-way (a full disk, a kill) leaves the file as it was and no temp file beside it; a
+    write that finishes is on disk (fsynced) before its rename puts it in place, so a crash cannot leave a journal or
+    shard name pointing at lost bytes, and it gets the mode a plain `open` gives a new file under the umask (0o666
+    less the umask), not the private 0o600 of a temp file."""
+    from quantkit.files import atomic_write, atomic_write_with
+
+    path = tmp_path / "quantkit_journal.json"
+    path.write_text("old")
+
+    def half(tmp: str) -> None:
+        Path(tmp).write_text("ne")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_with(path, half)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    events: list[tuple] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino, path.read_text()))
+        fsync(fd)
+
+    def spy_replace(src, dst) -> None:
+        events.append(("replace", Path(dst).name))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    atomic_write(path, "new")
+    monkeypatch.undo()
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    # one fsync, of the file now in place, while the old one still was; then the rename
+    assert events == [("fsync", path.stat().st_ino, "old"), ("replace", path.name)]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_a_lock_stamp_names_its_owner_and_only_a_live_one(tmp_path):
+    """take_lock's stamp replaces whatever the lock file held (a longer stamp left by a killed run must not trail
+    after it and make it unreadable); a stamp counts as a live owner while its process lives, never once it has
+    ended, and always when it names another host, whose pids cannot be checked from here."""
+    from quantkit.files import lock_owner, take_lock
+
+    path = tmp_path / "quantkit_run.lock"
+    path.write_text(json.dumps({"pid": 4_000_000, "host": "a-host-name-much-longer-than-any-real-one" * 4}))
+    fd = take_lock(path)
+    try:
+        assert fd is not None
+        assert json.loads(path.read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+    finally:
+        os.close(fd)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    assert lock_owner(path) is None
+    path.write_text(json.dumps({"pid": dead.pid, "host": "another-host.example"}))
+    assert lock_owner(path) == f"pid {dead.pid} on another-host.example"
+
+
+def test_verify_covers_every_file_and_every_field_of_the_manifest(rtn_artifact, tmp_path):
+    """--verify's check is complete: a file other than a shard (config.json, the saved recipe) changed at its size is
+    named; an edit of any manifest field, its list of files included (a file dropped from it would go unchecked), is
+    caught by the manifest's own digest; and the digest is of the content, so a manifest rewritten with its keys in
+    another order still verifies."""
+    from quantkit.artifact import MANIFEST, verify_files
+
+    out = shutil.copytree(rtn_artifact, tmp_path / "art")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert verify_files(out, manifest) == []
+    assert verify_files(out, json.loads(json.dumps(manifest, sort_keys=True))) == []
+    for key in manifest:
+        if key == "manifest_sha256":
+            continue
+        edited = {**manifest, key: ["edited"]} if key != "files" else {
+            **manifest, "files": {k: v for k, v in manifest["files"].items() if k != "config.json"}}
+        assert verify_files(out, edited) == [MANIFEST], key
+    for name in ("config.json", "quantkit_recipe.yaml"):
+        data = bytearray((out / name).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (out / name).write_bytes(bytes(data))
+    assert sorted(verify_files(out, manifest)) == ["config.json", "quantkit_recipe.yaml"]
+
+
+def test_overwrite_takes_a_directory_of_temp_files_alone_as_quantkits(tmp_path):
+    """A directory that holds nothing but atomic writes' temp files is what a killed run left, and --overwrite may
+    replace it; one temp file beside a file of the user's does not make their directory quantkit's."""
+    from quantkit.artifact import ArtifactError, OutputDir
+
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / ".model-00001-of-00004.safetensors.x1.tmp").write_bytes(b"cut short")
+    OutputDir(left).check(resume=False, overwrite=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".notes.txt.x2.tmp").write_text("an editor's temp file")
+    (mine / "thesis.txt").write_text("precious")
+    with pytest.raises(ArtifactError, match="already exists and is not quantkit's output"):
+        OutputDir(mine).check(resume=False, overwrite=True)
+    assert (mine / "thesis.txt").read_text() == "precious"
+
+
+def _journal_identity() -> dict:
+    return {"model": "m", "weights": {}, "recipe": "name: x\n", "recipe_sha256": "0" * 64,
+            "calibration_sha256": "0" * 64, "device": "cpu", "dtype": "float16"}
+
+
+def test_a_resumed_run_holds_the_lock_and_keeps_it_until_its_commit(tmp_path, monkeypatch):
+    """A resumed run takes the work dir's lock, as a fresh one does, so a third run cannot resume the same work dir
+    beside it; and a run keeps its lock until its work dir is the output (released before the rename, another run
+    could take the work dir in between)."""
+    from quantkit.artifact import LOCK, ArtifactError, OutputDir, new_journal
+    from quantkit.files import lock_held
+
+    first = OutputDir(tmp_path / "b")
+    first.prepare(resume=False, overwrite=False)
+    first.save_journal(new_journal(_journal_identity()))
+    first.release()
+    resumed = OutputDir(tmp_path / "b")
+    assert resumed.prepare(resume=True, overwrite=False)["layers"] == {}
+    assert lock_held(resumed.work / LOCK)
+    with pytest.raises(ArtifactError, match="another quantkit run .* is writing"):
+        OutputDir(tmp_path / "b").prepare(resume=True, overwrite=False)
+    held: list[bool] = []
+    rename = Path.rename
+
+    def spy(self, target):
+        if self == resumed.work:
+            held.append(lock_held(self / LOCK))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", spy)
+    resumed.commit()
+    assert held == [True] and not (tmp_path / "b" / LOCK).exists() and not resumed.work.exists()
+
+
+def test_a_check_sweeps_only_the_new_work_dirs_of_dead_runs(tmp_path):
+    """A run makes its work dir under a hidden name (`.OUT.partial.new-*`) and locks it before renaming it into
+    place; a check deletes such a directory only when a kill left it: over a minute old and unlocked. One just made
+    (its run may not have locked it yet) and an old one still locked (its run is live) are kept."""
+    from quantkit.artifact import LOCK, OutputDir
+    from quantkit.files import take_lock
+
+    fresh, dead, live = (tmp_path / f".b.partial.new-{name}" for name in ("fresh", "dead", "live"))
+    for d in (fresh, dead, live):
+        d.mkdir()
+    fd = take_lock(live / LOCK)
+    try:
+        old = time.time() - 120
+        for d in (dead, live):
+            os.utime(d, (old, old))
+        OutputDir(tmp_path / "b").check(resume=False, overwrite=False)
+        assert fresh.is_dir() and live.is_dir() and not dead.exists()
+    finally:
+        os.close(fd)
+
+
+def test_resume_quantizes_again_a_layer_whose_shard_changed(synthetic, calib_txt, tmp_path, caplog):
+    """--resume trusts a recorded shard only if its bytes are what the journal hashed: a shard changed in place (a
+    bit flipped on disk, at its size) or gone is quantized again, with a warning, and the artifact is bit for bit
+    the one an uninterrupted run writes; replaying the damaged shard would build every later layer on it."""
+    import logging
+
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
+    reference = run_quantize(QuantizeJob(**{**job.__dict__, "output": tmp_path / "a"}))
+    shard = tmp_path / "b.partial" / "model-00001-of-00004.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="quantkit"):
+        summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    assert [r.replayed for r in summary.layers] == [False, False, False]
+    assert f"layer 0: its shard {shard} is not what the journal recorded" in caplog.text
+    assert artifact_digest(tmp_path / "b") == artifact_digest(reference.output)
+
+    job = _interrupted(synthetic, calib_txt, tmp_path / "c")
+    (tmp_path / "c.partial" / "model-00001-of-00004.safetensors").unlink()
+    summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    assert [r.replayed for r in summary.layers] == [False, False, False]
+    assert artifact_digest(tmp_path / "c") == artifact_digest(reference.output)
+
+
+def test_resume_refuses_other_calibration_text_or_another_model_copy(synthetic, calib_txt, tmp_path):
+    """What a resumed run continues must be the same computation: calibration text rewritten in place (the same
+    path, so the recipe is the same) is refused by its sha256, and a copy of the model in another directory (same
+    file names, sizes and mtimes) by its path; each named in the error."""
+    calib = shutil.copy(calib_txt, tmp_path / "calib.txt")
+    job = _interrupted(synthetic, Path(calib), tmp_path / "b")
+    lines = Path(calib).read_text().splitlines()
+    Path(calib).write_text("\n".join(reversed(lines)))
+    with pytest.raises(QuantkitError, match="differs from this one: calibration sha256 '[0-9a-f]{64}' vs"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    Path(calib).write_text("\n".join(lines))
+    copy = shutil.copytree(synthetic, tmp_path / "copy")  # copy2: the same mtimes
+    with pytest.raises(QuantkitError, match=f"differs from this one: model '{synthetic.resolve()}' vs '{copy}'"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "model": str(copy), "resume": True}))
+    run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))  # as it was: resumes
+
+
+def test_resume_refuses_a_checkpoint_file_of_another_size_with_its_mtime_kept(synthetic, calib_txt, tmp_path):
+    """The checkpoint's stamp is each file's size and mtime: a file rewritten and given back its old mtime (a copy
+    tool that preserves times, `touch -r`) still differs in size, and a resume refuses it; so for the last of several
+    files as for the first."""
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    job = _interrupted(model, calib_txt, tmp_path / "b")
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    st = shard.stat()
+    save_file(load_file(shard), shard, metadata={"format": "pt", "mended": "yes"})  # same tensors, longer header
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size != st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(QuantkitError, match=f"checkpoint files changed since \\({shard.name}\\)"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
+def test_resume_refuses_a_config_edited_since_the_interruption(synthetic, calib_txt, tmp_path):
+    """The checkpoint a resumed run continues is its weights and its config: a config.json mended in place since the
+    interruption (here rms_norm_eps and rope_theta, which every block's forward reads) would mix layers quantized on
+    activations of the old config with layers of the new one, in an artifact that matches neither config's run. It
+    is refused, as changed weights are, and named."""
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    job = _interrupted(model, calib_txt, tmp_path / "b")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5, "rope_theta": 100.0}, indent=2))
+    with pytest.raises(QuantkitError, match=r"differs from this one.*checkpoint files changed since \(config.json\)"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+
+
+def test_a_fisher_cache_missing_a_layer_file_is_computed_again(tmp_path):
+    """The cached Fisher files are used only when the cache is complete, its marker and every layer's file: one whose
+    layer file is gone (a cleanup, a copy cut short) is computed again and put in place, rather than handed to the
+    quantizer as the path of a file that is not there (as it was: the recomputed copy's rename onto the old
+    directory failed, and its old complete.json read as another run's complete copy)."""
+    from quantkit.models.adapters import ROLES
+    from quantkit.models.source import FiniteScan, open_model
+    from quantkit.pipeline import _fisher
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                                   num_key_value_heads=2))
+    source = open_model(model)
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = [name for _, name in source.adapter.linear_names(list(ROLES))]
+    scan = FiniteScan(source)
+    try:
+        first = _fisher(source, tokens, names, Reporter(), scan)
+        assert all(p.is_file() for p in first)
+        first[1].unlink()
+        again = _fisher(source, tokens, names, Reporter(), scan)
+    finally:
+        scan.stop()
+    assert again == first and all(p.is_file() for p in again)
+
+
+def test_the_scan_stops_the_run_between_layers_with_the_finished_ones_kept(synthetic, calib_txt, tmp_path,
+                                                                          monkeypatch):
+    """The checkpoint scan (a NaN found ahead of the run) is consulted before every layer, not only at the end: a
+    scan that reports its find once layer 0 is done stops the run before layer 1, with layer 0 recorded for
+    --resume. Deterministic where the scan thread's timing is not: the find is reported at a chosen moment."""
+    from quantkit.models.source import FiniteScan
+
+    found: list[bool] = []
+
+    class FindAfterFirst(Reporter):
+        def layer_done(self, report) -> None:
+            found.append(True)
+
+    def raise_if_bad(self) -> None:
+        if found:
+            raise QuantkitError("'model.layers.2.mlp.down_proj.weight' has a NaN/Inf value")
+
+    monkeypatch.setattr(FiniteScan, "raise_if_bad", raise_if_bad)
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(QuantkitError, match="has a NaN/Inf value"):
+        run_quantize(job, FindAfterFirst())
+    assert len(found) == 1
+    assert sorted(json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())["layers"]) == ["0"]

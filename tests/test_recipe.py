@@ -138,3 +138,51 @@ def test_values_a_pass_cannot_run_with_are_refused_up_front(recipe, override, ma
     loop that never ends (inf), a ValueError after the Fisher pass (squeezellm on plain weights)."""
     with pytest.raises(RecipeError, match=match):
         load_recipe(recipe, [override])
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("name: x\nweight: {bits: 4}\npasses: [{name: rtn}]\n", r"r\.yaml: unknown field 'weight'; allowed: name, "),
+    ("name: ''\npasses: [{name: rtn}]\n", r"r\.yaml\.name: a recipe needs a non-empty string name"),
+    ("name: x\ndescription: [a, b]\npasses: [{name: rtn}]\n", r"r\.yaml\.description: expected a string"),
+    ("name: x\ntargets: []\npasses: [{name: rtn}]\n", r"r\.yaml\.targets: expected a non-empty list of roles"),
+    ("name: x\ntargets: [qkv, mlp]\npasses: [{name: rtn}]\n", r"r\.yaml\.targets: expected a non-empty list of roles"),
+    ("name: x\ncalibration: {hessian_inputs: quantized}\npasses: [{name: gptq}]\n",
+     r"hessian_inputs: 'quantized' needs an `activations` section"),
+    ("name: x\npasses: [{name: rtn}, {name: clip}]\n", "the last pass must be the one weight quantizer"),
+    ("name: x\npasses: [{name: smooth}, {name: smooth}, {name: rtn}]\n", "a pass appears twice"),
+    ("name: x\npasses: [{name: rotate}, {name: rtn}]\n", "rotate needs fold_norms before it"),
+    ("name: x\npasses: [{name: fold_norms, enabled: false}, {name: rotate}, {name: rtn}]\n",
+     "rotate needs fold_norms before it"),
+    ("name: x\npasses: [{name: clip}, {name: smooth}, {name: rtn}]\n", "transform smooth must come before"),
+    ("name: x\npasses: [{name: smooth, enabled: 'no'}, {name: rtn}]\n", r"\(smooth\)\.enabled: expected true or false"),
+    ("name: x\npasses: [{name: rtn, enabled: false}]\n", r"\(rtn\): the weight quantizer cannot be disabled"),
+])
+def test_recipes_that_would_run_otherwise_than_written_are_refused(tmp_path, text, match):
+    """Each of these would run, silently, something other than what the file says (a misspelt section ignored, no
+    layer quantized, an empty name saved, a quantizer followed by a step that reads weights it has already replaced,
+    a pass run twice or without its prerequisite, a rotation through norms never folded, a quoted 'no' read as
+    enabled, a disabled quantizer), so it is refused naming the field."""
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(path)
+
+
+def test_a_disabled_pass_needs_no_prerequisite_and_null_sections_are_off(tmp_path):
+    """A step switched off (an ablation) is not checked for its prerequisites, and `activations: null` or
+    `kv_cache: null` switch those simulations off (what `--set kv_cache=null` writes)."""
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nactivations: null\nkv_cache: null\n"
+                    "passes: [{name: rotate, enabled: false}, {name: rtn}]\n")
+    recipe = load_recipe(path)
+    assert recipe.activations is None and recipe.kv_cache is None
+    assert [(p.name, p.enabled) for p in recipe.passes] == [("rotate", False), ("rtn", True)]
+    assert load_recipe("qoq", ["kv_cache=null"]).kv_cache is None
+
+
+def test_a_missing_recipe_file_is_named_not_taken_for_a_bundled_name(tmp_path, monkeypatch):
+    """A path ending in .yaml that is not there is named as a missing file (a typo in the path, a file not yet
+    written), even when its stem names a bundled recipe, not as an unknown recipe name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"recipe file rtn-w8a8\.yaml not found"):
+        load_recipe("rtn-w8a8.yaml")
