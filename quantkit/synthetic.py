@@ -29,6 +29,7 @@ class SyntheticLlama:
     attention_bias: bool = False  # q/k/v biases, as Qwen2 has (and o_proj's too for model_type llama)
     dtype: str = "float16"  # or "bfloat16", as Llama 3 and Mistral ship
     head_dim: int | None = None  # None: hidden / heads; else as Mistral Nemo and Small 3 (heads x head_dim != hidden)
+    qk_std: float = 0.02  # of q_proj and k_proj: at 0.02 attention is near uniform, larger makes it peak as trained
 
     @property
     def head_width(self) -> int:
@@ -49,7 +50,7 @@ TINYLLAMA_1B = SyntheticLlama(2048, 5632, 22, 32, 4, 32000, 2048)
 
 def _config(spec: SyntheticLlama) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    config = {k: v for k, v in asdict(spec).items() if k not in ("attention_bias", "dtype", "head_dim")}
+    config = {k: v for k, v in asdict(spec).items() if k not in ("attention_bias", "dtype", "head_dim", "qk_std")}
     if spec.head_dim is not None:
         config["head_dim"] = spec.head_dim
     config.update({
@@ -103,8 +104,8 @@ def write_synthetic_llama(path: Path, spec: SyntheticLlama = SyntheticLlama(), s
         tensors = {
             p + "input_layernorm.weight": norm(h),
             p + "post_attention_layernorm.weight": norm(h),
-            p + "self_attn.q_proj.weight": rand(q, h),
-            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.q_proj.weight": rand(q, h, std=spec.qk_std),
+            p + "self_attn.k_proj.weight": rand(kv, h, std=spec.qk_std),
             p + "self_attn.v_proj.weight": rand(kv, h),
             p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def _assert_same_function(model_dir: Path, passes: list[tuple[str, dict]], tol: 
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.99
 
 
-@pytest.fixture(scope="module", params=[
+SPECS = [
     SyntheticLlama(hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=6,
                    num_key_value_heads=2, tie_word_embeddings=True),
     SyntheticLlama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, model_type="qwen2",
@@ -43,9 +44,20 @@ def _assert_same_function(model_dir: Path, passes: list[tuple[str, dict]], tol: 
     SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, model_type="mistral", head_dim=64),
     SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2, attention_bias=True),
-], ids=["llama-192-tied-gqa", "qwen2-256-bias", "mistral-128-head-dim-64", "llama-128-attention-bias"])
+]
+SPEC_IDS = ["llama-192-tied-gqa", "qwen2-256-bias", "mistral-128-head-dim-64", "llama-128-attention-bias"]
+
+
+@pytest.fixture(scope="module", params=SPECS, ids=SPEC_IDS)
 def synthetic(request, tmp_path_factory) -> Path:
     return write_synthetic_llama(tmp_path_factory.mktemp("syn") / "model", request.param)
+
+
+@pytest.fixture(scope="module", params=[replace(s, qk_std=0.15) for s in SPECS], ids=SPEC_IDS)
+def peaked(request, tmp_path_factory) -> Path:
+    """The same models with q_proj and k_proj at std 0.15, not 0.02: attention that peaks, as a trained model's
+    does, where near-uniform attention hides a wrong scaling of queries or keys from the logits."""
+    return write_synthetic_llama(tmp_path_factory.mktemp("peaked") / "model", request.param)
 
 
 def test_fold_norms_preserves_logits(synthetic):
@@ -63,6 +75,15 @@ def test_rotation_preserves_logits_on_stories260k(stories260k):
 @pytest.mark.parametrize("name", ["reorder", "smooth_attention", "smooth"])
 def test_pass_preserves_logits(synthetic, name):
     _assert_same_function(synthetic, [(name, {})])
+
+
+@pytest.mark.parametrize("passes", [[("smooth_attention", {})], QOQ_TRANSFORMS, ALL_TRANSFORMS],
+                         ids=["smooth_attention", "rotate", "all"])
+def test_query_and_key_transforms_preserve_logits_with_peaked_attention(peaked, passes):
+    """SmoothAttention's per-channel lambda (keys divided, each query head multiplied by its KV head's) and the
+    rotation of q/k's inputs leave the function unchanged where attention peaks, so that a query scaled the wrong
+    way or by another head's lambda moves the logits past the tolerance."""
+    _assert_same_function(peaked, passes)
 
 
 EVERY_POINT = ["qkv", "o", "gate_up", "down"]
