@@ -143,7 +143,7 @@ def main() -> None:
         cubin.write_bytes(kernels.compile_source(floor_source(), "stream_read.cu", arch, (DEFINE,)))
         floor = cupy.RawModule(path=str(cubin))
         read = floor.get_function("stream_read")
-    read_blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    read_blocks = 4 * kernels.multiprocessors()
 
     def read_call(size: int):
         """A launch of the stamped floor over `size` bytes of weights, four blocks of 512 threads an SM."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch, tuning
+from quantkit.kernels import LAUNCHES, Launch, anyprec_launch, atom_launch, multiprocessors, tuning
 
 # (N, K) of a model's linears: fused qkv, o, fused gate_up, down. Issue #6's bars are set on Llama-3-8B's (which
 # Mistral-7B shares); `quantkit bench` applies the same rules to the others.
@@ -373,7 +373,7 @@ def stream_read(size: int) -> Callable[[], None]:
 
     kernel = cupy.RawKernel(STREAM_READ, "stream_read")
     src, sink = cupy.zeros(size, dtype=cupy.uint8), cupy.zeros(1, dtype=cupy.uint32)
-    blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    blocks = 4 * multiprocessors()
     return lambda: kernel((blocks,), (512,), (src, cupy.uint64(size // 16), sink))
 
 
