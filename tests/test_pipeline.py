@@ -975,6 +975,20 @@ def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_pat
     record_rewritten_file(lacking, lacking / "model.safetensors.index.json")
     refused(lacking, "the artifact lacks tensor(s) model.layers.1.input_layernorm.weight")
 
+    # an index naming a file outside the artifact (or none there) is damage, as in a checkpoint, not a path to read
+    astray = shutil.copytree(rtn_artifact, tmp_path / "astray")
+    index = astray / "model.safetensors.index.json"
+    for shard, match in [("../lacking/" + sorted(astray.glob("*.safetensors"))[0].name,
+                          "the weight_map of model.safetensors.index.json is not a mapping of tensor names to files "
+                          "of the directory; the artifact is damaged"),
+                         ("gone.safetensors", "gone.safetensors, named by model.safetensors.index.json, is missing; "
+                                              "the artifact is damaged")]:
+        content = json.loads(index.read_text())
+        content["weight_map"][next(iter(content["weight_map"]))] = shard
+        index.write_text(json.dumps(content))
+        record_rewritten_file(astray, index)
+        refused(astray, match)
+
     fp = shutil.copytree(synthetic, tmp_path / "fp")
     drop(fp, "model.layers.2.mlp.down_proj.weight")
     refused(fp, "the weights do not match config.json: it lacks model.layers.2.mlp.down_proj.weight")

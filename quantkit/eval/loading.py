@@ -26,7 +26,7 @@ from quantkit.artifact import (
 from quantkit.errors import QuantkitError, some
 from quantkit.formats import PACKERS, get_packer
 from quantkit.models.adapters import adapter_for
-from quantkit.models.source import load_tokenizer, open_model
+from quantkit.models.source import load_tokenizer, open_model, weight_map_problem
 from quantkit.pipeline import linear_parts
 from quantkit.quantizers import QuantizedLinear, QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
@@ -114,8 +114,8 @@ def artifact_recipe(path: Path) -> Recipe:
 def _weight_map(path: Path) -> dict[str, str]:
     """Where each tensor of artifact `path` is: its shard index's weight map."""
     weight_map = read_artifact_json(path, "model.safetensors.index.json", ("weight_map",))["weight_map"]
-    if not isinstance(weight_map, dict):
-        raise ArtifactError(f"{path / 'model.safetensors.index.json'}: no weight map; the artifact is damaged")
+    if problem := weight_map_problem(path, weight_map):
+        raise ArtifactError(f"{path}: {problem}; the artifact is damaged (copy it again, or quantize again)")
     return weight_map
 
 

@@ -304,13 +304,23 @@ def _weight_map(path: Path) -> dict[str, str] | None:
         weight_map = json.loads(index_file.read_text()).get("weight_map")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
         raise ModelError(f"{index_file}: not a safetensors index ({exc})") from None
+    if problem := weight_map_problem(path, weight_map):
+        raise ModelError(f"{path}: {problem}")
+    return weight_map
+
+
+def weight_map_problem(path: Path, weight_map: Any) -> str:
+    """What is wrong with `weight_map`, the map of tensor names to files of directory `path` in its
+    model.safetensors.index.json (not such a map, or naming files that are not there), or "" where nothing is: a
+    checkpoint's and an artifact's readers check theirs alike."""
     if not (isinstance(weight_map, dict) and weight_map
             and all(isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items())):
-        raise ModelError(f"{index_file}: its weight_map is not a mapping of tensor names to files of the directory")
+        return ("the weight_map of model.safetensors.index.json is not a mapping of tensor names to files of the "
+                "directory")
     if missing := sorted({v for v in weight_map.values() if not (path / v).is_file()}):
-        raise ModelError(f"{path}: {some(missing, 3)}, named by model.safetensors.index.json, "
-                         f"{'is' if len(missing) == 1 else 'are'} missing")
-    return weight_map
+        verb = "is" if len(missing) == 1 else "are"
+        return f"{some(missing, 3)}, named by model.safetensors.index.json, {verb} missing"
+    return ""
 
 
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
