@@ -328,3 +328,29 @@ def test_outlier_order_sorts_each_roles_input_channels_by_square_sum(tmp_path):
         assert sorted(order.tolist()) == list(range(s.numel()))
         along = s[order]
         assert (along[1:] >= along[:-1] * (1 - 1e-6)).all(), role
+
+
+def test_atom_tensors_have_linearint4_dtypes_shapes_and_config():
+    """LinearInt4's buffers (atom.py docstring, after punica-atom): reorder_index int16 [K], weight_int4 uint8
+    [N, (K - 128) / 2], weight_int8 int8 [N, 128] holding the outlier columns' codes, scale_int4 fp16 [G, 4N] and
+    scale_int8 fp16 [4N]; row 9 of a tile sits at (9 % 8) 8 + (9 // 8) % 2 = 9 and its copies at 11, 13, 15."""
+    from quantkit.formats.atom import AtomPacker
+    from quantkit.recipe import load_recipe
+
+    q = _atom_linear()  # N = 32, K = 384: two INT4 groups and 128 outliers
+    packer = AtomPacker(load_recipe("atom-w4a4"), torch.float16)
+    t = packer.pack(q)
+    expected = {"reorder_index": (torch.int16, (384,)), "weight_int4": (torch.uint8, (32, 128)),
+                "weight_int8": (torch.int8, (32, 128)), "scale_int4": (torch.float16, (2, 128)),
+                "scale_int8": (torch.float16, (128,))}
+    assert {name: (v.dtype, tuple(v.shape)) for name, v in t.items()} == expected
+    outlier_cols = torch.nonzero(q.g_idx == 2).flatten()
+    assert torch.equal(t["reorder_index"][256:].long(), outlier_cols)
+    assert torch.equal(t["weight_int8"], q.codes[:, outlier_cols])
+    scale = q.qparams.scale
+    for slot in (9, 11, 13, 15):
+        assert float(t["scale_int4"][1, slot]) == float(scale[9, 1])
+        assert float(t["scale_int8"][slot]) == float(scale[9, 2])
+    config = packer.quantization_config({"down": q.spec})
+    assert {k: v for k, v in config.items() if k != "note"} == {
+        "quant_method": "atom", "wbits": 4, "group_size": 128, "outliers": 128, "outlier_bits": 8}

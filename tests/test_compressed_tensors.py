@@ -223,3 +223,43 @@ def test_asymmetric_codes_equal_the_librarys_on_ties():
     library = library_quantize(w, qp.scale.float(), qp.zero.to(torch.int8),
                                QuantizationArgs(num_bits=4, symmetric=False, strategy="channel"))
     assert torch.equal(quantize(w, qp, spec), library.to(torch.int8))
+
+
+def test_config_targets_linear_and_leaves_the_kv_cache_alone():
+    """formats.md: one config group over every role targets [Linear], with status "compressed"; kv_cache_scheme stays
+    null, since compressed-tensors reads any mapping there as the KV cache's QuantizationArgs (an empty one is INT8
+    per tensor) and engines would quantize the cache."""
+    recipe = load_recipe("rtn-w4a16-g128")
+    spec = recipe.weights.spec()
+    config = CompressedTensorsPacker(recipe, torch.float16).quantization_config(
+        dict.fromkeys(("qkv", "o", "gate_up", "down"), spec))
+    assert config["kv_cache_scheme"] is None
+    assert config["quantization_status"] == "compressed"
+    assert [g["targets"] for g in config["config_groups"].values()] == [["Linear"]]
+    assert config["ignore"] == ["lm_head"]
+
+
+def test_int_quantized_zero_point_is_int8():
+    """An int-quantized (W8A8) asymmetric zero point is stored unpacked as int8, the zp_dtype compressed-tensors'
+    QuantizationArgs gives 8-bit integer weights (only pack-quantized zero points are int32 words)."""
+    torch.manual_seed(4)
+    w = torch.randn(16, 64)
+    spec = QuantSpec(bits=8, symmetric=False, granularity="channel")
+    qp = compute_qparams(w, spec)
+    tensors = CompressedTensorsPacker(load_recipe("rtn-w8a8"), torch.float16).pack(
+        QuantizedLinear(quantize(w, qp, spec), qp, spec))
+    assert tensors["weight_zero_point"].dtype == torch.int8
+    assert torch.equal(tensors["weight_zero_point"].int(), qp.zero.int())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_input_activations_entry_is_what_the_recipe_simulates(symmetric):
+    """formats.md's input_activations: {num_bits: 8, type: int, symmetric, strategy: token, dynamic: true}. The
+    symmetric flag must be the recipe's: vLLM's W8A8 INT8 scheme adds a per-token zero point only when it is false."""
+    recipe = load_recipe("rtn-w8a8", [] if symmetric else ["activations.symmetric=false"])
+    spec = recipe.weights.spec()
+    config = CompressedTensorsPacker(recipe, torch.float16).quantization_config(
+        dict.fromkeys(("qkv", "o", "gate_up", "down"), spec))
+    act = config["config_groups"]["group_0"]["input_activations"]
+    assert {k: act[k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == {
+        "num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": "token", "dynamic": True}

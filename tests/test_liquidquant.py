@@ -229,3 +229,19 @@ def test_end_to_end_liquidquant_artifact_loads_as_quantized(tmp_path, calib_txt)
         assert torch.equal(pa, pb), name
     fp = load_for_eval(model, dtype=torch.float16).model
     assert not torch.equal(a.model.layers[0].mlp.down_proj.weight, fp.model.layers[0].mlp.down_proj.weight)
+
+
+def test_packed_tensors_and_config_follow_the_documented_layout():
+    """The module docstring's layout "lqq_dual64": s1_scales fp16 [N], s2a uint8 [N/64, K/64, 64, 2] holding (s, 128 +
+    min8) per block row, and quantization_config naming 4-bit weights, 8-bit activations, groups of 64."""
+    q = _quantized()
+    packer = LiquidQuantPacker(None, torch.float16)
+    t = packer.pack(q)
+    assert t["s1_scales"].dtype == torch.float16 and tuple(t["s1_scales"].shape) == (128,)
+    assert t["s2a"].dtype == torch.uint8
+    # block row 5 of row tile 1, K tile 2 is row 69, group 2
+    assert int(t["s2a"][1, 2, 5, 0]) == int(q.qparams.s2[69, 2])
+    assert int(t["s2a"][1, 2, 5, 1]) == 128 + int(q.qparams.offset[69, 2])
+    assert packer.quantization_config({"down": G64}) == {
+        "quant_method": "liquidquant", "wbits": 4, "abits": 8, "group_size": 64, "layout": "lqq_dual64",
+        "note": "no public engine loads it; quantkit's kernels read it"}

@@ -270,3 +270,37 @@ def test_per_channel_unpack_agrees_with_the_kernel_for_every_nibble():
     value the kernel's `w & 0xF0F0F0F0` masking reads: nibble 8 is -8, not +8."""
     b = np.random.default_rng(5).integers(-(2**31), 2**31, (8, 128)).astype(np.int32)  # K = 128, N = 64
     assert np.array_equal(16 * unpack_b(b, per_group=False), kernel_int8(b, None))
+
+
+def test_permutations_equal_the_digests_restatement_of_qqq_pack():
+    """weight_perm, SCALE_PERM and SCALE_PERM_SINGLE against digest-liquidgemm-qqq's re-derivation of QQQ's
+    qlinear_marlin.pack (`qqq_perm`), written out here: fragments thread-major, the chunk's four 16 x 16 tiles 256
+    apart, then the nibble interleave; scale_perm [i + 8j], scale_perm_single [2i + j, j in 0,1,8,9,..]. Round trips
+    and the emulation share the module's permutations, so only this (or the g++ warp simulator) sees them change."""
+    for per_group, inter in ((True, [0, 2, 4, 6, 1, 3, 5, 7]), (False, [4, 0, 5, 1, 6, 2, 7, 3])):
+        p = []
+        for i in range(32):
+            col, blk = i // 4, []
+            for block in (0, 1):
+                for row in range(4 * (i % 4), 4 * (i % 4) + 4):
+                    blk.append(16 * row + col + 8 * block)
+            for j in range(4):
+                p += [x + 256 * j for x in blk]
+        assert weight_perm(per_group).tolist() == np.array(p).reshape(-1, 8)[:, inter].ravel().tolist()
+    assert SCALE_PERM[:16].tolist() == [0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57]
+    assert SCALE_PERM_SINGLE[:16].tolist() == [0, 1, 8, 9, 16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27]
+    assert SCALE_PERM_SINGLE[-8:].tolist() == [6, 7, 14, 15, 22, 23, 30, 31]
+
+
+def test_stored_scales_by_hand():
+    """Position 2 of every 32 columns of s_channel holds channel 8 (scale_perm_single), position 1 of every 64 of
+    s_group holds channel 8 (scale_perm); per channel s_channel is scale / 16, per group the INT8 channel scale."""
+    q = _linear(PER_CHANNEL)
+    t = _packer().pack(q)
+    assert float(t["s_channel"][0, 2]) == float(q.qparams.scale[8, 0]) / 16
+    assert float(t["s_channel"][0, 32 + 2]) == float(q.qparams.scale[32 + 8, 0]) / 16
+    q = _linear(PER_GROUP)
+    t = _packer().pack(q)
+    assert float(t["s_channel"][0, 2]) == float(q.qparams.s_channel[8, 0])
+    assert float(t["s_group"][1, 64 + 1]) == float(q.qparams.ratio[64 + 8, 1])
+    assert float(t["s_group"][0, 0]) == float(q.qparams.ratio[0, 0])

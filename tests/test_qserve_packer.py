@@ -441,3 +441,35 @@ def test_pack_refuses_codes_outside_signed_int4():
     codes[0, 0] = 8
     with pytest.raises(ExportError, match=r"\[-8, 7\]"):
         make_packer().pack(QuantizedLinear(codes, q.qparams, CHANNEL))
+
+
+def test_notes_name_linears_whose_k_is_off_the_engine_tile():
+    """The engines' QServe kernels step K by CTA_K (up to 128) as well as N (digest-qserve §3.2, §6.19): N = 256 fits,
+    K = 160 does not, so the linear exports but the manifest says no engine runs it."""
+    packer = make_packer()
+    packer.check(MODULE, CHANNEL, (256, 160))
+    (note,) = [n for n in packer.notes({"down": CHANNEL}) if "multiple of 128" in n]
+    assert note.startswith("1 linears have N or K not a multiple of 128 ([N, K] = [256, 160]): ")
+
+
+@pytest.mark.parametrize("field", ["scale", "szero"])
+def test_pack_refuses_per_channel_scales_that_are_not_fp16(field):
+    """s1_scales and s1_szeros are fp16 on disk (formats.md): 1 + 2^-12 is no fp16 value, so the export refuses it
+    rather than round it into a checkpoint that dequantizes to other weights than quantkit measured."""
+    q = quantized(random_weight(32, 128, seed=12), CHANNEL)
+    value = getattr(q.qparams, field).clone()
+    value[0, 0] = 1 + 2**-12
+    qp = q.qparams.map(lambda f, t: value if f == field else t)
+    with pytest.raises(ExportError, match="fp16"):
+        make_packer().pack(QuantizedLinear(q.codes, qp, CHANNEL))
+
+
+def test_pack_refuses_a_level1_scale_that_is_not_fp16():
+    """The progressive s1_scales is fp16 too: s1 = 1 + 2^-12 (with scale = s1 * s2 kept exact) is refused."""
+    q = quantized(random_weight(32, 256, seed=13), group_spec(128))
+    s1 = q.qparams.s1.clone()
+    s1[0, 0] = 1 + 2**-12
+    scale = s1 * q.qparams.s2
+    qp = q.qparams.map(lambda f, t: s1 if f == "s1" else scale if f == "scale" else t)
+    with pytest.raises(ExportError, match="fp16"):
+        make_packer().pack(QuantizedLinear(q.codes, qp, q.spec))
