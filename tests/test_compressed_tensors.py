@@ -263,3 +263,22 @@ def test_input_activations_entry_is_what_the_recipe_simulates(symmetric):
     act = config["config_groups"]["group_0"]["input_activations"]
     assert {k: act[k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == {
         "num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": "token", "dynamic": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pack_refuses_scales_the_model_dtype_would_round(dtype):
+    """weight_scale is stored in the model's dtype: a scale that is no value of it (1 + 2^-12 is neither float16 nor
+    bfloat16) is refused, as every other packer refuses, rather than rounded into weights quantkit never measured.
+    Scales of that dtype pass unchanged."""
+    torch.manual_seed(5)
+    w = torch.randn(16, 128)
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=64)
+    qp = compute_qparams(w, spec, scale_dtype=dtype)
+    packer = CompressedTensorsPacker(load_recipe("rtn-w4a16-g128"), dtype)
+    stored = packer.pack(QuantizedLinear(quantize(w, qp, spec), qp, spec))["weight_scale"]
+    assert stored.dtype == dtype and torch.equal(stored.float(), qp.scale.float())
+    scale = qp.scale.clone()
+    scale[3, 1] = 1 + 2**-12
+    qp = qp.map(lambda f, t: scale if f == "scale" else t)
+    with pytest.raises(ExportError, match=f"weight_scale in {str(dtype)[6:]}, but the quantizer's values are not"):
+        packer.pack(QuantizedLinear(quantize(w, qp, spec), qp, spec))

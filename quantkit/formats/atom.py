@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.formats.base import ExportError, Packer
+from quantkit.formats.base import ExportError, Packer, stored_exactly
 from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 GROUP = OUTLIERS = 128
@@ -93,10 +93,7 @@ class AtomPacker(Packer):
         if normal.min() < -8 or normal.max() > 7:
             raise ExportError("atom: an INT4 code lies outside [-8, 7]")
         nibbles = (normal & 0xF).astype(np.uint8)
-        scale = qp.scale.detach().cpu().float()
-        if not torch.equal(scale.half().float(), scale):
-            raise ExportError("atom stores fp16 scales, but the quantizer's scales are not fp16 values")
-        s = scale.half().numpy()  # [N, groups + 1]
+        s = stored_exactly(qp.scale, torch.float16, "atom", "its scales").numpy()  # [N, groups + 1]
         return {
             "reorder_index": order.to(torch.int16),
             "weight_int4": torch.from_numpy(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)),

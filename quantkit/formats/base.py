@@ -18,6 +18,17 @@ class ExportError(QuantkitError):
     """The quantized model cannot be expressed in the requested format."""
 
 
+def stored_exactly(t: torch.Tensor, dtype: torch.dtype, fmt: str, what: str) -> torch.Tensor:
+    """`t` on the CPU as `dtype`, or an ExportError where that cast would change a value: a format stores the
+    quantizer's scales as they are, never rounded into other weights than the ones quantkit measured."""
+    src = t.detach().cpu()
+    out = src.to(dtype)
+    if not torch.equal(out.float(), src.float()):
+        raise ExportError(f"{fmt} stores {what} in {dtype_name(dtype)}, but the quantizer's values are not "
+                          f"{dtype_name(dtype)} values (quantize with {dtype_name(dtype)} scales)")
+    return out
+
+
 class Packer:
     """Pack quantized linears into a format's tensors (and back), and write its config entry.
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.formats.base import ExportError, Packer
+from quantkit.formats.base import ExportError, Packer, stored_exactly
 from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec
 
 ROLE_PATTERNS = {
@@ -140,7 +140,7 @@ class CompressedTensorsPacker(Packer):
     def pack(self, q: QuantizedLinear) -> dict[str, torch.Tensor]:
         spec, qp = q.spec, q.qparams
         n, k = q.codes.shape
-        scale = qp.scale.to(self.dtype)
+        scale = stored_exactly(qp.scale, self.dtype, "compressed-tensors", "weight_scale")
         if spec.granularity == "tensor":
             scale = scale.reshape(1)
         out: dict[str, torch.Tensor] = {"weight_scale": scale.contiguous()}

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.formats.base import ExportError, Packer
+from quantkit.formats.base import ExportError, Packer, stored_exactly
 from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, lqq_code_bound
 
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
@@ -183,15 +183,13 @@ class LiquidQuantPacker(Packer):
         if u.min() < 0 or u.max() > 15 or lanes.max() > 255:
             raise ExportError("liquidquant: a code would overflow the kernel's byte lane (u * s + 128 + min > 255); "
                               "the codes ignore the quantizer's per-group code bound")
-        s1 = qp.s1.detach().cpu().float().reshape(n)
-        if not torch.equal(s1.half().float(), s1):
-            raise ExportError("liquidquant stores s1 in fp16, but the level-1 scales are not fp16-representable")
+        s1 = stored_exactly(qp.s1.reshape(n), torch.float16, "liquidquant", "the level-1 scales s1")
         sa = np.stack([s, 128 + m], axis=-1).astype(np.uint8)  # [N, K/64, 2]
         return {
             "qweight": torch.from_numpy(pack_codes(u)),
             "s2a": torch.from_numpy(np.ascontiguousarray(sa.reshape(n // BLOCK, BLOCK, k // BLOCK, 2)
                                                          .transpose(0, 2, 1, 3))),
-            "s1_scales": s1.half().contiguous(),
+            "s1_scales": s1.contiguous(),
         }
 
     def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from quantkit.formats.base import ExportError, Packer
+from quantkit.formats.base import ExportError, Packer, stored_exactly
 from quantkit.formats.qserve_layout import (
     TILE,
     pack_group_params,
@@ -79,15 +79,6 @@ def _require_variant(spec: QuantSpec, where: str) -> Variant:
 def qserve_group_size(spec: QuantSpec) -> int:
     """The `group_size` QServe/SGLang name for `spec`: -1 per channel, else the level-2 group size."""
     return -1 if _require_variant(spec, "qserve") == "channel" else spec.group_size
-
-
-def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
-    """`t` as fp16, or ExportError if that would change a value (scales must already be fp16-representable)."""
-    half = t.detach().cpu().to(torch.float16)
-    if not torch.equal(half.float(), t.detach().cpu().float()):
-        raise ExportError(f"qserve stores {what} in fp16, but the quantizer's values are not fp16-representable "
-                          "(quantize with fp16 scales)")
-    return half
 
 
 class QServePacker(Packer):
@@ -150,8 +141,8 @@ class QServePacker(Packer):
             if qp.szero is None or qp.code_offset != OFFSET:
                 raise ExportError("qserve per-channel export needs the scaled zero (szero) with code offset 8; the "
                                   "quantized linear lacks it")
-            out["s1_scales"] = _fp16(qp.scale, "s1_scales").reshape(n).contiguous()
-            out["s1_szeros"] = _fp16(qp.szero, "s1_szeros").reshape(n).contiguous()
+            out["s1_scales"] = stored_exactly(qp.scale.reshape(n), torch.float16, "qserve", "s1_scales").contiguous()
+            out["s1_szeros"] = stored_exactly(qp.szero.reshape(n), torch.float16, "qserve", "s1_szeros").contiguous()
             return out
         if qp.s1 is None or qp.s2 is None or qp.zero is None:
             raise ExportError("qserve progressive export needs s1, s2 and the zero; the quantized linear lacks them")
@@ -178,7 +169,7 @@ class QServePacker(Packer):
             s2_scales, s2_zeros = pack_group_params(s2, z_u)
         except ValueError as exc:
             raise ExportError(f"qserve: {exc}") from None
-        out["s1_scales"] = _fp16(s1, "s1_scales").reshape(n).contiguous()
+        out["s1_scales"] = stored_exactly(s1.reshape(n), torch.float16, "qserve", "s1_scales").contiguous()
         out["s2_scales"] = s2_scales
         out["s2_zeros"] = s2_zeros
         return out
