@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import random
 import struct
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from quantkit.calib import (
     load_named_set,
     named_sets,
     resolve_named_set,
+    sample_windows,
     token_sha256,
 )
 from quantkit.errors import QuantkitError
@@ -162,6 +164,60 @@ def test_random_sampling_is_deterministic_in_the_seed(tinystories_txt, tokenizer
     assert all(tuple(row.tolist()) in starts for row in a.tokens)
 
 
+def test_random_windows_are_the_seeded_draws_over_the_whole_stream(tmp_path, tokenizer):
+    """GPTQ-style draws worked out by hand: `random.Random(seed)` draws each start uniformly in
+    [0, len(stream) - seq_len] of the whole "\n\n"-joined stream (shorter than 4x the request, so all of it is the
+    pool), window i from draw i; another seed, other windows."""
+    docs = [d for d in DOCS if d]
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    stream = encode(tokenizer, docs)
+    num_samples, seq_len = 3, 48
+    assert num_samples * seq_len < len(stream) < 4 * num_samples * seq_len  # else the reference would not hold
+    for seed in (0, 7):
+        rng = random.Random(seed)
+        starts = [rng.randrange(len(stream) - seq_len + 1) for _ in range(num_samples)]
+        expected = torch.tensor([stream[s: s + seq_len] for s in starts])
+        cal = load_calibration(path, tokenizer, num_samples=num_samples, seq_len=seq_len, seed=seed)
+        assert torch.equal(cal.tokens, expected), seed
+
+
+def test_a_stream_of_exactly_the_windows_needed_is_enough():
+    """Boundaries: a stream of exactly seq_len tokens is one window (its only start is 0: every random draw takes
+    it), and exactly num_samples x seq_len tokens give num_samples "first" windows."""
+    ids = list(range(20))
+    with pytest.warns(UserWarning, match="necessarily overlap"):
+        random_windows = sample_windows(ids[:10], num_samples=3, seq_len=10, seed=0, sampling="random")
+    assert random_windows.tolist() == [ids[:10]] * 3
+    assert sample_windows(ids, num_samples=2, seq_len=10, seed=0, sampling="first").tolist() == [ids[:10], ids[10:]]
+    with pytest.raises(CalibrationError, match="9 tokens found"):
+        sample_windows(ids[:9], num_samples=1, seq_len=10, seed=0, sampling="random")
+
+
+def test_txt_lines_keep_their_spaces(tmp_path):
+    """A .txt line is a document verbatim: only its line end goes (spaces at either end are text, as WikiText's
+    leading space is)."""
+    path = tmp_path / "spaced.txt"
+    path.write_bytes(b" = Heading = \r\n\tindented line  \nplain\n")
+    assert list(iter_documents(path)) == [" = Heading = ", "\tindented line  ", "plain"]
+
+
+def test_parquet_nulls_are_skipped(tmp_path):
+    """A null in a parquet text column is no document; the rows around it are kept, an empty string included."""
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "", "b"]}), path)
+    assert list(iter_documents(path)) == ["a", "", "b"]
+
+
+def test_zero_samples_or_length_is_refused(tmp_path):
+    """num_samples and seq_len must be positive, for the API as for the CLI (whose options refuse 0 themselves),
+    before any text is read or tokenized (no tokenizer is needed to be refused)."""
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    for num_samples, seq_len in ((0, 8), (1, 0)):
+        for sampling in ("first", "random"):
+            with pytest.raises(CalibrationError, match="must be positive"):
+                load_calibration(path, None, num_samples=num_samples, seq_len=seq_len, sampling=sampling)
+
+
 def test_first_mode_on_shared_tinystories_matches_manual(tinystories_txt, tokenizer):
     docs = tinystories_txt.read_text(encoding="utf-8").splitlines()
     cal = load_calibration(tinystories_txt, tokenizer, num_samples=7, seq_len=128, sampling="first", seed=5)
@@ -257,6 +313,25 @@ def test_c4_found_in_data_dir_matches_whole_file_protocol(shared_data, tokenizer
     assert find_named_set("c4") == c4_file
 
 
+def test_random_pool_is_the_first_four_times_the_request(shared_data, tokenizer, monkeypatch):
+    """"random" draws from exactly the first RANDOM_POOL_FACTOR x num_samples x seq_len tokens of the stream, however
+    far the reader's chunks ran past them: the windows do not move with its characters-per-token guess."""
+    import random
+
+    import quantkit.calib as calib
+
+    path = shared_data / "c4/c4-train.00000-of-01024.first800.jsonl"
+    docs = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()[:40]]
+    pool = encode(tokenizer, docs)[: 4 * 8 * 128]
+    assert len(pool) == 4 * 8 * 128  # 40 documents hold more than the pool
+    rng = random.Random(0)
+    expected = torch.tensor([pool[s: s + 128] for s in (rng.randrange(len(pool) - 127) for _ in range(8))])
+    for guess in (1, 4, 8):
+        monkeypatch.setattr(calib, "_CHARS_PER_TOKEN_GUESS", guess)
+        cal = load_calibration(path, tokenizer, num_samples=8, seq_len=128, seed=0)
+        assert torch.equal(cal.tokens, expected), guess
+
+
 def test_offline_missing_named_set_says_what_to_pass(tmp_path, tokenizer, monkeypatch):
     import huggingface_hub.constants
 
@@ -303,3 +378,16 @@ def test_self_generated_calibration_is_seeded(model, tokenizer):
     assert torch.equal(a.tokens, b.tokens) and a.sha256 == b.sha256 == token_sha256(a.tokens)
     assert not torch.equal(a.tokens, c.tokens)
     assert a.source == "self-generated" and a.seed == 0
+
+
+def test_self_generated_rows_never_end_early(model, tokenizer):
+    """Every row is BOS + seq_len - 1 sampled tokens even for a model that would rather stop: with the EOS logit
+    raised far above the rest, generation still suppresses it until the row is full."""
+    eos = tokenizer.eos_token_id
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out.index_add(
+        -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 100.0)))
+    try:
+        cal = generate_calibration(model, tokenizer, num_samples=2, seq_len=16, seed=0)
+    finally:
+        handle.remove()
+    assert cal.tokens.shape == (2, 16) and not (cal.tokens[:, 1:] == eos).any()

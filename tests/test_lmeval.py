@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import socket
 from collections.abc import Iterator
@@ -224,6 +225,53 @@ def test_data_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         check_task_data(["piqa"], other)  # the argument wins over the environment
 
 
+@pytest.mark.parametrize(("task", "file", "field", "value", "message"), [
+    ("piqa", "piqa/validation.jsonl", "label", 2, "field 'label' is 2, not one of 0..1"),
+    ("winogrande", "winogrande/validation.jsonl", "answer", "3", "field 'answer' is '3', not one of 1..2"),
+    ("winogrande", "winogrande/validation.jsonl", "answer", "0", "field 'answer' is '0', not one of 1..2"),
+    ("hellaswag", "hellaswag/validation.jsonl", "label", "4", "field 'label' is '4', not one of 0..3"),
+])
+def test_a_gold_index_just_past_the_choices_is_refused(tmp_path: Path, task, file, field, value, message) -> None:
+    """A gold index one past the last choice (PIQA's label 2 of two solutions, WinoGrande's answer 3 or 0 of options
+    1 and 2, HellaSwag's label 4 of four endings) is refused with its file and line before any model time: lm-eval
+    would fail on it, or score the question against no answer."""
+    root = _synthetic_data(tmp_path)
+    path = root / file
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1][field] = value
+    _write_jsonl(path, rows)
+    with pytest.raises(EvalDataError, match=rf"validation\.jsonl, line 2: {message} \(task {task}\)"):
+        check_task_data([task], root)
+
+
+@pytest.mark.parametrize(("task", "file", "gold"), [("piqa", "piqa/validation.jsonl", "label"),
+                                                   ("hellaswag", "hellaswag/validation.jsonl", "label"),
+                                                   ("winogrande", "winogrande/validation.jsonl", "answer")])
+def test_a_row_without_its_gold_field_is_refused(tmp_path: Path, task: str, file: str, gold: str) -> None:
+    """A row that lacks the field holding its answer is named as such (file, line, the fields found), not left to a
+    KeyError, nor to lm-eval once the model is loaded."""
+    root = _synthetic_data(tmp_path)
+    path = root / file
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    del rows[0][gold]
+    _write_jsonl(path, rows)
+    with pytest.raises(EvalDataError, match=rf"line 1: no field '{gold}'"):
+        check_task_data([task], root)
+
+
+def test_an_arc_answer_key_that_is_no_label_is_refused(tmp_path: Path) -> None:
+    """An ARC answer key none of its choices' labels is refused with its line, in the HF layout and in the AI2
+    original's: lm-eval's `choices.label.index(answerKey)` would fail on it after the model loaded."""
+    root = _synthetic_data(tmp_path)
+    for task, file in (("arc_easy", "arc/ARC-Easy-Test.jsonl"), ("arc_challenge", "arc/ARC-Challenge-Test.jsonl")):
+        rows = [json.loads(line) for line in (root / file).read_text().splitlines()]
+        rows[0]["answerKey"] = "E"
+        _write_jsonl(root / file, rows)
+        message = rf"line 1: answerKey 'E' is none of the labels \['A', 'B'.*\(task {task}\)"
+        with pytest.raises(EvalDataError, match=message):
+            check_task_data([task], root)
+
+
 # ------------------------------------------------------------------------------------------ rendering
 
 
@@ -298,6 +346,78 @@ def test_helpers_match_lm_eval(shared_data: Path) -> None:
     assert lmeval.winogrande_doc_to_text(doc) == wino.doc_to_text(doc) == 1
     assert lmeval.winogrande_doc_to_target(doc) == wino.doc_to_target(doc)
     assert lmeval.winogrande_doc_to_choice(doc) == wino.doc_to_choice(doc)
+
+
+# lm-eval's own config of each task, which quantkit's template mirrors (reading local files instead of the Hub)
+LM_EVAL_CONFIGS = {
+    "piqa": "piqa/piqa.yaml",
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "winogrande": "winogrande/default.yaml",
+    "wikitext_lm": "wikitext/wikitext.yaml",
+}
+
+
+@pytest.mark.parametrize("task", ALL_TASKS)
+def test_configs_score_as_lm_evals_own(task: str, tmp_path: Path) -> None:
+    """Each rendered config asks lm-eval for what its built-in task does: the same output type, prompt, target,
+    choices and metrics (acc and acc_norm where lm-eval reports both), and helpers of the same names where lm-eval
+    calls its own; only the data source (and ARC's layout conversion) may differ."""
+    load_yaml = pytest.importorskip("lm_eval.tasks._yaml_loader").load_yaml
+    import lm_eval
+
+    reference = Path(lm_eval.__file__).parent / "tasks" / LM_EVAL_CONFIGS[task]
+    if not reference.is_file():
+        pytest.skip(f"this lm-eval has no {reference}")
+    theirs = load_yaml(reference, resolve_func=False)
+    (ours_path,) = render_task_configs([task], tmp_path / "data", tmp_path / "out")
+    ours = load_yaml(ours_path, resolve_func=False)
+    for key in ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "process_docs", "process_results",
+                "should_decontaminate", "doc_to_decontamination_query", "target_delimiter", "num_fewshot"):
+        if key not in theirs:
+            assert key not in ours or (key == "process_docs" and task.startswith("arc")), key
+        elif str(theirs[key]).startswith(str(reference.parent)):  # a !function: ours is a helper of that name
+            assert str(ours[key]).startswith(str(tmp_path / "out" / "quantkit_task_utils.")), key
+            assert str(ours[key]).endswith(str(theirs[key]).rsplit(".", 1)[1]), key
+        else:
+            assert ours.get(key) == theirs[key], key
+    assert [m["metric"] for m in ours["metric_list"]] == [m["metric"] for m in theirs["metric_list"]]
+    for mine, their in zip(ours["metric_list"], theirs["metric_list"], strict=True):
+        assert {k: mine.get(k) for k in their} == their
+    assert tuple(m["metric"] for m in ours["metric_list"]) == LM_EVAL_TASKS[task].metrics
+
+
+def test_hellaswag_and_arc_documents_as_lm_eval_builds_them() -> None:
+    """HellaSwag's query, choices and gold are those of lm-eval's own process_docs (activity label, ctx_b
+    capitalized, bracket artifacts removed); an AI2-layout ARC row becomes the HF layout, choices in order."""
+    datasets = pytest.importorskip("datasets")
+    hella = _lm_eval_task_module("hellaswag/utils.py")
+    rows = [{"activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+             "endings": ["is using wrap to wrap a pair of skis.", "starts pulling up roofing [title] on a roof."],
+             "label": "1"},
+            {"activity_label": "Clean", "ctx_a": "A woman  mops.", "ctx_b": "then she", "endings": ["a", "b"],
+             "label": "0"}]
+    ours = lmeval.hellaswag_process_docs(datasets.Dataset.from_list(rows))
+    theirs = hella.process_docs(datasets.Dataset.from_list(rows))
+    assert ours.to_list() == theirs.to_list()
+    assert ours[0]["query"] == "Roof shingle removal: A man is sitting on a roof. He" and ours[0]["gold"] == 1
+
+    ai2 = [{"id": "c1", "answerKey": "B", "question": {"stem": "What flies?", "choices": [
+        {"text": "a stone", "label": "A"}, {"text": "a bird", "label": "B"}, {"text": "a fish", "label": "C"}]}}]
+    converted = lmeval.arc_process_docs(datasets.Dataset.from_list(ai2)).to_list()
+    assert converted == [{"id": "c1", "answerKey": "B", "question": "What flies?",
+                          "choices": {"text": ["a stone", "a bird", "a fish"], "label": ["A", "B", "C"]}}]
+    hf = datasets.Dataset.from_list(converted)
+    assert lmeval.arc_process_docs(hf).to_list() == converted  # the HF layout passes unchanged
+
+
+def test_metrics_are_read_by_name_with_their_stderr() -> None:
+    """lm-eval's result keys `metric,filter` become `metric` for the "none" filter (acc and acc_norm apart, each
+    with its stderr); other filters, aliases and "N/A" stderrs are dropped; sample_len is kept."""
+    result = {"alias": "quantkit_piqa", "acc,none": 0.625, "acc_stderr,none": 0.125, "acc_norm,none": 0.75,
+              "acc_norm_stderr,none": "N/A", "acc,strict": 0.1, "sample_len": 8}
+    assert lmeval._metrics(result) == {"acc": 0.625, "acc_stderr": 0.125, "acc_norm": 0.75, "sample_len": 8.0}
 
 
 # ------------------------------------------------------------------------------------------ real runs
@@ -383,6 +503,40 @@ def test_model_used_as_is(stories, shared_data: Path) -> None:
     assert model.lm_head.weight is head
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert "tie_weights" not in vars(model)  # the temporary no-op is gone
+
+
+def test_options_and_offline_mode_reach_lm_eval(stories, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_lm_eval hands lm-eval its tasks, limit, batch size and max_length (the model's max_position_embeddings
+    when not given), with the Hub and datasets offline for the call and the environment as it was afterwards
+    (lm-eval's evaluation itself replaced by a recorder)."""
+    _needs_hf_backend()
+    import huggingface_hub.constants
+    import lm_eval
+
+    model, tokenizer = stories
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    calls = []
+
+    def record(model, tasks, limit, **kwargs):
+        calls.append({"tasks": tasks, "limit": limit, "batch_size": model.batch_size, "max_length": model.max_length,
+                      "env": [os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")],
+                      "hub_offline": huggingface_hub.constants.HF_HUB_OFFLINE})
+        return {"results": {"quantkit_piqa": {"acc,none": 0.5}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", record)
+    data = _synthetic_data(tmp_path)
+    assert run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit=3, batch_size=2, max_length=1024) == {
+        "piqa": {"acc": 0.5}}
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data)
+    default = model.config.max_position_embeddings
+    assert calls == [
+        {"tasks": ["quantkit_piqa"], "limit": 3, "batch_size": 2, "max_length": 1024, "env": ["1", "1"],
+         "hub_offline": True},
+        {"tasks": ["quantkit_piqa"], "limit": None, "batch_size": 1, "max_length": default, "env": ["1", "1"],
+         "hub_offline": True},
+    ]
+    assert "HF_HUB_OFFLINE" not in os.environ and "HF_DATASETS_OFFLINE" not in os.environ
 
 
 def test_all_tasks_synthetic(stories, tmp_path: Path, no_network: None) -> None:

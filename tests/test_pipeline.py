@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -101,6 +102,68 @@ def test_perplexity_reports_progress_per_batch(synthetic):
     assert calls == [(0, 5), (2, 5), (4, 5), (5, 5)] and batched.windows == 5  # the clock starts at the first
     single = perplexity(model, ids, 32)
     assert single.perplexity == pytest.approx(batched.perplexity, rel=1e-5)
+
+
+def _naive_ppl(model, ids: torch.Tensor, seq_len: int, windows: int) -> float:
+    """The papers' perplexity worked out by hand: each of the first `windows` non-overlapping windows run alone,
+    every token after a window's first scored by a Python loop in float64, exp of the mean over all those tokens
+    (equal windows, so the mean of the windows' means)."""
+    total, count = 0.0, 0
+    for w in range(windows):
+        window = ids[w * seq_len:(w + 1) * seq_len]
+        with torch.no_grad():
+            logits = model(window[None]).logits[0].double()
+        for t in range(seq_len - 1):
+            row = logits[t]
+            total += float(torch.logsumexp(row, 0) - row[window[t + 1]])
+            count += 1
+    return math.exp(total / count)
+
+
+def test_perplexity_equals_a_naive_loop_over_the_logits(synthetic):
+    """Non-overlapping windows from the start, the partial tail dropped (and a stream of exactly n windows kept
+    whole), next-token NLL averaged over tokens, then exp: checked against `_naive_ppl`, not against the code."""
+    model = load_for_eval(synthetic).model
+    ids = torch.randint(0, model.config.vocab_size, (3 * 32 + 7,), generator=torch.Generator().manual_seed(1))
+    result = perplexity(model, ids, 32)
+    assert (result.windows, result.tokens, result.seq_len) == (3, 96, 32)
+    assert result.perplexity == pytest.approx(_naive_ppl(model, ids, 32, 3), rel=1e-6)
+    assert perplexity(model, ids, 32, limit=2, batch_size=2).perplexity == pytest.approx(
+        _naive_ppl(model, ids, 32, 2), rel=1e-6)
+    exact = perplexity(model, ids[:96], 32)  # no tail: the last window counts too
+    assert exact.windows == 3 and exact.perplexity == pytest.approx(result.perplexity, rel=1e-6)
+    with pytest.raises(QuantkitError, match="text has 31 tokens, fewer than one window of 32"):
+        perplexity(model, ids[:31], 32)
+
+
+def test_perplexity_of_a_bfloat16_model_is_summed_in_float32(synthetic):
+    """A bfloat16 model's logits are upcast before the NLL: the result is the float64 reference of those same
+    logits, not one rounded to bfloat16's 8 bits per token."""
+    model = load_for_eval(synthetic, dtype=torch.bfloat16).model
+    ids = torch.randint(0, model.config.vocab_size, (2 * 32,), generator=torch.Generator().manual_seed(2))
+    assert perplexity(model, ids, 32).perplexity == pytest.approx(_naive_ppl(model, ids, 32, 2), rel=1e-5)
+
+
+def test_wikitext_perplexity_joins_the_rows_and_keeps_the_bos(stories260k, tmp_path):
+    """The rows, blank ones and their spaces verbatim, joined with "\n\n" and tokenized once with the tokenizer's
+    BOS at the stream's start (GPTQ's `tokenizer("\n\n".join(test["text"]))`), then cut into windows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.eval.perplexity import WIKITEXT_FILE, wikitext_perplexity
+    from quantkit.eval.perplexity import wikitext_rows as read_rows
+
+    rows = ["", " = Lily = ", "", " Lily had a red ball . She liked to play in the park with her dog . ",
+            " The dog ran fast @-@ and Lily laughed . ", ""] * 6
+    path = tmp_path / WIKITEXT_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    assert read_rows(tmp_path) == rows
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
+    ids = torch.tensor(tokenizer("\n\n".join(rows))["input_ids"])
+    assert ids[0] == tokenizer.bos_token_id and ids.numel() > 3 * 64
+    result = wikitext_perplexity(model, tokenizer, rows, seq_len=64, limit=3)
+    assert result.windows == 3 and result.perplexity == pytest.approx(_naive_ppl(model, ids, 64, 3), rel=1e-6)
 
 
 @pytest.mark.parametrize("recipe,extra", [
@@ -742,6 +805,112 @@ def test_eval_refuses_bad_options_before_loading_the_model(rtn_artifact, tmp_pat
     result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "data"), *options)
     assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
     assert "evaluating" not in result.output and "Traceback" not in result.output
+
+
+def test_tied_embeddings_stay_tied_through_quantize_and_eval(tmp_path, calib_txt):
+    """A checkpoint that ties lm_head to the embeddings (it stores no lm_head tensor) is read with the embeddings as its
+    head, quantized, and evaluated with the head tied again to the unchanged embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.source import open_model
+
+    model_dir = write_synthetic_llama(tmp_path / "tied", SyntheticLlama(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=1, tie_word_embeddings=True))
+    source = open_model(model_dir)
+    edges = source.edges()
+    assert source.tied_embeddings and torch.equal(edges.lm_head, edges.embed)
+    out = tmp_path / "art"
+    cli_ok("quantize", model_dir, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    loaded = load_for_eval(out).model
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert torch.equal(loaded.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert torch.equal(loaded.lm_head.weight, reference.model.embed_tokens.weight)
+
+
+def test_quantize_shorthands_win_over_set(synthetic, calib_txt, tmp_path):
+    """--num-samples and --seq-len win over --set calibration.num_samples / seq_len (and over the recipe), as their
+    help says: the calibration recorded is 3 x 48 tokens."""
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt,
+           "--set", "calibration.num_samples=5", "--set", "calibration.seq_len=32", "--num-samples", "3",
+           "--seq-len", "48")
+    calibration = json.loads((out / "quantkit_manifest.json").read_text())["calibration"]
+    assert (calibration["num_samples"], calibration["seq_len"]) == (3, 48)
+    saved = yaml.safe_load((out / "quantkit_recipe.yaml").read_text())["calibration"]
+    assert (saved["num_samples"], saved["seq_len"]) == (3, 48)
+
+
+def test_quantize_data_dir_finds_a_named_set(synthetic, calib_txt, tmp_path, monkeypatch):
+    """--data-dir is where a named --calib set is looked up: the run calibrates on the set's file there (the Hub
+    offline and $QUANTKIT_DATA_DIR unset, so nothing else could supply it), and the manifest names it."""
+    monkeypatch.delenv("QUANTKIT_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "data"
+    (data / "tinystories").mkdir(parents=True)
+    shutil.copy(calib_txt, data / "tinystories/TinyStories-valid-subset.txt")
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", "tinystories", "--data-dir", data,
+           *FAST)
+    source = json.loads((out / "quantkit_manifest.json").read_text())["calibration"]["source"]
+    assert source == f"tinystories:{(data / 'tinystories/TinyStories-valid-subset.txt').resolve()}"
+
+
+def test_eval_options_reach_the_perplexity(rtn_artifact, tmp_path):
+    """--seq-len, --limit and --batch-size reach the perplexity (4 windows of 32 tokens, progress after each batch
+    of 2), and --dtype its forward passes: bfloat16 scores near float32, but not bit for bit."""
+    data = wikitext_rows(tmp_path / "data")
+    ppl = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"{dtype}.json"
+        result = cli_ok("eval", rtn_artifact, "--data-dir", data, "--seq-len", "32", "--limit", "4", "--batch-size",
+                        "2", "--dtype", dtype, "--output-json", out)
+        progress = [line.split(",")[0] for line in result.output.splitlines() if line.startswith("wikitext windows:")]
+        assert progress == ["wikitext windows: 2/4", "wikitext windows: 4/4"], result.output
+        payload = json.loads(out.read_text())
+        assert payload["options"] == {"tasks": ["wikitext"], "seq_len": 32, "limit": 4, "batch_size": 2,
+                                      "dtype": dtype, "bits": None, "device": "cpu"}  # what the numbers depend on
+        wikitext = payload["results"]["wikitext"]
+        assert (wikitext["windows"], wikitext["seq_len"], wikitext["tokens"]) == (4, 32, 128)
+        ppl[dtype] = wikitext["perplexity"]
+    assert ppl["bfloat16"] != ppl["float32"] and ppl["bfloat16"] == pytest.approx(ppl["float32"], rel=0.05)
+
+
+def test_eval_windows_are_capped_at_the_models_positions(tmp_path):
+    """A --seq-len past the model's max_position_embeddings evaluates windows of max_position_embeddings tokens, with
+    a note, as the option's help says."""
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, max_position_embeddings=48))
+    out = tmp_path / "results.json"
+    result = cli_ok("eval", model, "--seq-len", "64", "--limit", "2", "--data-dir", wikitext_rows(tmp_path / "data"),
+                    "--output-json", out)
+    assert "note: windows of 48 tokens (the model's max_position_embeddings), not 64" in " ".join(result.output.split())
+    wikitext = json.loads(out.read_text())["results"]["wikitext"]
+    assert (wikitext["seq_len"], wikitext["windows"], wikitext["tokens"]) == (48, 2, 96)
+
+
+def test_eval_options_reach_lm_eval(rtn_artifact, tmp_path, monkeypatch):
+    """--tasks (every lm-eval task, wikitext_lm included), --limit, --batch-size and --data-dir reach run_lm_eval as
+    given (lm-eval itself replaced by a recorder: what is checked is the CLI's wiring, not lm-eval's scores)."""
+    pytest.importorskip("lm_eval")
+    from quantkit.eval import lmeval
+
+    data = tmp_path / "data"
+    (data / "piqa").mkdir(parents=True)
+    (data / "piqa/validation.jsonl").write_text(json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 0}) + "\n")
+    (data / "wikitext-2-raw-v1").mkdir()
+    (data / "wikitext-2-raw-v1/document_level_test.jsonl").write_text(json.dumps({"page": " = A = \n"}) + "\n")
+    calls = []
+
+    def record(model, tokenizer, tasks, **kwargs):
+        calls.append((tasks, kwargs))
+        return {"piqa": {"acc": 0.5}, "wikitext_lm": {"word_perplexity": 9.0}}
+
+    monkeypatch.setattr(lmeval, "run_lm_eval", record)
+    result = cli_ok("eval", rtn_artifact, "--tasks", "piqa,wikitext_lm", "--data-dir", data, "--limit", "3",
+                    "--batch-size", "2")
+    assert calls == [(["piqa", "wikitext_lm"], {"data_dir": data, "limit": 3, "batch_size": 2})], calls
+    results = json.loads(result.output.splitlines()[-1])["results"]
+    assert results == {"piqa": {"acc": 0.5}, "wikitext_lm": {"word_perplexity": 9.0}}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

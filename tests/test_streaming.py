@@ -70,6 +70,53 @@ def test_streamed_blocks_match_full_model_per_architecture(tmp_path, case):
     torch.testing.assert_close(model.model.norm(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_adapter_roles_name_the_linears_of_each_architecture(tmp_path, model_type):
+    """Every role names the Hugging Face layer's own linears, in execution order, at its role's shapes (GQA: k and v
+    [kv_heads x head_dim, H], fewer rows than q's heads x head_dim); Qwen2's q, k and v carry biases and o does not.
+    A layer's prefix ends in a dot: layer 1's tensors are not layer 10's and 11's."""
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        model_type=model_type))
+    source = open_model(str(path))
+    a = source.adapter
+    qkv = [("qkv", "self_attn.q_proj"), ("qkv", "self_attn.k_proj"), ("qkv", "self_attn.v_proj")]
+    mlp = [("gate_up", "mlp.gate_proj"), ("gate_up", "mlp.up_proj"), ("down", "mlp.down_proj")]
+    assert a.linear_names() == [*qkv, ("o", "self_attn.o_proj"), *mlp]
+    assert a.linear_names(["down", "qkv"]) == [*qkv, ("down", "mlp.down_proj")]  # execution order, not the argument's
+    assert (a.q_proj, a.k_proj, a.v_proj, a.o_proj) == tuple(f"self_attn.{n}_proj" for n in "qkvo")
+    assert (a.gate_proj, a.up_proj, a.down_proj) == ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert a.kv_projections == ("self_attn.k_proj", "self_attn.v_proj") and a.role_of("self_attn.v_proj") == "qkv"
+    assert a.layer_prefix(1) == "model.layers.1."
+    assert sorted(source.layer_tensors(1)) == sorted(source.layer_tensors(10))
+    edges = source.edges()  # an untied checkpoint's head is its own lm_head tensor, not the embeddings
+    assert not source.tied_embeddings and torch.equal(edges.lm_head, source.read(["lm_head.weight"])["lm_head.weight"])
+    assert not torch.equal(edges.lm_head, edges.embed)
+    block = build_block(source, 1)
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64)}
+    shapes.update({"gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)})
+    for _, name in a.linear_names():
+        linear = block.get_submodule(name)
+        assert tuple(linear.weight.shape) == shapes[name.split(".")[-1]], name
+        biased = model_type == "qwen2" and name in (a.q_proj, a.k_proj, a.v_proj)
+        assert (linear.bias is not None) == biased, name
+
+
+def test_a_block_built_without_one_of_its_tensors_is_refused(tmp_path):
+    """A block built from tensors that lack one its layer has (here Qwen2's q_proj bias, as a packed shard written
+    without it would) fails at once, naming the tensor, rather than running with a placeholder in its place."""
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    source = open_model(str(write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, model_type="qwen2"))))
+    tensors = source.layer_tensors(0)
+    del tensors["self_attn.q_proj.bias"]
+    with pytest.raises(RuntimeError, match="self_attn.q_proj.bias"):
+        build_block(source, 0, tensors)
+
+
 def _copy_model(src, dst):
     shutil.copytree(src, dst)
     return dst
