@@ -179,7 +179,9 @@ def test_pack_in_row_slices_equals_library(chunk, dim):
 
 def test_per_tensor_scale_and_int_quantized_zero_point_shapes():
     """compressed-tensors' tensor strategy stores weight_scale as [1]; an int-quantized (W8A8) asymmetric zero point
-    has the scale's shape [N, 1], as the library's observers make them."""
+    has the scale's shape [N, 1], as the library's observers make them, and is stored unpacked as int8, the zp_dtype
+    compressed-tensors' QuantizationArgs gives 8-bit integer weights (only pack-quantized zero points are int32
+    words)."""
     torch.manual_seed(3)
     w = torch.randn(16, 64)
     spec = QuantSpec(bits=4, symmetric=True, granularity="tensor")
@@ -193,6 +195,8 @@ def test_per_tensor_scale_and_int_quantized_zero_point_shapes():
         QuantizedLinear(quantize(w, qp, spec), qp, spec))
     assert tensors["weight"].dtype == torch.int8
     assert tensors["weight_zero_point"].shape == tensors["weight_scale"].shape == (16, 1)
+    assert tensors["weight_zero_point"].dtype == torch.int8
+    assert torch.equal(tensors["weight_zero_point"].int(), qp.zero.int())
 
 
 def test_check_group_must_divide_k_and_actorder_only_for_groups():
@@ -237,19 +241,6 @@ def test_config_targets_linear_and_leaves_the_kv_cache_alone():
     assert config["quantization_status"] == "compressed"
     assert [g["targets"] for g in config["config_groups"].values()] == [["Linear"]]
     assert config["ignore"] == ["lm_head"]
-
-
-def test_int_quantized_zero_point_is_int8():
-    """An int-quantized (W8A8) asymmetric zero point is stored unpacked as int8, the zp_dtype compressed-tensors'
-    QuantizationArgs gives 8-bit integer weights (only pack-quantized zero points are int32 words)."""
-    torch.manual_seed(4)
-    w = torch.randn(16, 64)
-    spec = QuantSpec(bits=8, symmetric=False, granularity="channel")
-    qp = compute_qparams(w, spec)
-    tensors = CompressedTensorsPacker(load_recipe("rtn-w8a8"), torch.float16).pack(
-        QuantizedLinear(quantize(w, qp, spec), qp, spec))
-    assert tensors["weight_zero_point"].dtype == torch.int8
-    assert torch.equal(tensors["weight_zero_point"].int(), qp.zero.int())
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
