@@ -482,8 +482,9 @@ def test_a_killed_fisher_computation_leaves_nothing_behind(tmp_path, calib_txt, 
 
 
 def test_anyprec_packer_refuses_infinite_centroids_and_missing_planes():
-    """An infinite centroid passes the fp16 round trip (inf == inf) but is no table entry: refused. An artifact
-    missing its last plane reads as 7-bit codes, which an 8-bit spec must refuse rather than unpack."""
+    """An infinite centroid passes the fp16 round trip (inf == inf) but is no table entry: refused, as is one that
+    float16 would round. An artifact missing its last plane reads as 7-bit codes, which an 8-bit spec must refuse
+    rather than unpack."""
     from quantkit.formats.anyprec import AnyPrecisionPacker
     from quantkit.formats.base import ExportError
     from quantkit.quantizers import QuantizedLinear
@@ -496,6 +497,10 @@ def test_anyprec_packer_refuses_infinite_centroids_and_missing_planes():
     infinite = QuantizedLinear(q.codes, q.qparams.map(lambda f, t: lut if f == "lut" else t), q.spec)
     with pytest.raises(ExportError, match="finite"):
         packer.pack(infinite)
+    lut[0, -1] = 1 + 2**-12  # between two float16 values: stored, it would be another centroid
+    inexact = QuantizedLinear(q.codes, q.qparams.map(lambda f, t: lut if f == "lut" else t), q.spec)
+    with pytest.raises(ExportError, match="lut8 in float16, but the quantizer's values are not float16 values"):
+        packer.pack(inexact)
     packed = packer.pack(q)
     with pytest.raises(ExportError, match="7 planes"):
         packer.unpack(dict(packed, qweight=packed["qweight"][:7]), q.spec)

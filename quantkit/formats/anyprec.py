@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from quantkit.formats.anyprec_layout import pack_planes, unpack_planes
-from quantkit.formats.base import ExportError, Packer
+from quantkit.formats.base import ExportError, Packer, stored_exactly
 from quantkit.quantizers import QParams, QuantizedLinear, QuantSpec, lut_width
 
 _LUT = re.compile(r"lut([1-8])")
@@ -58,10 +58,10 @@ class AnyPrecisionPacker(Packer):
         codes = q.codes.detach().cpu().numpy().astype(np.int64) + qp.code_offset
         out = {"qweight": torch.from_numpy(pack_planes(codes, spec.bits))}
         for bits in range(spec.min_bits or spec.bits, spec.bits + 1):
-            lut = lut_width(qp.lut, spec, bits).detach().cpu()
-            if not torch.equal(lut.half().float(), lut.float()) or not bool(torch.isfinite(lut).all()):
-                raise ExportError("anyprec stores fp16 lookup tables, but the centroids are not finite fp16 values")
-            out[f"lut{bits}"] = lut.half().contiguous()
+            lut = lut_width(qp.lut, spec, bits)
+            if not bool(torch.isfinite(lut).all()):
+                raise ExportError(f"anyprec stores lut{bits} in float16, but the centroids are not all finite")
+            out[f"lut{bits}"] = stored_exactly(lut, torch.float16, "anyprec", f"lut{bits}").contiguous()
         return out
 
     def unpack(self, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedLinear:
