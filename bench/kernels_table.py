@@ -46,14 +46,22 @@ def main() -> None:
                         "fastest time in any of the runs")
     args = parser.parse_args()
     report = json.loads(args.bench.read_text())
+    against = json.loads(args.against.read_text()) if args.against else None
     if args.fastest_baselines:
-        report = with_fastest_baselines(report, [json.loads(p.read_text()) for p in args.fastest_baselines])
+        # both reports' bars against the same fastest baselines (of every run named), so that a verdict that
+        # differs between them is the kernels' doing, not the baselines'
+        others = [json.loads(p.read_text()) for p in args.fastest_baselines]
+        if against is not None:
+            report, against = (with_fastest_baselines(report, [against, *others]),
+                               with_fastest_baselines(against, [report, *others]))
+        else:
+            report = with_fastest_baselines(report, others)
     print(markdown_bars(report))
     print()
     print(markdown_bar_counts(report))
-    if args.against:
+    if against is not None:
         print()
-        print(markdown_bar_changes(report, json.loads(args.against.read_text())))
+        print(markdown_bar_changes(report, against))
     for m in (int(v) for v in args.grid.split(",")) if args.grid else ():
         print()
         print(markdown_grid(report, m))

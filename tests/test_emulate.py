@@ -344,3 +344,26 @@ def test_anyprec_gemv_sums_in_word_order_then_the_xor_tree():
     decoded, y = emulate_anyprec(tensors, x, 3)
     assert np.array_equal(decoded, codes)
     assert y.dtype == np.float16 and y[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_anyprec_gemv_takes_the_activations_rounded_to_fp16():
+    """The kernel's input is fp16: x = 1 + 3 * 2^-12 arrives as 1 + 2^-10 (the nearest fp16), so with every weight
+    1 and a second column of -1 the output is 2^-10, not the float32 difference 3 * 2^-12 (itself an fp16)."""
+    from quantkit.emulate import emulate_anyprec
+    from quantkit.formats.anyprec_layout import pack_planes
+
+    codes = np.zeros((1, 1024), dtype=np.int64)
+    lut = np.ones((1, 8), dtype=np.float16)
+    tensors = {"qweight": torch.from_numpy(pack_planes(codes, 3)), "lut3": torch.from_numpy(lut)}
+    x = np.zeros((1, 1024), dtype=np.float32)
+    x[0, 0], x[0, 1] = 1 + 3 * 2.0 ** -12, -1
+    _, y = emulate_anyprec(tensors, x, 3)
+    assert y[0, 0] == np.float16(2.0 ** -10)
+
+
+def test_relative_error_is_against_the_largest_reference_value():
+    """validate's rel_error: the largest |out - y_ref| over the largest |y_ref| (out [1, 2] against [1, 4]: 2 / 4),
+    not over a mean, which would make the same miss look larger on outputs with small values."""
+    from quantkit.emulate import _rel_error
+
+    assert _rel_error(np.array([1.0, 2.0], dtype=np.float16), np.array([1.0, 4.0], dtype=np.float32)) == 0.5
