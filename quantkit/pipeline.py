@@ -48,6 +48,7 @@ from quantkit.calib import (
     load_calibration,
     named_sets,
     resolve_named_set,
+    token_sha256,
 )
 from quantkit.errors import QuantkitError, dtype_name
 from quantkit.eval.perplexity import WIKITEXT_FILE
@@ -568,7 +569,7 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
 
     files = [*sorted(source.path.glob("*.safetensors")), *source.path.glob("config.json")]  # the forward reads it
     identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
-                hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), *names,
+                token_sha256(tokens), *names,  # the windows' shape too: [2, 16] and [4, 8] are other sequences
                 *([f"read as {source.dtype}"] if source.converts else [])]
     key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
     directory = default_cache_dir() / "fisher" / key

@@ -354,3 +354,76 @@ def test_atom_tensors_have_linearint4_dtypes_shapes_and_config():
     config = packer.quantization_config({"down": q.spec})
     assert {k: v for k, v in config.items() if k != "note"} == {
         "quant_method": "atom", "wbits": 4, "group_size": 128, "outliers": 128, "outlier_bits": 8}
+
+
+def test_activation_sim_clips_per_token_and_keeps_outliers_without_groups():
+    """Per token with a clip ratio (no groups): INT8 at clip 0.5 on [254, 100, -254, 0.5] has s = 1, so 254 and -254
+    saturate at 127 and -128. Outliers without groups (group_size None): the normal columns [7, 3.4, -1, 2.5] are
+    one INT4 group, s = 7 / 7 = 1 -> [7, 3, -1, 2]; the last two columns [127, 0.6] are INT8 over themselves,
+    s = 127 / 127 = 1 -> [127, 1] (quantizing all six together at INT4 would give s = 127 / 7)."""
+    from quantkit.simulate import ActivationSim, fake_quantize_activation
+
+    clipped = fake_quantize_activation(torch.tensor([[254.0, 100.0, -254.0, 0.5]]), ActivationSim(8, clip_ratio=0.5))
+    assert clipped.tolist() == [[127.0, 100.0, -128.0, 0.0]]
+    x = torch.tensor([[7.0, 3.4, -1.0, 2.5, 127.0, 0.6]])
+    got = fake_quantize_activation(x, ActivationSim(bits=4, outliers=2))
+    assert got.tolist() == [[7.0, 3.0, -1.0, 2.0, 127.0, 1.0]]
+
+
+def test_recipes_simulate_what_the_papers_run():
+    """The eval simulation each recipe asks for, against the digests: Atom quantizes activations symmetric INT4 per
+    (token, group of 128) at clip 0.9 with 128 INT8 outlier channels, and the KV cache asymmetric INT4 per head with
+    keys before RoPE; QoQ per-token symmetric INT8 (no clip) and KV4 asymmetric after RoPE. An asymmetric
+    activation setting reaches the simulation too."""
+    from quantkit.recipe import load_recipe
+    from quantkit.simulate import ActivationSim, KVSim, sims_for
+
+    assert sims_for(load_recipe("atom-w4a4")) == (ActivationSim(4, True, 128, 128, 0.9), KVSim(4, False, True))
+    assert sims_for(load_recipe("qoq")) == (ActivationSim(8, True, None, 0, 1.0), KVSim(4, False, False))
+    act, kv = sims_for(load_recipe("rtn-w8a8", ["activations.symmetric=false"]))
+    assert act == ActivationSim(8, False) and kv is None
+
+
+def test_pre_rope_kv_splits_heads_by_the_configs_head_dim(tmp_path):
+    """A model whose head_dim (64) is not hidden_size / heads (32): the pre-RoPE hook quantizes each KV head's 64
+    channels as one vector, not 32-channel halves."""
+    from quantkit import simulate
+    from quantkit.models.block import build_block
+    from quantkit.models.source import open_model
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    source = open_model(write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        model_type="mistral", head_dim=64)))
+    block = build_block(source, 0)
+    sim = simulate.KVSim(bits=4, pre_rope=True)
+    k_proj = block.get_submodule(source.adapter.k_proj)
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
+    raw = k_proj(x).detach()
+    assert raw.shape[-1] == 128
+    handles = simulate.attach([block], [], source.config, None, sim, kv_projections=source.adapter.kv_projections)
+    quantized = k_proj(x).detach()
+    for h in handles:
+        h.remove()
+    assert torch.equal(quantized, simulate.fake_quantize_kv(raw.unflatten(-1, (2, 64)), sim).flatten(-2))
+
+
+def test_atom_check_compares_every_groups_int32_sums():
+    """check_atom is exact only if every group's partial sums equal the reference codes' products: one sum off by
+    one in the first INT4 group, or in the INT8 outlier group, is a mismatch."""
+    import numpy as np
+
+    from quantkit.emulate import check_atom, emulate_atom
+    from quantkit.formats.atom import AtomPacker
+    from quantkit.recipe import load_recipe
+
+    q = _atom_linear()
+    tensors = AtomPacker(load_recipe("atom-w4a4"), torch.float16).pack(q)
+    _, x, _ = _problem(n=32, k=384, seed=2)
+    x = x[:4].float().numpy()
+    assert check_atom(emulate_atom(tensors, x, 4, 0.9), q, x, 4, 0.9).exact
+    for group in (0, -1):
+        emulation = emulate_atom(tensors, x, 4, 0.9)
+        emulation.partials = np.array(emulation.partials)
+        emulation.partials[group, 0, 0] += 1
+        assert not check_atom(emulation, q, x, 4, 0.9).exact, group

@@ -193,9 +193,10 @@ def test_eval_simulation_computes_what_the_kernel_computes(artifacts, recipe, fm
     assert np.abs(simulated - kernel).max() <= 2e-3 * np.abs(kernel).max()
 
 
-def test_atom_emulation_and_validate(tmp_path, calib_txt):
+def test_atom_emulation_and_validate(tmp_path, calib_txt, monkeypatch):
     """Atom's W4A4 GEMM from the LinearInt4 bytes: every group's int32 partial sums equal the reference codes'
-    product, the output matches quantkit's grouped activation simulation, and validate passes."""
+    product, the output matches quantkit's grouped activation simulation, and validate passes, quantizing the
+    activations as eval simulates them: the recipe's INT4 at clip 0.9, not the unclipped default."""
     from quantkit.emulate import check_atom, emulate_atom
     from quantkit.formats.atom import AtomPacker
     from quantkit.recipe import load_recipe
@@ -215,7 +216,17 @@ def test_atom_emulation_and_validate(tmp_path, calib_txt):
     assert emulation.partials.shape == (4, 6, 256)
     check = check_atom(emulation, q, x, 4, 0.9)
     assert check.exact and check.rel_error < 2e-3
+    import quantkit.emulate
+
+    real, used = quantkit.emulate.emulate_atom, set()
+
+    def spy(tensors, x, bits=4, clip_ratio=1.0):
+        used.add((bits, clip_ratio))
+        return real(tensors, x, bits, clip_ratio)
+
+    monkeypatch.setattr(quantkit.emulate, "emulate_atom", spy)
     assert "every packed linear matches" in cli_ok("validate", out).output
+    assert used == {(4, 0.9)}
 
 
 @pytest.mark.parametrize("k", [96, 1024, 1056, 2080])
@@ -367,3 +378,96 @@ def test_relative_error_is_against_the_largest_reference_value():
     from quantkit.emulate import _rel_error
 
     assert _rel_error(np.array([1.0, 2.0], dtype=np.float16), np.array([1.0, 4.0], dtype=np.float32)) == 0.5
+
+
+@pytest.mark.parametrize("failing", ["int32", "error", "kernel"])
+def test_validate_fails_on_one_mismatch_in_the_outlier_run_of_one_linear(artifacts, monkeypatch, failing):
+    """A single mismatch anywhere fails validate (exit 1, the linear named): here only the second check (the
+    activations with outlier channels) of the last linear checked, in its int32 sums, its output error or its
+    kernel run, while every other check passes."""
+    import quantkit.emulate
+    from quantkit import kernels
+    from quantkit.emulate import Check
+
+    real = quantkit.emulate.check_against_reference
+    calls: list[int] = []
+
+    def check(emulation, weight, x):
+        calls.append(1)
+        result = real(emulation, weight, x)
+        if failing != "kernel" and len(calls) == 28:  # 2 layers x 7 linears x (plain, outliers): the last
+            return Check(False, result.rel_error) if failing == "int32" else Check(result.exact, 0.5)
+        return result
+
+    matched: list[int] = []
+
+    def matches(*args, **kwargs):
+        matched.append(1)
+        return not (failing == "kernel" and len(matched) == 28)
+
+    monkeypatch.setattr(quantkit.emulate, "check_against_reference", check)
+    monkeypatch.setattr(kernels, "resolve_device", lambda kernel: "cpu")
+    monkeypatch.setattr(kernels, "matches_emulation", matches)
+    monkeypatch.setattr(kernels, "path_labels", lambda *args: ["small-M"])
+    result = cli("validate", artifacts["qqq"])
+    assert len(calls) == 28
+    assert result.exit_code == 1 and "1 linear(s) do not match" in result.output, result.output
+    assert "layer 1 mlp.down_proj (" in " ".join(result.output.split())
+
+
+def test_validate_applies_its_tolerance_and_outlier_channels(artifacts, monkeypatch):
+    """The fp16 outputs are held to --tolerance: at 0 no linear passes (an fp16 output cannot equal the float32
+    reference everywhere), and the failure says so. The second activations are the first with max(1, K // 64)
+    channels 30 times larger, the rest equal."""
+    import quantkit.emulate
+
+    failed = cli("validate", artifacts["qqq"], "--kernel", "none", "--tolerance", "0")
+    assert failed.exit_code == 1 and "error above 0" in failed.output
+    seen: list[np.ndarray] = []
+    real = quantkit.emulate.check_against_reference
+    monkeypatch.setattr(quantkit.emulate, "check_against_reference", lambda e, w, x: seen.append(x) or real(e, w, x))
+    cli_ok("validate", artifacts["qqq"], "--kernel", "none")
+    plain, heavy = seen[0], seen[1]
+    k = plain.shape[1]
+    boosted = np.flatnonzero(~np.all(heavy == plain, axis=0))
+    assert len(boosted) == max(1, k // 64)
+    np.testing.assert_array_equal(heavy[:, boosted], plain[:, boosted] * 30)
+
+
+def test_output_error_catches_one_tokens_scale_off_by_a_code():
+    """check_against_reference's error is max |y - y_ref| / max |y_ref|: one token's outputs scaled by 128/127 (its
+    activation scale max / 126 for max / 127, say), where that token holds the largest output, give 1/127 = 7.9e-3,
+    above validate's default tolerance of 4e-3, and not diluted by the other outputs (a mean or a sum would)."""
+    tensors = _edge_tensors("qqq", None)
+    from quantkit.formats import get_packer
+    from quantkit.recipe import load_recipe
+
+    recipe = load_recipe("qqq")
+    weight = get_packer("qqq")(recipe, torch.float16).unpack(dict(tensors), recipe.weights.spec()).dequantize()
+    x = np.random.default_rng(5).standard_normal((6, 256)).astype(np.float32)
+    emulation = emulate("qqq", tensors, x)
+    assert check_against_reference(emulation, weight, x).rel_error < 1e-3
+    m = int(np.abs(emulation.out.astype(np.float32)).max(axis=1).argmax())
+    emulation.out = emulation.out.copy()
+    emulation.out[m] = (emulation.out[m].astype(np.float32) * np.float32(128 / 127)).astype(np.float16)
+    rel = check_against_reference(emulation, weight, x).rel_error
+    assert rel == pytest.approx(1 / 127, abs=1e-3) and rel > 4e-3
+
+
+def test_exact_check_holds_the_weight_scales_to_the_reference_bit_for_bit():
+    """The int32 check also requires the emulation's INT8 weights times its scales to give the reference weights
+    exactly: one channel's scale one float32 ulp off leaves every code (and so every int32 sum) unchanged, and its
+    output error far below any tolerance, but is a mismatch."""
+    from quantkit.formats import get_packer
+    from quantkit.recipe import load_recipe
+
+    tensors = _edge_tensors("qqq", None)
+    recipe = load_recipe("qqq")
+    weight = get_packer("qqq")(recipe, torch.float16).unpack(dict(tensors), recipe.weights.spec()).dequantize()
+    x = np.random.default_rng(6).standard_normal((4, 256)).astype(np.float32)
+    emulation = emulate("qqq", tensors, x)
+    assert check_against_reference(emulation, weight, x).exact
+    emulation.s_w = emulation.s_w.copy()
+    emulation.s_w[3] = np.nextafter(emulation.s_w[3], np.float32(np.inf))
+    check = check_against_reference(emulation, weight, x)
+    assert not check.exact and check.rel_error < 1e-3

@@ -42,3 +42,64 @@ def test_streamed_fisher_matches_full_model_autograd(tmp_path):
             assert rel < 4e-3, (i, name, rel)
     summed = sum(load_file(str(paths[0]))[n].sum() for n in names)
     assert summed > 0
+
+
+def test_streamed_fisher_is_the_gradient_at_the_stored_block_inputs(tmp_path):
+    """Each block's backward restarts from its input as stored (rounded to the checkpoint's fp16), so the forward
+    must carry that rounded input on too: then the result is, bit for bit in bfloat16 (all but a rare float32 order
+    difference), full-model autograd with every decoder layer's input rounded to fp16 (a straight-through round,
+    whose gradient passes unchanged, as the stream hands each block's input gradient down). A forward that carried
+    the unrounded states would compute the head's gradient at states the backward never sees (about 5% of the
+    entries then differ)."""
+    model_dir = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                      num_hidden_layers=3, num_attention_heads=4,
+                                                                      num_key_value_heads=2))
+    source = open_model(model_dir)
+    assert source.dtype == torch.float16
+    windows = torch.randint(0, source.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    names = [n for names in source.adapter.linears.values() for n in names]
+    paths = diagonal_fisher(source, windows, names, tmp_path / "fisher")
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, args: (args[0] + (args[0].half().float() - args[0]).detach(), *args[1:]))
+    expect: dict[str, torch.Tensor] = {}
+    for d in range(3):
+        model.zero_grad()
+        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
+        for i, layer in enumerate(model.model.layers):
+            for name in names:
+                g = layer.get_submodule(name).weight.grad.square()
+                expect[f"{i}.{name}"] = expect.get(f"{i}.{name}", 0) + g
+    same = total = 0
+    for i, path in enumerate(paths):
+        got = load_file(str(path))
+        for name in names:
+            same += int((got[name] == expect[f"{i}.{name}"].to(torch.bfloat16)).sum())
+            total += got[name].numel()
+    assert same >= 0.995 * total, same / total
+
+
+def test_streamed_fisher_head_uses_the_configs_rms_norm_eps(tmp_path):
+    """The head's final RMSNorm is recomputed outside the model: with rms_norm_eps = 0.1 (large against the tiny
+    model's mean square activations) it must still agree with full-model autograd, which reads the config's eps."""
+    import json
+
+    model_dir = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                                      num_key_value_heads=2))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.1}))
+    source = open_model(model_dir)
+    windows = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    (path,) = diagonal_fisher(source, windows, ["mlp.down_proj"], tmp_path / "fisher")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    assert model.config.rms_norm_eps == 0.1
+    want = 0
+    for d in range(2):
+        model.zero_grad()
+        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
+        want = want + model.model.layers[0].mlp.down_proj.weight.grad.square()
+    got = load_file(str(path))["mlp.down_proj"].float()
+    assert float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)) < 4e-3

@@ -1058,6 +1058,30 @@ def test_inspect_describes_outliers_and_lookup_tables():
     assert _describe_weights(squeeze) == "3-bit lookup tables per row (non-uniform)"
 
 
+def test_inspect_shows_the_simulated_runtime_and_every_layers_errors(tmp_path, calib_txt):
+    """inspect says what eval simulates (A8 per token, KV4 per head) and lists each layer's relative error and
+    attention-sink error as the manifest recorded them; an artifact without runtime quantization says fp."""
+    import re
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                   num_hidden_layers=2))
+    out = tmp_path / "w8a8kv4"
+    cli_ok("quantize", model, "--recipe", "rtn-w8a8", "-o", out, "--calib", calib_txt, "--num-samples", "2",
+           "--seq-len", "32", "--set", "kv_cache={bits: 4, symmetric: false, granularity: head}")
+    text = cli_ok("inspect", out).output
+    assert re.search(r"activations\s+│ 8-bit per token", text) and re.search(r"kv cache\s+│ 4-bit per head", text)
+    rows = re.findall(r"│\s+(\d+) │\s+([0-9.]+) │\s+([0-9.]+) │\s+[0-9.]+ │", text)
+    layers = json.loads((out / "quantkit_manifest.json").read_text())["layers"]
+    assert rows == [(str(r["index"]), f"{r['rel_error']:.5f}", f"{r['metrics']['sink_rel_error']:.5f}")
+                    for r in layers]
+    assert len(rows) == 2 and rows[0][1] != rows[0][2]
+    plain = tmp_path / "w4a16"
+    cli_ok("quantize", model, "--recipe", "rtn-w4a16-g128", "-o", plain, "--calib", calib_txt, "--num-samples", "2",
+           "--seq-len", "32")
+    text = cli_ok("inspect", plain).output
+    assert re.search(r"activations\s+│ fp ", text) and re.search(r"kv cache\s+│ fp ", text)
+
+
 def test_saved_recipe_names_the_calibration_data_and_verbose_logs_the_run(synthetic, calib_txt, tmp_path, caplog):
     """--calib goes into the saved recipe (the absolute path of a file; a named set by name), so that quantizing
     again from the saved recipe calibrates on the same tokens; -v logs the model, the calibration and each layer."""
@@ -1633,6 +1657,68 @@ def test_a_fisher_cache_missing_a_layer_file_is_computed_again(tmp_path):
     finally:
         scan.stop()
     assert again == first and all(p.is_file() for p in again)
+
+
+def _cached_fisher(source, tokens, names):
+    """pipeline._fisher with a checkpoint scan of its own."""
+    from quantkit.models.source import FiniteScan
+    from quantkit.pipeline import _fisher
+
+    scan = FiniteScan(source)
+    try:
+        return _fisher(source, tokens, names, Reporter(), scan)
+    finally:
+        scan.stop()
+
+
+FISHER_SPEC = SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2)
+
+
+def test_the_fisher_cache_tells_windows_of_the_same_tokens_apart(tmp_path, monkeypatch):
+    """The Fisher cache key holds the windows' shape, not only their token bytes: the same 32 tokens as [2, 16] and
+    as [4, 8] (what "first" sampling cuts from one stream at two seq_lens) are other sequences, with other losses
+    and attention contexts, so the second gets its own Fisher, equal to a direct computation (it was handed the
+    [2, 16] one: the key hashed the raw bytes alone, where calib.token_sha256 also hashes the shape)."""
+    from safetensors.torch import load_file
+
+    from quantkit.fisher import diagonal_fisher
+    from quantkit.models.adapters import ROLES
+    from quantkit.models.source import open_model
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    source = open_model(write_synthetic_llama(tmp_path / "m", FISHER_SPEC))
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    names = [name for _, name in source.adapter.linear_names(list(ROLES))]
+    first = _cached_fisher(source, tokens, names)
+    recut = _cached_fisher(source, tokens.reshape(4, 8), names)
+    direct = diagonal_fisher(source, tokens.reshape(4, 8), names, tmp_path / "direct")
+    got, want = load_file(str(recut[0])), load_file(str(direct[0]))
+    assert not torch.equal(want[names[0]], load_file(str(first[0]))[names[0]])
+    assert all(torch.equal(got[n], want[n]) for n in names)
+    assert recut[0].parent != first[0].parent
+
+
+def test_the_fisher_cache_tells_linears_and_dtypes_apart(tmp_path, monkeypatch):
+    """Other tokens are another computation; a run for more linears than a cached one gets files holding all of
+    them; a bfloat16 checkpoint read as float16 (QServe's --dtype auto) is another computation than the checkpoint
+    read as it is."""
+    from safetensors.torch import load_file
+
+    from quantkit.models.adapters import ROLES
+    from quantkit.models.source import open_model
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    source = open_model(write_synthetic_llama(tmp_path / "m", FISHER_SPEC))
+    tokens = torch.randint(0, source.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    names = [name for _, name in source.adapter.linear_names(list(ROLES))]
+    fewer, more = _cached_fisher(source, tokens, names[:1]), _cached_fisher(source, tokens, names)
+    assert sorted(load_file(str(fewer[0]))) == names[:1] and sorted(load_file(str(more[0]))) == sorted(names)
+    assert _cached_fisher(source, (tokens + 1) % source.config.vocab_size, names)[0].parent != more[0].parent
+    bf16 = write_synthetic_llama(tmp_path / "bf16", SyntheticLlama(**{**FISHER_SPEC.__dict__, "dtype": "bfloat16"}))
+    as_stored, as_fp16 = open_model(bf16), open_model(bf16)
+    as_fp16.convert_to(torch.float16)
+    assert _cached_fisher(as_stored, tokens, names)[0].parent != _cached_fisher(as_fp16, tokens, names)[0].parent
 
 
 def test_the_scan_stops_the_run_between_layers_with_the_finished_ones_kept(synthetic, calib_txt, tmp_path,

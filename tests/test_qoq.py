@@ -155,3 +155,64 @@ def test_qserve_artifact_of_a_tied_model_carries_its_lm_head(synthetic, calib_tx
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     model = load_for_eval(out).model
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_kv4_quantizes_each_token_and_head_over_its_true_range():
+    """QServe's KV4 (digest P8): per (token, KV head) vector of D channels, scale = (max - min) / 15 and the true
+    min as zero (no widening to include 0). x [B=1, H=2, T=2, D=4], by hand:
+    [1, 2.5, 4, 16]: s = 1, codes round([0, 1.5, 3, 15]) = [0, 2, 3, 15] -> [1, 3, 4, 16];
+    [3, 3, 3, 3]: a constant vector round-trips (no 0 / 0);
+    [-20, -5, -12.5, -6]: s = 1 -> [-20, -5, -12, -6] (a range widened to 0 would give s = 20 / 15);
+    [0, 30, 7.4, 15]: s = 2, codes [0, 15, round(3.7), round(7.5)] = [0, 15, 4, 8] -> [0, 30, 8, 16].
+    Symmetric KV (bits 4): [7, -3.5, 1, 0.5] has s = 1 -> [7, -4, 1, 0] (ties to even)."""
+    from quantkit.simulate import KVSim, fake_quantize_kv
+
+    x = torch.tensor([[[[1.0, 2.5, 4.0, 16.0], [3.0, 3.0, 3.0, 3.0]],
+                       [[-20.0, -5.0, -12.5, -6.0], [0.0, 30.0, 7.4, 15.0]]]])
+    want = [[[[1.0, 3.0, 4.0, 16.0], [3.0, 3.0, 3.0, 3.0]], [[-20.0, -5.0, -12.0, -6.0], [0.0, 30.0, 8.0, 16.0]]]]
+    assert fake_quantize_kv(x, KVSim(4)).tolist() == want
+    assert fake_quantize_kv(x.half(), KVSim(4)).dtype == torch.float16
+    sym = fake_quantize_kv(torch.tensor([[[[7.0, -3.5, 1.0, 0.5]]]]), KVSim(4, symmetric=True))
+    assert sym.tolist() == [[[[7.0, -4.0, 1.0, 0.0]]]]
+
+
+def test_kv_simulation_is_what_every_layers_attention_reads(tmp_path, monkeypatch):
+    """attach() on a whole model routes every layer's attention through the KV simulation: SDPA receives exactly
+    fake_quantize_kv of the post-RoPE keys and values, while a calibration observer (SmoothAttention's statistics)
+    sees them unquantized (32 distinct values per head vector, where KV4 leaves at most 16). Keys quantized before
+    RoPE (Atom) are not quantized a second time after it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as real
+
+    from quantkit import simulate
+
+    model_dir = write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    observed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((key.clone(), value.clone()))
+        return real(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(simulate, "sdpa_attention_forward", spy)
+    for sim in (simulate.KVSim(4), simulate.KVSim(4, pre_rope=True)):
+        seen.clear()
+        observed.clear()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        layers = list(model.model.layers)
+        for layer in layers:
+            layer.self_attn._quantkit_observer = lambda k, v: observed.append((k.clone(), v.clone()))
+        simulate.attach(layers, [], model.config, None, sim, kv_projections=("self_attn.k_proj", "self_attn.v_proj"))
+        with torch.no_grad():
+            model(ids)
+        assert len(seen) == len(observed) == 2
+        for (key, value), (raw_key, raw_value) in zip(seen, observed, strict=True):
+            if sim.pre_rope:
+                assert torch.equal(key, raw_key) and torch.equal(value, raw_value)
+                assert len(torch.unique(value[0, 0, 0])) <= 16  # quantized by the v_proj hook, before the cache
+            else:
+                assert len(torch.unique(raw_key[0, 0, 0])) == 32 and len(torch.unique(raw_value[0, 0, 0])) == 32
+                assert torch.equal(key, simulate.fake_quantize_kv(raw_key, sim))
+                assert torch.equal(value, simulate.fake_quantize_kv(raw_value, sim))

@@ -252,3 +252,18 @@ def test_search_qparams_tries_the_smallest_ratio():
     spec = QuantSpec(bits=4, symmetric=True, granularity="channel")
     best = search_qparams(w, spec, grid=1)
     assert best.scale.item() == torch.tensor(0.8).half().item()
+
+
+def test_per_token_asymmetric_adds_the_zero_after_rounding():
+    """vLLM's azp kernel computes round(x / s) + z, not round(x / s + z): they differ at a tie. Row [-1, 14, 0.5, 2.5]
+    at 4 bits: range [-1, 14], s = 15 / 15 = 1, z = round(1) = 1; 0.5 -> round(0.5) + 1 = 1 -> (1 - 1) * 1 = 0 and
+    2.5 -> round(2.5) + 1 = 3 -> 2 (adding z first: round(1.5) = 2 -> 1, round(3.5) = 4 -> 3)."""
+    x = torch.tensor([[-1.0, 14.0, 0.5, 2.5]])
+    assert fake_quantize_per_token(x, 4, symmetric=False).tolist() == [[-1.0, 14.0, 0.0, 2.0]]
+
+
+def test_per_token_clip_saturates_at_the_signed_code_range():
+    """INT8 with clip 0.5 on [254, 100, -254, 0.5]: s = 254 * 0.5 / 127 = 1, so 254 saturates at 127 and -254 at
+    -128 (the INT8 minimum, as Atom's quantizers clamp to [-2^(b-1), 2^(b-1) - 1]); 0.5 rounds half to even, to 0."""
+    x = torch.tensor([[254.0, 100.0, -254.0, 0.5]])
+    assert fake_quantize_per_token(x, 8, True, 0.5).tolist() == [[127.0, 100.0, -128.0, 0.0]]
