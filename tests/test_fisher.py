@@ -11,6 +11,19 @@ from quantkit.models.source import open_model
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
 
+def _autograd_fisher(model, windows: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """Full-model autograd's diagonal Fisher, the reference: each window's squared weight gradients, summed over the
+    windows, keyed "layer.linear"."""
+    expect: dict[str, torch.Tensor] = {}
+    for d in range(windows.shape[0]):
+        model.zero_grad()
+        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
+        for i, layer in enumerate(model.model.layers):
+            for name in names:
+                expect[f"{i}.{name}"] = expect.get(f"{i}.{name}", 0) + layer.get_submodule(name).weight.grad.square()
+    return expect
+
+
 def test_streamed_fisher_matches_full_model_autograd(tmp_path):
     model_dir = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
                                                                       num_hidden_layers=3, num_attention_heads=4,
@@ -23,15 +36,7 @@ def test_streamed_fisher_matches_full_model_autograd(tmp_path):
     assert not list((tmp_path / "fisher").glob("input-*"))  # activations are cleaned up
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    expect: dict[str, torch.Tensor] = {}
-    for d in range(3):
-        model.zero_grad()
-        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
-        for i, layer in enumerate(model.model.layers):
-            for name in names:
-                g = layer.get_submodule(name).weight.grad.square()
-                key = f"{i}.{name}"
-                expect[key] = g if key not in expect else expect[key] + g
+    expect = _autograd_fisher(model, windows, names)
     for i, path in enumerate(paths):
         got = load_file(str(path))
         for name in names:
@@ -64,14 +69,7 @@ def test_streamed_fisher_is_the_gradient_at_the_stored_block_inputs(tmp_path):
     for layer in model.model.layers:
         layer.register_forward_pre_hook(
             lambda m, args: (args[0] + (args[0].half().float() - args[0]).detach(), *args[1:]))
-    expect: dict[str, torch.Tensor] = {}
-    for d in range(3):
-        model.zero_grad()
-        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
-        for i, layer in enumerate(model.model.layers):
-            for name in names:
-                g = layer.get_submodule(name).weight.grad.square()
-                expect[f"{i}.{name}"] = expect.get(f"{i}.{name}", 0) + g
+    expect = _autograd_fisher(model, windows, names)
     same = total = 0
     for i, path in enumerate(paths):
         got = load_file(str(path))
@@ -96,10 +94,6 @@ def test_streamed_fisher_head_uses_the_configs_rms_norm_eps(tmp_path):
     (path,) = diagonal_fisher(source, windows, ["mlp.down_proj"], tmp_path / "fisher")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     assert model.config.rms_norm_eps == 0.1
-    want = 0
-    for d in range(2):
-        model.zero_grad()
-        model(windows[d:d + 1], labels=windows[d:d + 1]).loss.backward()
-        want = want + model.model.layers[0].mlp.down_proj.weight.grad.square()
+    want = _autograd_fisher(model, windows, ["mlp.down_proj"])["0.mlp.down_proj"]
     got = load_file(str(path))["mlp.down_proj"].float()
     assert float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)) < 4e-3
