@@ -486,7 +486,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random activations.")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=4e-3, show_default=True, callback=_finite,
-              help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs (a finite number).")
+              help="Largest accepted |y - y_ref| / max|y_ref| of the fp16 outputs, each token's against its own "
+              "(a finite number).")
 @click.option("--kernel", type=click.Choice(["auto", "cuda", "sim", "none"]), default="auto", show_default=True,
               help="Also run each linear's CUDA kernels (kernels/) and require their fp16 output to equal the "
               "emulation's bit for bit (Any-Precision's tensor-core kernel: within its stated bound): on the GPU "

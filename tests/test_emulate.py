@@ -435,9 +435,10 @@ def test_validate_applies_its_tolerance_and_outlier_channels(artifacts, monkeypa
 
 
 def test_output_error_catches_one_tokens_scale_off_by_a_code():
-    """check_against_reference's error is max |y - y_ref| / max |y_ref|: one token's outputs scaled by 128/127 (its
-    activation scale max / 126 for max / 127, say), where that token holds the largest output, give 1/127 = 7.9e-3,
-    above validate's default tolerance of 4e-3, and not diluted by the other outputs (a mean or a sum would)."""
+    """check_against_reference's error is max |y - y_ref| / max |y_ref| per token: one token's outputs scaled by
+    128/127 (its activation scale max / 126 for max / 127, say) give 1/127 = 7.9e-3, above validate's default
+    tolerance of 4e-3, whether that token holds the largest output or the smallest (whose miss, measured against
+    the largest output, would be under half that), and not diluted by the other outputs (a mean or a sum would)."""
     tensors = _edge_tensors("qqq", None)
     from quantkit.formats import get_packer
     from quantkit.recipe import load_recipe
@@ -450,6 +451,15 @@ def test_output_error_catches_one_tokens_scale_off_by_a_code():
     m = int(np.abs(emulation.out.astype(np.float32)).max(axis=1).argmax())
     emulation.out = emulation.out.copy()
     emulation.out[m] = (emulation.out[m].astype(np.float32) * np.float32(128 / 127)).astype(np.float16)
+    rel = check_against_reference(emulation, weight, x).rel_error
+    assert rel == pytest.approx(1 / 127, abs=1e-3) and rel > 4e-3
+    # the same miss in the token of the smallest outputs: measured against that token's own, not diluted by m's
+    emulation = emulate("qqq", tensors, x)
+    peaks = np.abs(emulation.out.astype(np.float32)).max(axis=1)
+    small = int(peaks.argmin())
+    assert peaks[small] < 0.5 * peaks[m]
+    emulation.out = emulation.out.copy()
+    emulation.out[small] = (emulation.out[small].astype(np.float32) * np.float32(128 / 127)).astype(np.float16)
     rel = check_against_reference(emulation, weight, x).rel_error
     assert rel == pytest.approx(1 / 127, abs=1e-3) and rel > 4e-3
 
