@@ -377,15 +377,15 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _token_stream(path: Path, text_field: str, tokenizer: Any, target: int) -> list[int]:
-    """Token ids of ``"\\n\\n".join`` of a document prefix holding >= target tokens, or all. The documents are read
-    in chunks sized by a guess of the characters per token, so the prefix usually holds more than ``target``
-    tokens, by an amount that depends on that guess: callers cut what they use from its start.
+    """The first ``target`` token ids of ``"\\n\\n".join`` of the documents, or all of them where the text holds fewer.
+    The documents are read in chunks sized by a guess of the characters per token, and the ids past ``target`` are
+    cut: how far a chunk ran is no part of the result, which depends only on (file, tokenizer, target).
 
     A prefix that falls short is extended and re-tokenized as one string, so the ids are those of a single
     tokenizer call: tokenizing documents separately would add a word-start piece to each (sentencepiece).
     """
     with closing(iter_documents(path, text_field)) as documents:
-        return _read_until(documents, path, text_field, tokenizer, target)
+        return _read_until(documents, path, text_field, tokenizer, target)[:target]
 
 
 def _read_until(documents: Iterator[str], path: Path, text_field: str, tokenizer: Any,
@@ -486,9 +486,7 @@ def load_calibration(
     path, field, described = _resolve_source(chosen, data_dir, text_field)
     needed = num_samples * seq_len
     target = needed if sampling == "first" else RANDOM_POOL_FACTOR * needed
-    # the pool is exactly the first `target` tokens (or the whole file): how far the reader ran past it is no part of
-    # the windows, which depend only on (file, tokenizer, num_samples, seq_len, seed)
-    ids = _token_stream(path, field, tokenizer, target)[:target]
+    ids = _token_stream(path, field, tokenizer, target)
     tokens = sample_windows(ids, num_samples=num_samples, seq_len=seq_len, seed=seed, sampling=sampling,
                             origin=f"calibration file {path}")
     return CalibrationSet(tokens=tokens, source=described, sampling=sampling, seed=seed,
