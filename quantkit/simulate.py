@@ -93,20 +93,30 @@ def fake_quantize_activation(x: torch.Tensor, sim: ActivationSim, g_idx: torch.T
 
 
 def fake_quantize_kv(x: torch.Tensor, sim: KVSim) -> torch.Tensor:
-    """Per-(token, head) fake quantization of K or V states [B, H, T, D] over the head dimension.
+    """Per-(token, head) fake quantization of K or V states [B, H, T, D] over the head dimension, as a cache stores
+    them: a float16 scale and zero per vector (QServe's KV4, digest P8).
 
-    Asymmetric uses the true [min, max] of each vector (no widening to include 0), as KV4 schemes do.
+    Asymmetric: scale = (max - min) / (2^bits - 1) and the fractional zero -(2^bits - 1) min / (max - min) over the
+    vector's true [min, max] (no widening to include 0), each rounded to float16 once; q = round(x / scale + zero)
+    clamped to the codes, x_hat = (q - zero) scale in float32, then rounded to x's dtype. Symmetric: the float16
+    scale max|x| / (2^(bits-1) - 1). A vector those float16 parameters cannot describe (constant, or a scale or
+    zero beyond float16's range) is kept as it is, where a kernel would divide by zero or overflow.
     """
-    if sim.symmetric:
-        return fake_quantize_per_token(x, sim.bits, symmetric=True)
     xf = x.float()
     lo = xf.amin(dim=-1, keepdim=True)
     hi = xf.amax(dim=-1, keepdim=True)
+    if sim.symmetric:
+        qmax = (1 << (sim.bits - 1)) - 1
+        scale = torch.maximum(hi, -lo).div_(qmax).half().float()
+        q = (xf / scale).round_().clamp_(-qmax - 1, qmax)
+        return torch.where((scale > 0) & scale.isfinite(), q * scale, xf).to(x.dtype)
     levels = (1 << sim.bits) - 1
-    scale = (hi - lo).div_(levels)
-    scale.masked_fill_(scale <= 0, 1.0)
-    q = (xf - lo).div_(scale).round_().clamp_(0, levels)
-    return q.mul_(scale).add_(lo).to(x.dtype)
+    span = hi - lo
+    scale = (span / levels).half().float()
+    zero = (lo * -levels / span).half().float()
+    ok = (scale > 0) & scale.isfinite() & zero.isfinite()
+    q = (xf / scale).add_(zero).round_().clamp_(0, levels)
+    return torch.where(ok, (q - zero).mul_(scale), xf).to(x.dtype)
 
 
 def _kv_sim_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):

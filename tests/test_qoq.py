@@ -176,6 +176,25 @@ def test_kv4_quantizes_each_token_and_head_over_its_true_range():
     assert sym.tolist() == [[[[7.0, -4.0, 1.0, 0.0]]]]
 
 
+def test_kv4_scale_and_fractional_zero_are_float16_values():
+    """The cache stores each vector's scale and zero in float16 (digest P8: zero = -15 min / (max - min), not
+    rounded to an integer), and the codes and values come from those stored numbers. By hand, [-1, 3.5, 0.5, 1.2]:
+    span 4.5, scale = fp16(0.3) = 1229 / 4096, zero = fp16(15 / 4.5) = 3414 / 1024; x / scale + zero =
+    [0.0012, 14.9988, 5.0004, 7.3333] -> q = [0, 15, 5, 7]; (q - zero) scale = (1024 q - 3414) 1229 / 2^22, each
+    exact in float32 (float32 parameters gave [-1, 3.5, 0.5, 1.1]). Symmetric [0.7, -0.2, 0.05, 0.0]: scale
+    fp16(0.1) = 1638 / 16384, codes [7, -2, 1, 0] (0.05 / scale = 0.50012 rounds up). A vector whose float16 zero
+    would overflow (a span of 0.001 at 1000: zero -1.5e7) is kept as it is, as is a constant one."""
+    from quantkit.simulate import KVSim, fake_quantize_kv
+
+    x = torch.tensor([[[[-1.0, 3.5, 0.5, 1.2]]]])
+    want = [(1024 * q - 3414) * 1229 / 2**22 for q in (0, 15, 5, 7)]
+    assert fake_quantize_kv(x, KVSim(4)).flatten().tolist() == want
+    sym = fake_quantize_kv(torch.tensor([[[[0.7, -0.2, 0.05, 0.0]]]]), KVSim(4, symmetric=True))
+    assert sym.flatten().tolist() == [q * 1638 / 16384 for q in (7, -2, 1, 0)]
+    narrow = torch.tensor([[[[1000.0, 1000.001, 1000.0005, 1000.0002]]]])
+    assert torch.equal(fake_quantize_kv(narrow, KVSim(4)), narrow)
+
+
 def test_kv_simulation_is_what_every_layers_attention_reads(tmp_path, monkeypatch):
     """attach() on a whole model routes every layer's attention through the KV simulation: SDPA receives exactly
     fake_quantize_kv of the post-RoPE keys and values, while a calibration observer (SmoothAttention's statistics)
