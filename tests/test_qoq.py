@@ -183,7 +183,8 @@ def test_kv4_scale_and_fractional_zero_are_float16_values():
     [0.0012, 14.9988, 5.0004, 7.3333] -> q = [0, 15, 5, 7]; (q - zero) scale = (1024 q - 3414) 1229 / 2^22, each
     exact in float32 (float32 parameters gave [-1, 3.5, 0.5, 1.1]). Symmetric [0.7, -0.2, 0.05, 0.0]: scale
     fp16(0.1) = 1638 / 16384, codes [7, -2, 1, 0] (0.05 / scale = 0.50012 rounds up). A vector whose float16 zero
-    would overflow (a span of 0.001 at 1000: zero -1.5e7) is kept as it is, as is a constant one."""
+    would overflow (a span of 0.001 at 1000: zero -1.5e7) is kept as it is, as is one whose scale would (a span of
+    2e6: 133333 past float16's 65504), symmetric too."""
     from quantkit.simulate import KVSim, fake_quantize_kv
 
     x = torch.tensor([[[[-1.0, 3.5, 0.5, 1.2]]]])
@@ -193,6 +194,9 @@ def test_kv4_scale_and_fractional_zero_are_float16_values():
     assert sym.flatten().tolist() == [q * 1638 / 16384 for q in (7, -2, 1, 0)]
     narrow = torch.tensor([[[[1000.0, 1000.001, 1000.0005, 1000.0002]]]])
     assert torch.equal(fake_quantize_kv(narrow, KVSim(4)), narrow)
+    wide = torch.tensor([[[[-1e6, 1e6, 0.5, 3.0]]]])
+    assert torch.equal(fake_quantize_kv(wide, KVSim(4)), wide)
+    assert torch.equal(fake_quantize_kv(wide, KVSim(4, symmetric=True)), wide)
 
 
 def test_kv_simulation_is_what_every_layers_attention_reads(tmp_path, monkeypatch):
