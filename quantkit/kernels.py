@@ -573,9 +573,20 @@ def check_group_division(k: int, group: int) -> None:
 
 
 # QServe from 9 to 16 tokens (more than DECODE_MAX_M) with two 32-channel tiles a warp (qserve_w4a8_gemm16, _pc16),
-# one load of the activations for both: bench/smallm_tune.py's QS-S2: timed on the H100 and the H200 and not taken
-# (README, "Not taken"), so off. N a multiple of 64.
-QSERVE_GEMM16 = False
+# one load of the activations for both (N a multiple of 64): True always, False never (the tests' settings), None (the
+# default) where the weights number at least QSERVE_GEMM16_MIN_WEIGHTS (N K). bench/smallm_tune.py's QS-S2 (True) at
+# M = 16 on an H200 (kernels_h200_smallm_tune.json runs 9 and 12b): 0.90-0.98x the one-tile kernels' time on 28672 x
+# 4096 and 4096 x 14336, 1.04-1.39x on 6144 x 4096 and 4096 x 4096 (on an H100, run 5: 0.93-1.02x and 1.09-1.23x).
+# The threshold lies between the two pairs of shapes; nothing between 25 and 59 million weights was timed.
+QSERVE_GEMM16: bool | None = None
+QSERVE_GEMM16_MIN_WEIGHTS = 1 << 25
+
+
+def use_qserve_gemm16(m: int, n: int, k: int, bulk: bool | None) -> bool:
+    """Whether a small-M QServe launch of [M, K] x [N, K] takes the two-tile kernels (QSERVE_GEMM16)."""
+    if m <= DECODE_MAX_M or n % 64 or use_bulk(bulk):
+        return False
+    return QSERVE_GEMM16 if QSERVE_GEMM16 is not None else n * k >= QSERVE_GEMM16_MIN_WEIGHTS
 
 
 def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.ndarray,
@@ -603,9 +614,9 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
     if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
         return large
     # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers;
-    # from 9 tokens on under QSERVE_GEMM16 their two-tile kernels (*16: 64 channels a warp, 32 sums a lane)
+    # from 9 tokens on, per use_qserve_gemm16, their two-tile kernels (*16: 64 channels a warp, 32 sums a lane)
     gemm = "gemm" if grouped else "gemm_pc"
-    if QSERVE_GEMM16 and m > DECODE_MAX_M and n % 64 == 0 and not use_bulk(bulk):
+    if use_qserve_gemm16(m, n, k, bulk):
         return warp_tile_launch("qserve_w4a8", args, out, m, n, 64, 32, k // 32, splits, zsplit, False,
                                 lambda c: 0, gemm + "16", clusters=False)
     return warp_tile_launch("qserve_w4a8", args, out, m, n, 32, 16, k // 32, splits, zsplit, bulk,
@@ -1084,8 +1095,10 @@ def _module(name: str, hopper: bool = False) -> Any:
 TUNABLE = ("SPLITK_WARPS", "SPLITK_MIN_STEPS", "SPLITK_BLOCKS_MAX", "SPLITK_CLUSTER", "SPLITK_RED_PLAN", "BULK_DECODE",
            "BULK_SLOTS", "WGMMA_WIDE", "WGMMA_TALL", "LIQUIDQUANT_GEMM16", "QSERVE_GEMM16", "ANYPREC_TC_FAST",
            "ANYPREC_TC_FEW")
-# The types each switch takes: its default's, and also None for WGMMA_TALL (the choice made per launch).
-SWITCH_TYPES = {name: (type(globals()[name]),) for name in TUNABLE} | {"WGMMA_TALL": (bool, type(None))}
+# The types each switch takes: its default's, and bool or None for WGMMA_TALL and QSERVE_GEMM16 (None: the choice
+# made per launch).
+SWITCH_TYPES = {name: (type(globals()[name]),) for name in TUNABLE} | {
+    name: (bool, type(None)) for name in ("WGMMA_TALL", "QSERVE_GEMM16")}
 
 
 def apply_settings(settings: dict[str, bool | int]) -> None:

@@ -13,7 +13,7 @@ import torch
 from quantkit import kernels
 from quantkit.emulate import emulate
 from quantkit.formats import qserve_layout
-from quantkit.kernel_bench import synthetic
+from quantkit.kernel_bench import SHAPE_SETS, synthetic
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="the warp simulator compiles the kernels with a host C++ compiler "
@@ -219,6 +219,24 @@ def test_qserve_two_tile_launch(group, m, k, splits, monkeypatch):
     narrow = synthetic("qserve", 96, k, seed=1, group=group)
     one_tile.append(kernels.qserve_launch(narrow, reference.x_int8, reference.s_x, t_x, tiled=False))
     assert all(not launch.name.endswith("16") for launch in one_tile), [launch.name for launch in one_tile]
+
+
+def test_qserve_two_tile_kernels_by_default_on_large_weights(monkeypatch):
+    """QSERVE_GEMM16 None (the default): the two-tile kernels from 9 tokens on where N K >= 2^25 (Llama-3-8B's 28672 x
+    4096 and 4096 x 14336, where an H200 timed them faster), the one-tile ones on 6144 x 4096 and 4096 x 4096 (slower
+    there), up to 8 tokens, on the bulk path, and where 64 does not divide N; True and False override the size."""
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", None)
+    monkeypatch.setattr(kernels, "BULK_DECODE", False)
+    use = kernels.use_qserve_gemm16
+    assert [use(16, n, k, None) for n, k in SHAPE_SETS["llama3-8b"]] == [False, False, True, True]
+    assert use(9, 28672, 4096, None) and not use(8, 28672, 4096, None)
+    assert not use(16, 28672, 4096, True)  # the bulk kernel has no two-tile form
+    assert not use(16, 28672 + 32, 4096, None)
+    assert use(16, 8192, 4096, None) and not use(16, 8192 - 64, 4096, None)  # 2^25 weights and fewer
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", False)
+    assert not use(16, 28672, 4096, None)
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", True)
+    assert use(16, 4096, 4096, None)
 
 
 def test_split_plan_spreads_the_blocks_evenly(monkeypatch):
