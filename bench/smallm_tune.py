@@ -138,6 +138,8 @@ CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     # QServe from 9 to 16 tokens with two 32-channel tiles a warp, one load of the activations for both
     # (QSERVE_GEMM16: qserve_w4a8_gemm16, _pc16), as QK_LQQ16_SLICES = 2 for LiquidQuant
     "QS-S2": (U8, {**SPLIT, "QSERVE_GEMM16": True}),
+    # and never (QS-S1: the default until stop 41, which takes them where N K >= 2^25 after runs 9 and 12b)
+    "QS-S1": (U8, {**SPLIT, "QSERVE_GEMM16": False}),
     # Atom's small-M kernel (terms in shared memory, added in group order at a round's end) with 2 groups' loads in
     # flight a copy, not 3 (QK_ATOM_AHEAD: 102 registers, not 126; the default's first timing)
     "ATOM-A2": ({**U8, "QK_ATOM_AHEAD": 2}, SPLIT),
@@ -151,7 +153,7 @@ SCOPES: dict[str, tuple[str, ...]] = {
     "Z1": ("qserve", "qqq"), "Z2": ("qqq",), "NO-RED": W4A8, "EPI-AFTER": W4A8, "EPI-MID-QG": ("qqq",),
     "SLOT-PLAN": ("qqq",), "RED-ALL": ("qqq",),  # QServe's and LiquidQuant's blocks are bound by 512 threads either way
     "CLUSTER": ("qqq",), "MEET-ACQREL": ("qqq",),  # QServe splits no tile over blocks here
-    "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",),
+    "EPI-LATE": ("qserve", "liquidquant"), "QS-S2": ("qserve",), "QS-S1": ("qserve",),
     "BULK": W4A8, "BULK-3": W4A8,
     "QS-PC10": ("qserve",), "QS-PC12": ("qserve", "liquidquant"),  # its early epilogue off changes LiquidQuant's
     "AP-CHECKED": ("anyprec",), "AP-W3": ("anyprec",), "AP-SMEM": ("anyprec",), "AP-HYBRID": ("anyprec",),
@@ -195,6 +197,10 @@ LARGE_CONFIGS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "TALL": ({}, {"WGMMA_TALL": True}),
     "SQUARE": ({}, {"WGMMA_TALL": False}),
     "TALL-W10L8": ({"QK_WGMMA_STAGES": 10, "QK_WGMMA_LEAD": 8}, {"WGMMA_TALL": True}),
+    # the per-group 256-token kernels (QServe g128, QQQ per group) on the common ring of 8, not their own of 10
+    # (QK_WGMMA_TALL_GROUP_STAGES since stop 41; until then TALL-W10L8 alone gave them 10: runs 11 and 12,
+    # 0.96-0.99x TALL's time)
+    "TALL-G8L6": ({"QK_WGMMA_TALL_GROUP_STAGES": 8, "QK_WGMMA_TALL_GROUP_LEAD": 6}, {}),
     # 256 channels a block (one block an SM), with the default ring and deeper ones
     "WIDE": ({}, {"WGMMA_WIDE": True}),
     "WIDE8": ({"QK_WGMMA_STAGES": 8, "QK_WGMMA_LEAD": 7}, {"WGMMA_WIDE": True}),
@@ -223,18 +229,19 @@ def configs(large: bool) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     return LARGE_CONFIGS if large else CONFIGS
 
 
-# The plan for the next lent GPU: the settings that run 9 replaced (EPI-AFTER, SLOT-PLAN), the two halves of what it
-# did not take (RED-ALL, EPI-MID-QG) and MEET-ACQREL (0.96-1.00x for QQQ per channel where its tiles meet across
-# blocks, 0.99-1.02x per group), then the settings that runs 5 and 6 replaced (NO-RED, EPI-LATE, LQQ-S1, AP-MULHI),
-# then the configurations that were within noise or mixed (CLUSTER, QS-S2, AP-EARLY, AP-W8, Z2, ATOM-A2).
+# The plan for the next lent GPU: the default that stop 41 replaced (QS-S1) and the one it adopted everywhere (QS-S2),
+# then MEET-ACQREL and EPI-MID-QG (in run 12b both 0.95-0.96x on QQQ per channel's small shapes, which EPI-MID-QG's
+# knob does not reach: the first configuration after the default timed faster than it), then the settings that runs
+# 5, 6 and 9 replaced (EPI-AFTER, SLOT-PLAN, NO-RED, EPI-LATE, LQQ-S1, AP-MULHI), then those within noise or mixed.
 # `--configs pending` times them after the default in this order, so that a run cut short still has the first.
-PENDING: tuple[str, ...] = ("EPI-AFTER", "SLOT-PLAN", "RED-ALL", "EPI-MID-QG", "MEET-ACQREL", "NO-RED", "EPI-LATE",
-                             "LQQ-S1", "AP-MULHI", "CLUSTER", "QS-S2", "AP-EARLY", "AP-W8", "Z2", "ATOM-A2")
-# --large --configs pending: the 128-token blocks on every shape and the 256-token ones on every shape against the
-# default's choice by wave fill; the 256-token ring of 10 (run 11: 0.97-0.99x TALL's time per group, 1.04-1.06x for
-# LiquidQuant) and the TMA ring of 5 (run 11: 0.85-0.97x the 128-token ring of 8 per channel on the long shapes),
-# each now over the default's choice; then the 256-channel blocks.
-LARGE_PENDING: tuple[str, ...] = ("SQUARE", "TALL", "TALL-W10L8", "TMA-W5L3", "TMA-W8L7", "WIDE")
+PENDING: tuple[str, ...] = ("QS-S1", "QS-S2", "MEET-ACQREL", "EPI-MID-QG", "EPI-AFTER", "SLOT-PLAN", "RED-ALL",
+                            "NO-RED", "EPI-LATE", "LQQ-S1", "AP-MULHI", "AP-EARLY", "CLUSTER", "AP-W8", "Z2", "ATOM-A2")
+# --large --configs pending: the per-group 256-token kernels back on the common ring (TALL-G8L6, the setting stop 41
+# replaced), then the 256-token blocks on every shape (the per-group ones on 6144 x 4096 too, where their ring of 10
+# took 0.97-0.98x the 128-token kernel's time for QQQ in runs 11 and 12) and the 128-token ones on every shape,
+# against the default's choice by wave fill. Not again: TMA-W8L7 (1.2-1.5x), WIDE (1.5x on 6144 x 4096, equal
+# elsewhere), TMA-W5L3 (0.99-1.06x in run 12), TALL-W10L8 for the per-channel and LiquidQuant kernels (0.96-1.15x).
+LARGE_PENDING: tuple[str, ...] = ("TALL-G8L6", "TALL", "SQUARE")
 
 
 def config_names(text: str, large: bool = False) -> list[str]:

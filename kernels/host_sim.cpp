@@ -286,9 +286,9 @@ void wgmma_warpgroup(int32_t d[128][64], const uint32_t a[128][4], const uint8_t
 // address 0 is the ring's start (aligned, as the kernel aligns it); the accumulators start as garbage, which the
 // first wgmma of each sum must ignore. The accumulators of the tile's 128-token half h (H = 2: 256 tokens a block)
 // are acc[h THREADS + t][64] for thread t.
-template <class F, int W = 1, int H = 1>
+template <class F, int W = 1, int H = 1, int S = QK_WGMMA_STAGES, int L = QK_WGMMA_LEAD>
 void wgmma_host(const typename F::Args& args) {
-  using T = qk::WgmmaTiles<F, W, H>;
+  using T = qk::WgmmaTiles<F, W, H, S, L>;
   constexpr int KS = T::BK / 32;
   std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
   std::vector<int32_t> acc((size_t)H * T::THREADS * 64);
@@ -355,6 +355,10 @@ extern "C" bool qk_tiles(const char* fmt, int out[6]) {
   else if (std::strcmp(fmt, "qserve-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::QServeWgmma, 1, 2>>(out);
   else if (std::strcmp(fmt, "qqq-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::QQQWgmma, 1, 2>>(out);
   else if (std::strcmp(fmt, "liquidquant-wgmma_tall") == 0) tiles_of<qk::WgmmaTiles<qk::LiquidWgmma, 1, 2>>(out);
+  else if (std::strcmp(fmt, "qserve-wgmma_tall_group") == 0)
+    tiles_of<qk::WgmmaTiles<qk::QServeWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>>(out);
+  else if (std::strcmp(fmt, "qqq-wgmma_tall_group") == 0)
+    tiles_of<qk::WgmmaTiles<qk::QQQWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>>(out);
   else if (std::strcmp(fmt, "qqq") == 0) tiles_of<qk::QQQTiled>(out);
   else if (std::strcmp(fmt, "liquidquant") == 0) tiles_of<qk::LiquidTiled>(out);
   else if (std::strcmp(fmt, "atom") == 0) tiles_of<qk::AtomTiled>(out);
@@ -413,11 +417,15 @@ extern "C" void qserve_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, c
                                             const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                             const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
                                             int group) {
-  wgmma_host<qk::QServeWgmma, 1, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+  if (s2 != nullptr) wgmma_host<qk::QServeWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args);
+  else wgmma_host<qk::QServeWgmma, 1, 2>(args);
 }
 extern "C" void qqq_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                          const qk_half* s_group, qk_half* out, int m, int n, int k) {
-  wgmma_host<qk::QQQWgmma, 1, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+  if (s_group != nullptr) wgmma_host<qk::QQQWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args);
+  else wgmma_host<qk::QQQWgmma, 1, 2>(args);
 }
 extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                                  const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,

@@ -590,17 +590,28 @@ QK_FN uint64_t wgmma_desc_sw64(uint32_t addr) {
 #ifndef QK_WGMMA_LEAD
 #define QK_WGMMA_LEAD (QK_WGMMA_STAGES - 2)
 #endif
+// The per-group variants of the 256-token kernels (QServe's progressive groups, QQQ per group; wgmma_tall_gemm) keep
+// a ring of their own: 10 stages of 21 KiB (211 KiB with the alignment slack and mbarriers, one block an SM), copies 8
+// steps ahead. On the H200 (kernels_h200_smallm_tune.json runs 11 and 12, TALL-W10L8 against TALL at M = 1024) such a
+// ring took 0.96-0.98x the 8-stage one's time for QQQ per group and 0.98-0.99x for QServe g128 on all four shapes,
+// 0.96-1.03x per channel and 1.05-1.15x for LiquidQuant, whose kernels keep QK_WGMMA_STAGES.
+#ifndef QK_WGMMA_TALL_GROUP_STAGES
+#define QK_WGMMA_TALL_GROUP_STAGES 10
+#endif
+#ifndef QK_WGMMA_TALL_GROUP_LEAD
+#define QK_WGMMA_TALL_GROUP_LEAD (QK_WGMMA_TALL_GROUP_STAGES - 2)
+#endif
 // H = 2 (the *_wgmma_tall kernels): 256 tokens a block, each warpgroup's A fragments (its dequantized weights) fed
 // to two m64n128 wgmmas, one a 128-token half of the activation tile, so that each weight is unpacked once per 256
 // tokens, not 128: the per-group loops issue about as many instructions a step as the tensor cores take cycles for
 // one m64n128 (bench/sass_loops.py: issue-bound), and this halves their issue a multiply-add. One block an SM (128
-// accumulators a thread), where the 128-token kernel fits two.
-template <class F, int W = 1, int H = 1>
+// accumulators a thread), where the 128-token kernel fits two. S and L: the ring's depth and lead.
+template <class F, int W = 1, int H = 1, int S = QK_WGMMA_STAGES, int L = QK_WGMMA_LEAD>
 struct WgmmaTiles {
   using Tiled = typename F::Tiled;
   using Args = typename F::Args;
   static constexpr int BM = H * Tiled::BM, BN = W * Tiled::BN, BK = Tiled::BK, THREADS = 256 * W, ALIGN = 1024;
-  static constexpr int STAGES = QK_WGMMA_STAGES, LEAD = QK_WGMMA_LEAD;
+  static constexpr int STAGES = S, LEAD = L;
   // A stage: the activation tile (A_BYTES), then W regions of REGION bytes, each the weights (and group parameters)
   // of 128 channels at the offsets the Tiled policy gives them, from region_at(r) on (the Tiled policy's stage moved
   // by the activation rows it does not hold); W = H = 1 is the Tiled policy's stage.
@@ -1105,9 +1116,9 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 #define QK_X_MAP_PARAM
 #define QK_X_MAP nullptr
 #endif
-template <class F, int W = 1, int H = 1>
+template <class F, int W = 1, int H = 1, int S = QK_WGMMA_STAGES, int L = QK_WGMMA_LEAD>
 __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const void* x_map = nullptr) {
-  using T = qk::WgmmaTiles<F, W, H>;
+  using T = qk::WgmmaTiles<F, W, H, S, L>;
   constexpr int KS = T::BK / 32, RETIRE = T::LEAD <= T::STAGES - 2 ? QK_WGMMA_RETIRE : 0;
   static_assert(QK_WGMMA_RETIRE >= 0 && QK_WGMMA_RETIRE <= 2, "QK_WGMMA_RETIRE is 0, 1 or 2");
   extern __shared__ uint4 qk_stages[];
@@ -1212,6 +1223,14 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   T::stage_out(args, smem, m0, n0, warp, lane, acc);
   __syncthreads();
   T::write_out(args, smem, m0, n0, tid);
+}
+
+// The 256-token kernel of layout F (WgmmaTiles<F, 1, 2>): the per-group variant (`grouped`, known at the launch's one
+// branch on its group parameters) on the ring of QK_WGMMA_TALL_GROUP_STAGES, the per-channel one on the common ring.
+template <class F>
+__device__ __forceinline__ void wgmma_tall_gemm(const typename F::Args& args, bool grouped, const void* x_map) {
+  if (grouped) wgmma_gemm<F, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args, x_map);
+  else wgmma_gemm<F, 1, 2>(args, x_map);
 }
 
 // The bulk decode pipeline (the *_bulk kernels, sm_90: built with the Hopper module). Warp `copy` of a block of

@@ -407,6 +407,10 @@ WGMMA_WIDE = False
 WGMMA_TALL_TILES = {fmt: replace(t, bm=256, kernel="wgmma_tall",
                                  stage_bytes=-(-(256 * t.bk + TILES[fmt].stage_bytes - 128 * t.bk) // 1024) * 1024)
                     for fmt, t in WGMMA.items()}
+# Their per-group variants (QServe's progressive groups, QQQ per group) on a ring of their own, 10 stages deep by
+# default, copies 8 ahead (qk_common.cuh QK_WGMMA_TALL_GROUP_STAGES: on the H200 0.96-0.99x the time of 8 stages).
+WGMMA_TALL_GROUP_TILES = {fmt: replace(WGMMA_TALL_TILES[fmt], stages=_define("QK_WGMMA_TALL_GROUP_STAGES", 10))
+                          for fmt in ("qserve", "qqq")}
 # Whether a Hopper launch takes the 256-token kernel (over WGMMA_WIDE's): True always, False never (the tuning's and
 # the tests' settings), None (the default) where its grid fills the GPU's waves at least TALL_MIN_FILL of the way
 # (`wave_fill`; one block an SM). On the H200 (kernels_h200_smallm_tune.json run 11, M = 1024) it took 0.74-0.96x the
@@ -454,25 +458,25 @@ def wave_fill(blocks: int, slots: int) -> float:
     return blocks / (-(-blocks // slots) * slots)
 
 
-def wgmma_tiles(fmt: str, m: int, n: int, k: int) -> Tiles:
-    """The Hopper kernel a launch of layout `fmt` on [M, K] x [N, K] takes: 256 tokens a block where WGMMA_TALL says
-    so (by default, where that grid fills TALL_MIN_FILL of its waves), else 256 channels where WGMMA_WIDE is on and N
-    allows it, else 128 of each."""
+def wgmma_tiles(fmt: str, m: int, n: int, k: int, grouped: bool = False) -> Tiles:
+    """The Hopper kernel a launch of layout `fmt` (per group: `grouped`) on [M, K] x [N, K] takes: 256 tokens a block
+    where WGMMA_TALL says so (by default, where that grid fills TALL_MIN_FILL of its waves; per group on its own
+    ring), else 256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
     tall = WGMMA_TALL_TILES[fmt]
     blocks = (n // tall.bn) * -(-m // tall.bm)
     if WGMMA_TALL or (WGMMA_TALL is None and wave_fill(blocks, multiprocessors()) >= TALL_MIN_FILL):
-        return tall
+        return WGMMA_TALL_GROUP_TILES[fmt] if grouped and fmt in WGMMA_TALL_GROUP_TILES else tall
     return WGMMA2[fmt] if WGMMA_WIDE and WGMMA2[fmt].fits(n, k) else WGMMA[fmt]
 
 
 def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, out: np.ndarray,
-                   tiled: bool | None, wgmma: bool | None) -> Launch | None:
-    """The large-M launch of W4A8 layout `fmt` (the Hopper kernel per `use_wgmma`), or None for the small-M
-    kernel."""
+                   tiled: bool | None, wgmma: bool | None, grouped: bool = False) -> Launch | None:
+    """The large-M launch of W4A8 layout `fmt` (the Hopper kernel per `use_wgmma`; `grouped`: the per-group
+    variant), or None for the small-M kernel."""
     if use_wgmma(fmt, m, n, k, tiled, wgmma):
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-        tiles = wgmma_tiles(fmt, m, n, k)
+        tiles = wgmma_tiles(fmt, m, n, k, grouped)
         if WGMMA_TMA:  # x (the first argument) by tensor copies: its map last, a stage's mbarrier after the ring
             args = [*args, TensorMap(0, m, k, tiles.bm, tiles.bk)]
             tiles = replace(tiles, slack=tiles.slack + 8 * tiles.stages)
@@ -611,7 +615,7 @@ def qserve_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.
             _c(tensors["s2_scales"].numpy(), np.int8) if grouped else None,
             _c(tensors["s2_zeros"].numpy(), np.int8) if grouped else None,
             out, m, n, k, group]
-    if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma):
+    if large := large_m_launch("qserve", "qserve_w4a8", args, m, n, k, out, tiled, wgmma, grouped):
         return large
     # per group qserve_w4a8_gemm, per channel qserve_w4a8_gemm_pc: neither carries the other's code or registers;
     # from 9 tokens on, per use_qserve_gemm16, their two-tile kernels (*16: 64 channels a warp, 32 sums a lane)
@@ -689,7 +693,7 @@ def qqq_launch(tensors: dict[str, torch.Tensor], x_int8: np.ndarray, s_x: np.nda
     args = [_c(x_int8, np.int8), _c(s_x, np.float32), b, _c(tensors["s_channel"].float().numpy().reshape(-1),
                                                                 np.float32),
             _half_bits(tensors["s_group"]) if grouped else None, out, m, n, k]
-    if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma):
+    if large := large_m_launch("qqq", "qqq_w4a8", args, m, n, k, out, tiled, wgmma, grouped):
         return large
     # per group qqq_w4a8_gemm, per channel qqq_w4a8_gemm_pc: neither carries the other's code
     return warp_tile_launch("qqq_w4a8", args, out, m, n, 64, 32, k // 16, splits, zsplit, bulk,

@@ -372,7 +372,7 @@ def test_large_m_path_matches_the_emulation(fmt, group, m, n, k):
 @pytest.mark.parametrize("block,m,n,k", [("", 1, 128, 128), ("", 128, 128, 256), ("", 130, 256, 384),
                                          ("", 200, 128, 640), ("wide", 1, 256, 128), ("wide", 130, 512, 384),
                                          ("wide", 200, 256, 640), ("tall", 1, 128, 128), ("tall", 200, 256, 384),
-                                         ("tall", 300, 128, 640), ("tall", 520, 256, 128)])
+                                         ("tall", 300, 128, 896), ("tall", 520, 256, 128)])
 def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypatch):
     """The *_wgmma kernels as the simulator models wgmma (weights as the A operand from registers, activations
     through a 64-byte-swizzle descriptor, the first product of a sum ignoring the garbage accumulators, each step's
@@ -380,7 +380,8 @@ def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypat
     than it holds, and token counts that end inside a block. `wide`: the 256-channel *_wgmma2 kernels (four
     warpgroups on one activation tile, two 128-channel weight regions a stage); `tall`: the 256-token *_wgmma_tall
     (each warpgroup's A fragments through two wgmmas, one a 128-token half of the tile, the second half partial or
-    all past M); several blocks each way."""
+    all past M; per group on its own deeper ring, 14 K steps at K = 896 passing its 10 stages); several blocks each
+    way."""
     monkeypatch.setattr(kernels, "WGMMA_WIDE", block == "wide")
     monkeypatch.setattr(kernels, "WGMMA_TALL", block == "tall")
     tensors = synthetic(fmt, n, k, seed=m + n + k, group=group)
@@ -389,6 +390,8 @@ def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypat
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    wgmma=True)
     tiles = {"wide": kernels.WGMMA2, "tall": kernels.WGMMA_TALL_TILES}.get(block, kernels.WGMMA)[fmt]
+    if block == "tall" and group and fmt != "liquidquant":
+        tiles = kernels.WGMMA_TALL_GROUP_TILES[fmt]
     mbarriers = 8 * tiles.stages if kernels.WGMMA_TMA else 0  # the tensor copies complete on one a stage
     assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem + mbarriers
     assert launch.grid == (n // tiles.bn, -(-m // tiles.bm)) and launch.block == tiles.threads
@@ -430,6 +433,12 @@ def test_wide_hopper_kernel_only_where_n_allows_it(monkeypatch):
     monkeypatch.setattr(kernels, "WGMMA_TALL", True)  # 256 tokens a block, whatever the shape, over WGMMA_WIDE
     assert kernels.wgmma_tiles("qqq", 1024, 512, 4096) is kernels.WGMMA_TALL_TILES["qqq"]
     assert kernels.wgmma_tiles("qserve", 64, 384, 4096) is kernels.WGMMA_TALL_TILES["qserve"]
+    # per group (QServe's progressive groups, QQQ per group) on the ring of QK_WGMMA_TALL_GROUP_STAGES; LiquidQuant,
+    # whose groups every launch has, on the common one
+    assert kernels.wgmma_tiles("qqq", 1024, 512, 4096, grouped=True) is kernels.WGMMA_TALL_GROUP_TILES["qqq"]
+    assert kernels.wgmma_tiles("liquidquant", 1024, 512, 4096, grouped=True) is kernels.WGMMA_TALL_TILES["liquidquant"]
+    monkeypatch.setattr(kernels, "WGMMA_TALL", False)
+    assert kernels.wgmma_tiles("qserve", 1024, 512, 4096, grouped=True) is kernels.WGMMA2["qserve"]
 
 
 @pytest.mark.parametrize(("m", "n", "tall"), [
@@ -488,12 +497,15 @@ def test_large_m_tiles_mirror_the_kernels(fmt):
     assert kernels.host_library().qk_tiles(fmt.encode(), values)
     t = kernels.TILES[fmt]
     assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
-    for name, table in (("wgmma", kernels.WGMMA), ("wgmma2", kernels.WGMMA2), ("wgmma_tall", kernels.WGMMA_TALL_TILES)):
+    for name, table in (("wgmma", kernels.WGMMA), ("wgmma2", kernels.WGMMA2), ("wgmma_tall", kernels.WGMMA_TALL_TILES),
+                        ("wgmma_tall_group", kernels.WGMMA_TALL_GROUP_TILES)):
         if fmt in table:
             assert kernels.host_library().qk_tiles(f"{fmt}-{name}".encode(), values)
             t = table[fmt]
             assert list(values) == [t.bm, t.bn, t.bk, t.threads, t.stage_bytes, t.stages]
-            assert t.stage_bytes % 1024 == 0 and t.slack == 1024 and t.kernel == name
+            assert t.stage_bytes % 1024 == 0 and t.slack == 1024 and t.kernel == name.removesuffix("_group")
+    if fmt in kernels.WGMMA_TALL_GROUP_TILES:  # the deeper ring, with its mbarriers, within an SM's 227 KiB
+        assert kernels.WGMMA_TALL_GROUP_TILES[fmt].shared_mem + 8 * 10 <= 227 * 1024
 
 
 @needs_compiler
