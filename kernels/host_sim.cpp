@@ -287,16 +287,17 @@ void wgmma_warpgroup(int32_t d[128][64], const uint32_t a[128][4], const uint8_t
 // first wgmma of each sum must ignore. The accumulators of the tile's 128-token half h (H = 2: 256 tokens a block)
 // are acc[h THREADS + t][64] for thread t.
 template <class F, int W = 1, int H = 1, int S = QK_WGMMA_STAGES, int L = QK_WGMMA_LEAD>
-void wgmma_host(const typename F::Args& args) {
+void wgmma_host(const typename F::Args& args, const qk::StreamK* sk = nullptr) {
   using T = qk::WgmmaTiles<F, W, H, S, L>;
   constexpr int KS = T::BK / 32;
   std::vector<uint8_t> smem((size_t)T::STAGES * T::STAGE_BYTES);
   std::vector<int32_t> acc((size_t)H * T::THREADS * 64);
   std::vector<uint32_t> fa((size_t)T::THREADS * KS * 4);
-  const int steps = T::steps(args);
-  auto copy = [&](int m0, int n0, int kt) {
+  const int all_steps = T::steps(args), tiles_n = args.n / T::BN, tiles = tiles_n * ((args.m + T::BM - 1) / T::BM);
+  int k0 = 0;
+  auto copy = [&](int m0, int n0, int kt) {  // the block's step kt: K step k0 + kt, into its slot of the ring
     for (int tid = 0; tid < T::THREADS; ++tid)
-      T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, kt, tid);
+      T::copy_stage(args, smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES, m0, n0, k0 + kt, tid);
   };
   auto run_wgmmas = [&](int kt) {  // every warpgroup, step kt, from the fragments loaded at step kt
     for (int wg = 0; wg < T::THREADS / 128; ++wg) {
@@ -310,28 +311,50 @@ void wgmma_host(const typename F::Args& args) {
       }
     }
   };
-  for (int m0 = 0; m0 < args.m; m0 += T::BM) {
-    for (int n0 = 0; n0 < args.n; n0 += T::BN) {
-      std::fill(acc.begin(), acc.end(), 0x5A5A5A5A);
-      std::fill(smem.begin(), smem.end(), 0xA5);
-      constexpr bool late = T::LEAD <= T::STAGES - 2;
-      for (int s = 0; s < T::LEAD && s < steps; ++s) copy(m0, n0, s);
-      for (int kt = 0; kt < steps; ++kt) {
-        if (!late && kt > 0) run_wgmmas(kt - 1);
-        if (kt + T::LEAD < steps) copy(m0, n0, kt + T::LEAD);
-        if (late && kt > 0) run_wgmmas(kt - 1);
-        const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
-        for (int t = 0; t < T::THREADS; ++t)
-          T::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
-      }
-      run_wgmmas(steps - 1);
-      for (int t = 0; t < T::THREADS; ++t) {  // the epilogue's two phases, a barrier between them
-        typename T::Acc mine;
-        for (int h = 0; h < H; ++h) std::memcpy(mine.d + 64 * h, &acc[((size_t)h * T::THREADS + t) * 64], 64 * 4);
-        T::stage_out(args, smem.data(), m0, n0, t / 32, t % 32, mine);
-      }
-      for (int t = 0; t < T::THREADS; ++t) T::write_out(args, smem.data(), m0, n0, t);
+  // The blocks in grid order: each tile whole, or with `sk` as qk::streamk_work assigns them (the tail's tiles in
+  // two halves of their K steps, the first half's block first, as the kernel's first arrival may be either).
+  const int blocks = sk ? sk->from + 2 * (tiles - sk->from) : tiles;
+  for (int b = 0; b < blocks; ++b) {
+    const qk::BlockWork work = sk ? qk::streamk_work(b, sk->from, all_steps) : qk::BlockWork{b, 0, all_steps, -1};
+    const int m0 = T::BM * (work.tile / tiles_n), n0 = T::BN * (work.tile % tiles_n), steps = work.k_end - work.k_begin;
+    k0 = work.k_begin;
+    std::fill(acc.begin(), acc.end(), 0x5A5A5A5A);
+    std::fill(smem.begin(), smem.end(), 0xA5);
+    constexpr bool late = T::LEAD <= T::STAGES - 2;
+    for (int s = 0; s < T::LEAD && s < steps; ++s) copy(m0, n0, s);
+    for (int kt = 0; kt < steps; ++kt) {
+      if (!late && kt > 0) run_wgmmas(kt - 1);
+      if (kt + T::LEAD < steps) copy(m0, n0, kt + T::LEAD);
+      if (late && kt > 0) run_wgmmas(kt - 1);
+      const uint8_t* stage = smem.data() + (size_t)(kt % T::STAGES) * T::STAGE_BYTES;
+      for (int t = 0; t < T::THREADS; ++t)
+        T::load_a(args, stage, t / 32, t % 32, reinterpret_cast<uint32_t(*)[4]>(&fa[(size_t)t * KS * 4]));
     }
+    run_wgmmas(steps - 1);
+    if (work.split >= 0) {  // streamk_meet: the first arrival stores its sums and leaves, the second adds them
+      constexpr int N = 64 * H;
+      int32_t* slot = sk->partials + (size_t)work.split * N * T::THREADS;
+      int32_t* flags = sk->flags + 2 * work.split;
+      if (flags[0]++ == 0) {
+        for (int t = 0; t < T::THREADS; ++t)
+          for (int i = 0; i < N; ++i) slot[i * T::THREADS + t] = acc[((size_t)(i / 64) * T::THREADS + t) * 64 + i % 64];
+        flags[1] = 1;
+        continue;
+      }
+      if (flags[1] != 1) fail("stream-K: the second block of a tile met no stored sums");
+      for (int t = 0; t < T::THREADS; ++t)
+        for (int i = 0; i < N; ++i) {
+          int32_t& d = acc[((size_t)(i / 64) * T::THREADS + t) * 64 + i % 64];
+          d = (int32_t)((uint32_t)d + (uint32_t)slot[i * T::THREADS + t]);  // wraps as the device's add
+        }
+      flags[0] = flags[1] = 0;
+    }
+    for (int t = 0; t < T::THREADS; ++t) {  // the epilogue's two phases, a barrier between them
+      typename T::Acc mine;
+      for (int h = 0; h < H; ++h) std::memcpy(mine.d + 64 * h, &acc[((size_t)h * T::THREADS + t) * 64], 64 * 4);
+      T::stage_out(args, smem.data(), m0, n0, t / 32, t % 32, mine);
+    }
+    for (int t = 0; t < T::THREADS; ++t) T::write_out(args, smem.data(), m0, n0, t);
   }
 }
 
@@ -413,24 +436,31 @@ extern "C" void liquidquant_w4a8_wgmma2_host(const int8_t* x, const float* s_x, 
                                              int k) {
   wgmma_host<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
 }
+// The 256-token kernels' twins, per group on their own ring; under QK_WGMMA_STREAMK with the tail's arguments and
+// its blocks (wgmma_tall_gemm).
+template <class F>
+void wgmma_tall_host(const typename F::Args& args, bool grouped, const qk::StreamK& sk) {
+  const qk::StreamK* tail = QK_WGMMA_STREAMK ? &sk : nullptr;
+  if (grouped) wgmma_host<F, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args, tail);
+  else wgmma_host<F, 1, 2>(args, tail);
+}
 extern "C" void qserve_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const float* t_x,
                                             const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                             const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                                            int group) {
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  if (s2 != nullptr) wgmma_host<qk::QServeWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args);
-  else wgmma_host<qk::QServeWgmma, 1, 2>(args);
+                                            int group QK_STREAMK_PARAMS) {
+  wgmma_tall_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group},
+                                   s2 != nullptr, QK_STREAMK);
 }
 extern "C" void qqq_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                                         const qk_half* s_group, qk_half* out, int m, int n, int k) {
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  if (s_group != nullptr) wgmma_host<qk::QQQWgmma, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args);
-  else wgmma_host<qk::QQQWgmma, 1, 2>(args);
+                                         const qk_half* s_group, qk_half* out, int m, int n,
+                                         int k QK_STREAMK_PARAMS) {
+  wgmma_tall_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, s_group != nullptr,
+                                QK_STREAMK);
 }
 extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                                  const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
-                                                 int k) {
-  wgmma_host<qk::LiquidWgmma, 1, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+                                                 int k QK_STREAMK_PARAMS) {
+  wgmma_tall_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, false, QK_STREAMK);
 }
 
 // The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its

@@ -427,11 +427,11 @@ extern "C" __global__ void __launch_bounds__(512) liquidquant_w4a8_wgmma2(const 
   wgmma_gemm<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
 }
 // The same on 256 tokens a block: grid (N / 128, ceil(M / 256)), block 256, one block an SM, stages of
-// WgmmaTiles<LiquidWgmma, 1, 2>::STAGE_BYTES.
+// WgmmaTiles<LiquidWgmma, 1, 2>::STAGE_BYTES (QK_WGMMA_STREAMK: as qserve_w4a8_wgmma_tall).
 extern "C" __global__ void __launch_bounds__(256, 1)
     liquidquant_w4a8_wgmma_tall(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
-                                const qk_half* s1, qk_half* out, int m, int n, int k QK_X_MAP_PARAM) {
-  wgmma_gemm<qk::LiquidWgmma, 1, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, QK_X_MAP);
+                                const qk_half* s1, qk_half* out, int m, int n, int k QK_STREAMK_PARAMS QK_X_MAP_PARAM) {
+  wgmma_tall_gemm<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, false, QK_X_MAP, QK_STREAMK);
 }
 #endif
 #endif

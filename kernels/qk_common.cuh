@@ -694,6 +694,40 @@ struct WgmmaTiles {
   }
 };
 
+// The stream-K tail of the 256-token kernels (quantkit.kernels.WGMMA_STREAMK): a one-dimensional grid whose blocks
+// before `from` take tile b whole (tile t: channels 128 (t % N tiles), tokens 256 (t / N tiles)), and whose blocks
+// from `from` on take half a tile's K steps each, two a tile: tile from + (b - from) / 2, its first steps / 2 steps
+// or the rest. Where the whole tiles fill all but a part of the last wave, its tiles so take half the time.
+// `split`: the tile's index in the tail (its slot of partial sums and its flags), -1 for a whole tile.
+// Built only with QK_WGMMA_STREAMK = 1 (smallm_tune --large's TALL-SK; not yet timed on a GPU): the 256-token kernels
+// then take the tail's three arguments (before x's tensor map) and a one-dimensional grid. Without it their code is
+// the two-dimensional grid's, unchanged.
+#ifndef QK_WGMMA_STREAMK
+#define QK_WGMMA_STREAMK 0
+#endif
+#if QK_WGMMA_STREAMK
+#define QK_STREAMK_PARAMS , int streamk_from, int32_t *streamk_partials, int32_t *streamk_flags
+#define QK_STREAMK qk::StreamK{streamk_from, streamk_partials, streamk_flags}
+#else
+#define QK_STREAMK_PARAMS
+#define QK_STREAMK qk::StreamK{0, nullptr, nullptr}
+#endif
+struct BlockWork {
+  int tile, k_begin, k_end, split;
+};
+// The tail's first block and its workspace: slot s of `partials` holds a split tile's sums (THREADS x 64 H int32),
+// flags[2 s] counts its blocks arrived and flags[2 s + 1] says the first one's sums are there; zeros between launches.
+struct StreamK {
+  int from;
+  int32_t* partials;
+  int32_t* flags;
+};
+QK_FN BlockWork streamk_work(int b, int from, int steps) {
+  if (b < from) return {b, 0, steps, -1};
+  const int split = (b - from) / 2, second = (b - from) % 2, mid = steps / 2;
+  return {from + split, second ? mid : 0, second ? steps : mid, split};
+}
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -1116,8 +1150,49 @@ __device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t d[64], const uint32_
 #define QK_X_MAP_PARAM
 #define QK_X_MAP nullptr
 #endif
+// The stream-K tail's meeting (qk::streamk_work): the first of a split tile's two blocks to count itself in
+// flags[2 s] stores its sums in slot s of `partials` (N int32 a thread, thread-major within each index) and raises
+// flags[2 s + 1]; the second waits for that flag (the first is running: it has counted, and waits on nothing), adds
+// the stored sums to its own, lowers both flags for the next launch and returns true: it runs the epilogue. Integer
+// sums: the same bits as one block's. A release by the first (every thread's stores, a fence, the barrier, thread
+// 0's fence and flag) and an acquire by the second (thread 0's strong read of the flag, a fence, the barrier).
+template <int N, int THREADS>
+__device__ __forceinline__ bool streamk_meet(const qk::StreamK& sk, int split, int32_t* d, int tid) {
+  __shared__ int first;
+  int32_t* slot = sk.partials + (size_t)split * N * THREADS;
+  if (tid == 0) first = atomicAdd(&sk.flags[2 * split], 1) == 0;
+  __syncthreads();
+  if (first) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) __stcg(&slot[i * THREADS + tid], d[i]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicExch(&sk.flags[2 * split + 1], 1);
+    }
+    return false;
+  }
+  if (tid == 0) {
+    while (*reinterpret_cast<volatile int32_t*>(&sk.flags[2 * split + 1]) == 0) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+  __threadfence();
+  // in groups of 16 loads in flight (a compiler barrier between groups): with all N sums live, more would spill
+#pragma unroll
+  for (int i = 0; i < N; i += 16) {
+#pragma unroll
+    for (int j = i; j < i + 16; ++j) d[j] += __ldcg(&slot[j * THREADS + tid]);
+    asm volatile("" ::: "memory");
+  }
+  if (tid == 0) sk.flags[2 * split] = sk.flags[2 * split + 1] = 0;
+  return true;
+}
+
 template <class F, int W = 1, int H = 1, int S = QK_WGMMA_STAGES, int L = QK_WGMMA_LEAD>
-__device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const void* x_map = nullptr) {
+__device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const void* x_map = nullptr,
+                                           const qk::StreamK* sk = nullptr) {
   using T = qk::WgmmaTiles<F, W, H, S, L>;
   constexpr int KS = T::BK / 32, RETIRE = T::LEAD <= T::STAGES - 2 ? QK_WGMMA_RETIRE : 0;
   static_assert(QK_WGMMA_RETIRE >= 0 && QK_WGMMA_RETIRE <= 2, "QK_WGMMA_RETIRE is 0, 1 or 2");
@@ -1125,8 +1200,17 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(qk_stages), pad = (T::ALIGN - raw % T::ALIGN) % T::ALIGN;
   uint8_t* smem = reinterpret_cast<uint8_t*>(qk_stages) + pad;
   const uint32_t base = raw + pad;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, steps = T::steps(args);
-  const int n0 = T::BN * blockIdx.x, m0 = T::BM * blockIdx.y;
+  // The block's tile and K steps [k0, k0 + steps): by its grid coordinates, or with `sk` (a one-dimensional grid) by
+  // streamk_work (whose `split`, the tile's index in the stream-K tail, is worked out again after the loop from the
+  // launch's parameters, rather than held in a register through it). Written as the grid's case alone was, so that
+  // without `sk` the compiler gets the same code, and the same schedule, as before the tail was added.
+  const qk::BlockWork work = sk ? qk::streamk_work(blockIdx.x, sk->from, T::steps(args)) : qk::BlockWork{};
+  const int tiles_n = sk ? args.n / T::BN : 0;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32,
+            steps = sk ? work.k_end - work.k_begin : T::steps(args);
+  const int n0 = T::BN * (sk ? work.tile % tiles_n : blockIdx.x),
+            m0 = T::BM * (sk ? work.tile / tiles_n : blockIdx.y);
+  const int k0 = sk ? work.k_begin : 0;
   // The first wgmma starts the sums (K >= BK: a launch has at least one step), so the accumulators are only
   // declared written here, by no instruction: zeroing them would make ptxas serialize the wgmmas.
   typename T::Acc acc;
@@ -1158,21 +1242,22 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   };
 #pragma unroll
   for (int s = 0; s < T::LEAD; ++s) {
-    if (s < steps) copy(s, s * T::STAGE_BYTES);
+    if (s < steps) copy(k0 + s, s * T::STAGE_BYTES);
     cp_async_commit();
   }
   // The ring slots of step kt and of the copy LEAD steps ahead, kept as offsets that wrap, not remade each step
   // from kt by a division; with the tensor copies, the parity of step kt's phase of its slot's mbarrier (its
   // (kt / STAGES)-th), which flips each time the slot wraps.
   uint32_t slot = 0, next_slot = T::LEAD % T::STAGES * T::STAGE_BYTES, parity = 0;
-  // Step kt, its A fragments into `mine`; `other` holds the previous step's (the same array except in mode 2).
+  // Step kt of the block's (K step k0 + kt), its A fragments into `mine`; `other` holds the previous step's (the same
+  // array except in mode 2).
   auto step = [&](int kt, uint32_t (&mine)[KS][4], uint32_t (&other)[KS][4]) {
     cp_async_wait<T::LEAD - 1>();  // step kt's copies landed (LEAD + kt groups committed, the last LEAD - 1 pending)
     if (QK_WGMMA_TMA) mbar_wait(bar_of(slot), parity);  // and its activation tile
     else if (QK_WGMMA_PROXY_FENCE) fence_proxy_async();
     __syncthreads();
     const int next = kt + T::LEAD;
-    if (next < steps) copy(next, next_slot);
+    if (next < steps) copy(k0 + next, next_slot);
     cp_async_commit();
     if (RETIRE == 1) {  // the previous step's wgmmas, run on through the barrier and the copies, retire
       wgmma_wait<0>();
@@ -1218,6 +1303,10 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
   cp_async_wait<0>();
 #pragma unroll
   for (int i = 0; i < 64 * H; ++i) fence_operand(acc.d[i]);
+  if (sk) {
+    const int split = qk::streamk_work(blockIdx.x, sk->from, T::steps(args)).split;
+    if (split >= 0 && !streamk_meet<64 * H, T::THREADS>(*sk, split, acc.d, tid)) return;
+  }
   if (QK_WGMMA_TMA) fence_proxy_async();  // the tensor copies' writes before the staged outputs' over them
   __syncthreads();  // every warpgroup done with the ring: the outputs are staged where the stages were
   T::stage_out(args, smem, m0, n0, warp, lane, acc);
@@ -1227,10 +1316,14 @@ __device__ __forceinline__ void wgmma_gemm(const typename F::Args& args, const v
 
 // The 256-token kernel of layout F (WgmmaTiles<F, 1, 2>): the per-group variant (`grouped`, known at the launch's one
 // branch on its group parameters) on the ring of QK_WGMMA_TALL_GROUP_STAGES, the per-channel one on the common ring.
+// Under QK_WGMMA_STREAMK a one-dimensional grid, its blocks' work by qk::streamk_work (`sk`; from = the tiles where
+// none is split); else the two-dimensional grid, `sk` unread.
 template <class F>
-__device__ __forceinline__ void wgmma_tall_gemm(const typename F::Args& args, bool grouped, const void* x_map) {
-  if (grouped) wgmma_gemm<F, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args, x_map);
-  else wgmma_gemm<F, 1, 2>(args, x_map);
+__device__ __forceinline__ void wgmma_tall_gemm(const typename F::Args& args, bool grouped, const void* x_map,
+                                                const qk::StreamK& sk) {
+  const qk::StreamK* tail = QK_WGMMA_STREAMK ? &sk : nullptr;
+  if (grouped) wgmma_gemm<F, 1, 2, QK_WGMMA_TALL_GROUP_STAGES, QK_WGMMA_TALL_GROUP_LEAD>(args, x_map, tail);
+  else wgmma_gemm<F, 1, 2>(args, x_map, tail);
 }
 
 // The bulk decode pipeline (the *_bulk kernels, sm_90: built with the Hopper module). Warp `copy` of a block of

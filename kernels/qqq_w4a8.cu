@@ -490,12 +490,13 @@ extern "C" __global__ void __launch_bounds__(512) qqq_w4a8_wgmma2(const int8_t* 
               [=](const qk::QQQArgs& args) { wgmma_gemm<qk::QQQWgmma, 2>(args, QK_X_MAP); });
 }
 // The same on 256 tokens a block: grid (N / 128, ceil(M / 256)), block 256, one block an SM, stages of
-// WgmmaTiles<QQQWgmma, 1, 2>::STAGE_BYTES; QK_WGMMA_TALL_GROUP_STAGES of them per group.
+// WgmmaTiles<QQQWgmma, 1, 2>::STAGE_BYTES; QK_WGMMA_TALL_GROUP_STAGES of them per group (QK_WGMMA_STREAMK: as
+// qserve_w4a8_wgmma_tall).
 extern "C" __global__ void __launch_bounds__(256, 1)
     qqq_w4a8_wgmma_tall(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
-                        const qk_half* s_group, qk_half* out, int m, int n, int k QK_X_MAP_PARAM) {
+                        const qk_half* s_group, qk_half* out, int m, int n, int k QK_STREAMK_PARAMS QK_X_MAP_PARAM) {
   qqq_variant(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, [=](const qk::QQQArgs& args) {
-    wgmma_tall_gemm<qk::QQQWgmma>(args, args.s_group != nullptr, QK_X_MAP);
+    wgmma_tall_gemm<qk::QQQWgmma>(args, args.s_group != nullptr, QK_X_MAP, QK_STREAMK);
   });
 }
 #endif

@@ -498,12 +498,14 @@ extern "C" __global__ void __launch_bounds__(512) qserve_w4a8_wgmma2(
 }
 // The same on 256 tokens a block: grid (N / 128, ceil(M / 256)), block 256, one block an SM (128 accumulators a
 // thread), stages of WgmmaTiles<QServeWgmma, 1, 2>::STAGE_BYTES; QK_WGMMA_TALL_GROUP_STAGES of them per group.
+// Under QK_WGMMA_STREAMK: a one-dimensional grid of the (N / 128) ceil(M / 256) tiles, those from `streamk_from` on
+// split in two along K (wgmma_tall_gemm; the tail's partial sums and flags, zeros, null where none is split).
 extern "C" __global__ void __launch_bounds__(256, 1) qserve_w4a8_wgmma_tall(
     const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
-    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-    int group QK_X_MAP_PARAM) {
+    const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group
+    QK_STREAMK_PARAMS QK_X_MAP_PARAM) {
   qserve_variant(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, [=](const qk::QServeArgs& args) {
-    wgmma_tall_gemm<qk::QServeWgmma>(args, args.s2 != nullptr, QK_X_MAP);
+    wgmma_tall_gemm<qk::QServeWgmma>(args, args.s2 != nullptr, QK_X_MAP, QK_STREAMK);
   });
 }
 #endif

@@ -419,6 +419,30 @@ WGMMA_TALL_GROUP_TILES = {fmt: replace(WGMMA_TALL_TILES[fmt], stages=_define("QK
 # the 128-token kernel's split finer.
 WGMMA_TALL: bool | None = None
 TALL_MIN_FILL = 0.9
+# The stream-K tail of the 256-token kernels (built with QK_WGMMA_STREAMK = 1: smallm_tune --large's TALL-SK; off by
+# default, as no GPU has run it yet): where the whole tiles leave a last wave at most half full, its tiles are split
+# in two along K, two blocks a tile, which meet in an int32 workspace (qk_common.cuh streamk_meet), so the last wave
+# takes half a tile's time. 6144 x 4096 at M = 1024: 192 tiles on 132 SMs, 60 in the second wave, which becomes
+# 120 half-tiles: 1.5 tiles' time, not 2 (the 128-token kernels' 384 blocks fill 0.73 of theirs too).
+WGMMA_STREAMK = bool(_define("QK_WGMMA_STREAMK", 0))
+STREAMK_MIN_STEPS = 8  # the K steps each half takes at least (a K step is 64 columns)
+
+
+def streamk_from(tiles: int, slots: int, steps: int) -> int:
+    """The first block of the stream-K tail of a 256-token launch of `tiles` tiles of `steps` K steps on `slots` SMs
+    (those after it take half a tile each), or `tiles` where no tile is split: off, whole waves, a last wave more
+    than half full, or too few K steps to halve."""
+    tail = tiles % slots
+    if not WGMMA_STREAMK or not tail or 2 * tail > slots or steps < 2 * STREAMK_MIN_STEPS:
+        return tiles
+    return tiles - tail
+
+
+def tall_fill(tiles: int, slots: int, steps: int) -> float:
+    """The share of the SMs that a 256-token launch keeps busy: wave_fill, or with a stream-K tail the tiles' work
+    over the whole waves and a half one."""
+    start = streamk_from(tiles, slots, steps)
+    return wave_fill(tiles, slots) if start == tiles else tiles / ((start // slots + 0.5) * slots)
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
 # M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
@@ -453,6 +477,14 @@ def use_wgmma(fmt: str, m: int, n: int, k: int, tiled: bool | None, wgmma: bool 
             and hopper_available())
 
 
+def streamk_workspace(split: int, threads: int) -> list[np.ndarray | None]:
+    """The stream-K tail's workspace for `split` tiles: each one's int32 sums (128 a thread of the 256-token block's
+    `threads`) and its two flags, zeros; nulls where no tile is split."""
+    if not split:
+        return [None, None]
+    return [np.zeros(split * 128 * threads, np.int32), np.zeros(2 * split, np.int32)]
+
+
 def wave_fill(blocks: int, slots: int) -> float:
     """The share of `slots` (an SM each, or a block slot) that `blocks` keep busy over the waves they take."""
     return blocks / (-(-blocks // slots) * slots)
@@ -464,7 +496,7 @@ def wgmma_tiles(fmt: str, m: int, n: int, k: int, grouped: bool = False) -> Tile
     ring), else 256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
     tall = WGMMA_TALL_TILES[fmt]
     blocks = (n // tall.bn) * -(-m // tall.bm)
-    if WGMMA_TALL or (WGMMA_TALL is None and wave_fill(blocks, multiprocessors()) >= TALL_MIN_FILL):
+    if WGMMA_TALL or (WGMMA_TALL is None and tall_fill(blocks, multiprocessors(), k // tall.bk) >= TALL_MIN_FILL):
         return WGMMA_TALL_GROUP_TILES[fmt] if grouped and fmt in WGMMA_TALL_GROUP_TILES else tall
     return WGMMA2[fmt] if WGMMA_WIDE and WGMMA2[fmt].fits(n, k) else WGMMA[fmt]
 
@@ -477,10 +509,17 @@ def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, ou
         if not WGMMA[fmt].fits(n, k):
             raise ValueError(f"the Hopper {fmt} kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
         tiles = wgmma_tiles(fmt, m, n, k, grouped)
+        grid = None
+        if WGMMA_STREAMK and tiles.kernel == "wgmma_tall":  # a one-dimensional grid, the tail's arguments
+            count = (n // tiles.bn) * -(-m // tiles.bm)
+            start = streamk_from(count, multiprocessors(), k // tiles.bk)
+            args = [*args, start, *streamk_workspace(count - start, tiles.threads)]
+            grid = (start + 2 * (count - start),)
         if WGMMA_TMA:  # x (the first argument) by tensor copies: its map last, a stage's mbarrier after the ring
             args = [*args, TensorMap(0, m, k, tiles.bm, tiles.bk)]
             tiles = replace(tiles, slack=tiles.slack + 8 * tiles.stages)
-        return tiles.launch(module, args, m, n, out)
+        launch = tiles.launch(module, args, m, n, out)
+        return replace(launch, grid=grid) if grid else launch
     return TILES[fmt].launch(module, args, m, n, out) if use_tiles(fmt, m, n, k, tiled) else None
 
 

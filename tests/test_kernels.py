@@ -394,7 +394,54 @@ def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypat
         tiles = kernels.WGMMA_TALL_GROUP_TILES[fmt]
     mbarriers = 8 * tiles.stages if kernels.WGMMA_TMA else 0  # the tensor copies complete on one a stage
     assert launch.name.endswith("_" + tiles.kernel) and launch.shared_mem == tiles.shared_mem + mbarriers
-    assert launch.grid == (n // tiles.bn, -(-m // tiles.bm)) and launch.block == tiles.threads
+    grid = (n // tiles.bn, -(-m // tiles.bm))
+    if kernels.WGMMA_STREAMK and block == "tall":  # built with the stream-K tail: one dimension (too few K steps to
+        grid = (grid[0] * grid[1],)               # split here)
+    assert launch.grid == grid and launch.block == tiles.threads
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+def test_streamk_tail_plan(monkeypatch):
+    """WGMMA_STREAMK: the tiles past the whole waves are split in two along K where twice them fit the last wave and
+    each half keeps STREAMK_MIN_STEPS K steps (Llama-3-8B's 6144 x 4096 at M = 1024: 192 tiles on 132 SMs, 60 split
+    into 120 blocks); the 256-token kernel is then taken by the fill of whole waves and a half one (192 / 198)."""
+    monkeypatch.setattr(kernels, "WGMMA_STREAMK", True)
+    monkeypatch.setattr(kernels, "multiprocessors", lambda: 132)
+    assert kernels.streamk_from(192, 132, 64) == 132
+    assert kernels.streamk_from(60, 132, 64) == 0  # one part wave: every tile halved
+    assert kernels.streamk_from(128, 132, 64) == 128  # 4096 x 4096: a wave 0.97 full, nothing to split
+    assert kernels.streamk_from(264, 132, 64) == 264  # whole waves
+    assert kernels.streamk_from(132 + 67, 132, 64) == 199  # 134 halves would pass the wave
+    assert kernels.streamk_from(192, 132, 15) == 192 and kernels.streamk_from(192, 132, 16) == 132
+    assert kernels.tall_fill(192, 132, 64) == 192 / 198 and kernels.tall_fill(128, 132, 64) == 128 / 132
+    assert kernels.wgmma_tiles("qqq", 1024, 6144, 4096) is kernels.WGMMA_TALL_TILES["qqq"]
+    monkeypatch.setattr(kernels, "WGMMA_STREAMK", False)
+    assert kernels.streamk_from(192, 132, 64) == 192 and kernels.tall_fill(192, 132, 64) == 192 / 264
+    assert kernels.wgmma_tiles("qqq", 1024, 6144, 4096) is kernels.WGMMA["qqq"]
+
+
+@needs_compiler
+@pytest.mark.skipif(not kernels.WGMMA_STREAMK, reason="the warp simulator is built without QK_WGMMA_STREAMK here; "
+                    "test_compile_time_knobs_keep_the_bits runs this test under it")
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+def test_streamk_tail_matches_the_emulation(fmt, group, monkeypatch):
+    """QK_WGMMA_STREAMK: 12 tiles of 256 tokens on 10 SMs, the 2 past the whole wave split in two along K (16 steps:
+    8 each), blocks 10-13 meeting in the workspace: the emulation's bits, per channel and per group, and the
+    workspace's flags back at zero for the next launch; a second launch on the same workspace gives the same bits."""
+    monkeypatch.setattr(kernels, "multiprocessors", lambda: 10)
+    monkeypatch.setattr(kernels, "WGMMA_TALL", True)
+    m, n, k = 700, 512, 1024
+    tensors = synthetic(fmt, n, k, seed=11, group=group)
+    x = activations(m, k, seed=12)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    tail = [a for a in launch.args if not isinstance(a, kernels.TensorMap)][-3:]
+    assert launch.name.endswith("_wgmma_tall") and launch.grid == (14,) and tail[0] == 10
+    assert tail[1].shape == (2 * 256 * 128,) and tail[2].shape == (4,)
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    assert not tail[2].any()
+    launch.out[:] = 0
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
@@ -1621,8 +1668,9 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
     # LiquidQuant from 9 tokens), as before; and QQQ per group's loaded before it too
     ("QK_EPILOGUE_MID=0", "split_k_matches or kernel_matches_the_emulation or block_split or two_block"),
     ("QK_EPILOGUE_MID_QQQ_GROUP=1", "qqq and (split_k_matches or kernel_matches_the_emulation or block_split)"),
+    ("QK_WGMMA_STREAMK=1", "hopper_path_matches or streamk_tail or mirror_the_kernels"),  # TALL-SK
 ], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-after",
-        "epilogue-mid-qqq-group"])
+        "epilogue-mid-qqq-group", "streamk-tail"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
@@ -1636,7 +1684,7 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
                     reason="needs nvcc on PATH to compile the device code for sm_90a, and cuobjdump with nvdisasm (the "
                     "dev extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) to read its SASS")
 @pytest.mark.parametrize("defines", ["", *RING_KNOBS, "QK_WGMMA_RETIRE=0", "QK_WGMMA_RETIRE=2", "QK_WGMMA_TMA=0",
-                                     "QK_WGMMA_TMA=0 QK_WGMMA_RETIRE=2"])
+                                     "QK_WGMMA_TMA=0 QK_WGMMA_RETIRE=2", "QK_WGMMA_STREAMK=1"])
 @pytest.mark.parametrize("name", ["qserve_w4a8", "liquidquant_w4a8", "qqq_w4a8"])
 def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     """The *_wgmma kernels build for sm_90a with wgmma.mma_async, keep their accumulators and fragments in
@@ -1646,7 +1694,9 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     they are in flight); under each ring setting, each other retirement of a step's wgmmas and the tensor copies
     too. In the SASS no instruction writes a register of a wgmma in flight (the simulator cannot see that; the H200
     did, as wrong rows), and the main loop fences its copies into the async proxy (a MEMBAR) unless the activation
-    tiles come by tensor copies (UTMALDG), which need no fence."""
+    tiles come by tensor copies (UTMALDG), which need no fence. With the stream-K tail (QK_WGMMA_STREAMK) the
+    256-token kernels, their 128 sums live through the meeting and the epilogue, may spill up to 16 bytes there, but
+    none in the main loop."""
     import subprocess
 
     src = kernels.source_dir()
@@ -1654,9 +1704,11 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
     log = ptxas_log(["-gencode=arch=compute_90a,code=sm_90a", "-DQK_WGMMA", *knobs, str(src / f"{name}.cu")], tmp_path)
     assert "serialized" not in log, log
     # 2 blocks of 256 threads an SM, or 1 of 512; the 256-token kernel 1 of 256, with 128 accumulators a thread
+    streamk = "QK_WGMMA_STREAMK=1" in defines
     for kernel, most in ((f"{name}_wgmma", 128), (f"{name}_wgmma2", 128), (f"{name}_wgmma_tall", 255)):
         frame, registers = kernel_resources(log, kernel)
-        assert frame == ("0", "0", "0") and registers <= most, log
+        spill = streamk and kernel.endswith("_tall")
+        assert (max(map(int, frame)) <= 16 if spill else frame == ("0", "0", "0")) and registers <= most, log
     sass_loops = bench_module("sass_loops")
     sass = sass_loops.parse(sass_loops.sass_of(name, True, defines.split(), sass_loops.find_cuobjdump()))
     tma = "QK_WGMMA_TMA=0" not in defines  # the activation tiles by tensor copies: no proxy fence (MEMBAR) a step
@@ -1665,6 +1717,7 @@ def test_hopper_device_code_pipelines_its_wgmmas(name, defines, tmp_path):
         assert sass_loops.wgmma_hazards(sass[kernel]) == [], kernel
         loop = sass_loops.main_loop(sass[kernel])
         assert (loop["MEMBAR"] == 0) == tma and (loop["UTMALDG"] > 0) == tma, (kernel, loop)
+        assert loop["LDL"] == loop["STL"] == 0, (kernel, loop)
     ptx = subprocess.run(["nvcc", "-arch=compute_90a", "-DQK_WGMMA", *knobs, "-std=c++17", "-ptx",
                           str(src / f"{name}.cu"), "-o", "-"], capture_output=True, text=True).stdout
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx
