@@ -1375,6 +1375,37 @@ def test_hopper_gpu_kernels_with_cp_async_copies_match_the_emulation():
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
+@needs_hopper
+@pytest.mark.skipif(not kernels.WGMMA_STREAMK, reason="the kernels are built without QK_WGMMA_STREAMK here; "
+                    "test_hopper_gpu_streamk_knob runs this test in a process built with it")
+@pytest.mark.parametrize(("fmt", "group"), LARGE_M_LAYOUTS)
+@pytest.mark.parametrize(("m", "n"), [(700, 512), (1024, 6144)])
+def test_streamk_tail_gpu_kernel_matches_the_emulation(fmt, group, m, n, monkeypatch):
+    """QK_WGMMA_STREAMK on the device (the meeting's atomics, fences and flags, which the simulator runs in order):
+    12 tiles on the GPU's SMs, each split in two, and 6144 x K at M = 1024 (on 132 SMs 60 of 192 tiles split), give
+    the emulation's bits; replayed on the same workspace (its flags lowered by each launch), the same again."""
+    monkeypatch.setattr(kernels, "WGMMA_TALL", True)
+    k = 1024
+    tensors = synthetic(fmt, n, k, seed=m, group=group)
+    x = activations(m, k, seed=n)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   wgmma=True)
+    start = [a for a in launch.args if not isinstance(a, kernels.TensorMap)][-3]
+    assert launch.name.endswith("_wgmma_tall") and start < (n // 128) * -(-m // 256)  # some tile split
+    call = kernels.upload(launch)
+    for _ in range(3):
+        call()
+        np.testing.assert_array_equal(call.result().view(np.uint16), reference.out.view(np.uint16))
+
+
+@needs_hopper
+def test_hopper_gpu_streamk_knob():
+    """The stream-K tail's device test in a process whose kernels are built with QK_WGMMA_STREAMK=1 (TALL-SK)."""
+    done = pytest_under_defines("QK_WGMMA_STREAMK=1", "test_streamk_tail_gpu_kernel_matches_the_emulation")
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+
+
 # (layout, group, M, N, K, splits): one warp a tile walking K = 4096 (16 or 64 chunks through 2 slots), ranges that
 # start inside groups, a full token tile, two token tiles; splits None: the launch's own.
 BULK_GPU_CASES = [
