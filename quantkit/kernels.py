@@ -443,6 +443,8 @@ def tall_fill(tiles: int, slots: int, steps: int) -> float:
     over the whole waves and a half one."""
     start = streamk_from(tiles, slots, steps)
     return wave_fill(tiles, slots) if start == tiles else tiles / ((start // slots + 0.5) * slots)
+
+
 # From this many tokens on a Hopper GPU, a W4A8 launch that names no path takes the wgmma kernel (None: only when
 # asked, `wgmma=True`). Measured on an H200 (2026-11-26, Llama-3-8B shapes): faster than the tiled kernel at every
 # M timed (1, 16, 1024; 1.7-2.6x at 1024), slower than the small-M kernel at M <= 16; so it replaces the tiled
@@ -492,8 +494,8 @@ def wave_fill(blocks: int, slots: int) -> float:
 
 def wgmma_tiles(fmt: str, m: int, n: int, k: int, grouped: bool = False) -> Tiles:
     """The Hopper kernel a launch of layout `fmt` (per group: `grouped`) on [M, K] x [N, K] takes: 256 tokens a block
-    where WGMMA_TALL says so (by default, where that grid fills TALL_MIN_FILL of its waves; per group on its own
-    ring), else 256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
+    where WGMMA_TALL says so (by default, where that grid fills TALL_MIN_FILL of its waves, `tall_fill`; per group on
+    its own ring), else 256 channels where WGMMA_WIDE is on and N allows it, else 128 of each."""
     tall = WGMMA_TALL_TILES[fmt]
     blocks = (n // tall.bn) * -(-m // tall.bm)
     if WGMMA_TALL or (WGMMA_TALL is None and tall_fill(blocks, multiprocessors(), k // tall.bk) >= TALL_MIN_FILL):
