@@ -401,6 +401,16 @@ def test_hopper_path_matches_the_emulation(fmt, group, block, m, n, k, monkeypat
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
 
 
+def hopper_case(fmt: str, group: int | None, m: int, n: int, k: int, seeds: tuple[int, int]):
+    """The wgmma launch of layout `fmt` on synthetic stored tensors and activations (`seeds`: theirs), as the path
+    settings make it, with the emulation it must equal."""
+    tensors = synthetic(fmt, n, k, seed=seeds[0], group=group)
+    x = activations(m, k, seed=seeds[1])
+    reference = emulate(fmt, tensors, x)
+    sums = x.sum(axis=1, dtype=np.float32)
+    return reference, kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, sums, wgmma=True)
+
+
 def test_streamk_tail_plan(monkeypatch):
     """WGMMA_STREAMK: the tiles past the whole waves are split in two along K where twice them fit the last wave and
     each half keeps STREAMK_MIN_STEPS K steps (Llama-3-8B's 6144 x 4096 at M = 1024: 192 tiles on 132 SMs, 60 split
@@ -430,12 +440,7 @@ def test_streamk_tail_matches_the_emulation(fmt, group, monkeypatch):
     workspace's flags back at zero for the next launch; a second launch on the same workspace gives the same bits."""
     monkeypatch.setattr(kernels, "multiprocessors", lambda: 10)
     monkeypatch.setattr(kernels, "WGMMA_TALL", True)
-    m, n, k = 700, 512, 1024
-    tensors = synthetic(fmt, n, k, seed=11, group=group)
-    x = activations(m, k, seed=12)
-    reference = emulate(fmt, tensors, x)
-    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                   wgmma=True)
+    reference, launch = hopper_case(fmt, group, 700, 512, 1024, (11, 12))
     tail = [a for a in launch.args if not isinstance(a, kernels.TensorMap)][-3:]
     assert launch.name.endswith("_wgmma_tall") and launch.grid == (14,) and tail[0] == 10
     assert tail[1].shape == (2 * 256 * 128,) and tail[2].shape == (4,)
@@ -453,20 +458,15 @@ def test_hopper_launch_with_tensor_copies_passes_x_by_its_map(fmt, group, monkey
     which takes no map, still gives the emulation's bits. (The map is encoded by the CUDA driver at upload: a GPU
     test runs the tensor copies.)"""
     monkeypatch.setattr(kernels, "WGMMA_TMA", True)
-    m, n, k = 130, 256, 384
-    tensors = synthetic(fmt, n, k, seed=7, group=group)
-    x = activations(m, k, seed=8)
-    reference = emulate(fmt, tensors, x)
-    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                   wgmma=True)
+    m, k = 130, 384
+    reference, launch = hopper_case(fmt, group, m, 256, k, (7, 8))
     tiles = kernels.WGMMA[fmt]
     assert launch.args[-1] == kernels.TensorMap(0, m, k, 128, 64)
     np.testing.assert_array_equal(launch.args[0], reference.x_int8)
     assert launch.shared_mem == tiles.shared_mem + 8 * tiles.stages
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
     monkeypatch.setattr(kernels, "WGMMA_TMA", False)
-    plain = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                  wgmma=True)
+    plain = hopper_case(fmt, group, m, 256, k, (7, 8))[1]
     assert not any(isinstance(a, kernels.TensorMap) for a in plain.args) and plain.shared_mem == tiles.shared_mem
 
 
@@ -1385,12 +1385,7 @@ def test_streamk_tail_gpu_kernel_matches_the_emulation(fmt, group, m, n, monkeyp
     12 tiles on the GPU's SMs, each split in two, and 6144 x K at M = 1024 (on 132 SMs 60 of 192 tiles split), give
     the emulation's bits; replayed on the same workspace (its flags lowered by each launch), the same again."""
     monkeypatch.setattr(kernels, "WGMMA_TALL", True)
-    k = 1024
-    tensors = synthetic(fmt, n, k, seed=m, group=group)
-    x = activations(m, k, seed=n)
-    reference = emulate(fmt, tensors, x)
-    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
-                                   wgmma=True)
+    reference, launch = hopper_case(fmt, group, m, n, 1024, (m, n))
     start = [a for a in launch.args if not isinstance(a, kernels.TensorMap)][-3]
     assert launch.name.endswith("_wgmma_tall") and start < (n // 128) * -(-m // 256)  # some tile split
     call = kernels.upload(launch)
