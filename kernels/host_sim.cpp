@@ -312,9 +312,12 @@ void wgmma_host(const typename F::Args& args, const qk::StreamK* sk = nullptr) {
     }
   };
   // The blocks in grid order: each tile whole, or with `sk` as qk::streamk_work assigns them (the tail's tiles in
-  // two halves of their K steps, the first half's block first, as the kernel's first arrival may be either).
+  // two halves of their K steps). On the device either half may arrive first: here the first half does on even
+  // tiles of the tail, the second on odd ones.
   const int blocks = sk ? sk->from + 2 * (tiles - sk->from) : tiles;
-  for (int b = 0; b < blocks; ++b) {
+  for (int i = 0; i < blocks; ++i) {
+    const int pair = sk && i >= sk->from ? (i - sk->from) / 2 : 0;
+    const int b = pair % 2 ? sk->from + 2 * pair + 1 - (i - sk->from) % 2 : i;  // odd tail tiles: second half first
     const qk::BlockWork work = sk ? qk::streamk_work(b, sk->from, all_steps) : qk::BlockWork{b, 0, all_steps, -1};
     const int m0 = T::BM * (work.tile / tiles_n), n0 = T::BN * (work.tile % tiles_n), steps = work.k_end - work.k_begin;
     k0 = work.k_begin;

@@ -437,7 +437,8 @@ def test_streamk_tail_plan(monkeypatch):
 def test_streamk_tail_matches_the_emulation(fmt, group, monkeypatch):
     """QK_WGMMA_STREAMK: 12 tiles of 256 tokens on 10 SMs, the 2 past the whole wave split in two along K (16 steps:
     8 each), blocks 10-13 meeting in the workspace: the emulation's bits, per channel and per group, and the
-    workspace's flags back at zero for the next launch; a second launch on the same workspace gives the same bits."""
+    workspace's flags back at zero for the next launch (the twin runs the first tile's halves in order, the second's
+    second half first, as either may arrive first on the device); a second launch on the same workspace, the same."""
     monkeypatch.setattr(kernels, "multiprocessors", lambda: 10)
     monkeypatch.setattr(kernels, "WGMMA_TALL", True)
     reference, launch = hopper_case(fmt, group, 700, 512, 1024, (11, 12))
