@@ -681,13 +681,15 @@ def test_kernel_settings_come_from_the_environment_checked():
     tuning = json.loads(done.stdout)
     assert tuning["settings"]["BULK_DECODE"] is True and tuning["settings"]["SPLITK_BLOCKS_MAX"] == 4
     assert tuning["settings"]["ANYPREC_TC_FAST"] is True and tuning["defines"] == ["QK_SMALLM_AHEAD=6"]
-    assert tuning["settings"]["WGMMA_TALL"] is None  # by default chosen per launch
-    for tall in ("true", "null"):
-        done = run(f'{{"WGMMA_TALL": {tall}}}')
-        assert done.returncode == 0 and json.loads(done.stdout)["settings"]["WGMMA_TALL"] == json.loads(tall)
+    for name in ("WGMMA_TALL", "QSERVE_GEMM16"):  # by default chosen per launch
+        assert tuning["settings"][name] is None
+        for value in ("false", "null"):
+            done = run(f'{{"{name}": {value}}}')
+            assert done.returncode == 0 and json.loads(done.stdout)["settings"][name] == json.loads(value)
     for bad, says in [('{"BULK_DECODES": true}', "unknown kernel settings BULK_DECODES"),
                       ('{"SPLITK_BLOCKS_MAX": "4"}', "SPLITK_BLOCKS_MAX takes a int"),
-                      ('{"WGMMA_TALL": 1}', "WGMMA_TALL takes a bool or null"), ("[1]", "QUANTKIT_KERNEL")]:
+                      ('{"WGMMA_TALL": 1}', "WGMMA_TALL takes a bool or null"),
+                      ('{"QSERVE_GEMM16": 0}', "QSERVE_GEMM16 takes a bool or null"), ("[1]", "QUANTKIT_KERNEL")]:
         done = run(bad)
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
 
