@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -513,7 +514,7 @@ def large_m_launch(fmt: str, module: str, args: list, m: int, n: int, k: int, ou
         tiles = wgmma_tiles(fmt, m, n, k, grouped)
         grid = None
         if WGMMA_STREAMK and tiles.kernel == "wgmma_tall":  # a one-dimensional grid, the tail's arguments
-            count = (n // tiles.bn) * -(-m // tiles.bm)
+            count = math.prod(tiles.grid(m, n))
             start = streamk_from(count, multiprocessors(), k // tiles.bk)
             args = [*args, start, *streamk_workspace(count - start, tiles.threads)]
             grid = (start + 2 * (count - start),)
