@@ -10,20 +10,23 @@
    instead.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
-2a. bench/timeline.py: the decode kernels built with their phase stamps (kernels/qk_timeline.cuh), where the time
+2a. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout (--recipes), each
+   quantized from a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from
+   ../shared, which does not travel to the device). Right after the bench: with the tests and the bars, it is what
+   issue #6 asks of a GPU, where the steps after it explore. `--prepare DIR` quantizes them on a machine without a
+   GPU and exits (a few seconds each); `--artifacts DIR` then validates those, carried to the device, without
+   quantizing there.
+2b. bench/timeline.py: the decode kernels built with their phase stamps (kernels/qk_timeline.cuh), where the time
    between launch and the last store goes: the first loads' latency, the stream, the split-K meetings, the stores
    (GPU only; --skip-timeline leaves it out).
-2b. With --profile-large, the Hopper (wgmma) kernels at M = 1024 under Nsight Compute (ncu): what holds them back
+2c. With --profile-large, the Hopper (wgmma) kernels at M = 1024 under Nsight Compute (ncu): what holds them back
    (stall reasons, L2 and tensor-pipe throughput), before the tuning whose configurations it is to explain.
-2c. bench/smallm_tune.py: with --tune-large first, the Hopper kernels' few configurations at M = 1024; then the
+2d. bench/smallm_tune.py: with --tune-large first, the Hopper kernels' few configurations at M = 1024; then the
    small-M kernels under each look-ahead and split-K configuration, side by side; with --bench-tuned, `quantkit
    bench` once more under the fastest configuration of each tuning step (bench_tuned.json, whose report names the
    defines and settings it ran); then bench/profile_smallm.py under ncu, where the decode kernels' time goes (GPU
    only; --skip-tune, --skip-profile leave them out).
-3. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout, each quantized here from
-   a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from ../shared, which does
-   not travel to the device).
-4. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
+3. The threshold sweep: `quantkit bench --paths all` at M from 1 to 1024, every kernel of each layout side by side,
    to set TILED_MIN_M and ANYPREC_TC_MIN_M (GPU only; --skip-sweep leaves it out).
 
 The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, timeline.json, tune.json,
@@ -31,7 +34,7 @@ tune_large.json, bench_tuned.json and sweep.json, seven files: the tool brings b
 steps' exit codes is printed last.
 Each step has a time limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
-table). On a machine without a GPU, `--kernel sim` runs steps 1 and 3 with the warp simulator, which checks the
+table). On a machine without a GPU, `--kernel sim` runs steps 1 and 2a with the warp simulator, which checks the
 script itself.
 A process builds the kernel modules it uses with NVRTC unless their cubins are cached ($QUANTKIT_CACHE/kernels):
 about 40 s of one core for each set of knobs, the tuning configurations' included. So the run starts with
@@ -41,7 +44,8 @@ without a GPU and carried to the device with QUANTKIT_CACHE pointing at them, th
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-timeline] [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned]
         [--skip-profile] [--profile-formats F,...] [--profile-args ARGS] [--profile-large] [--skip-validate]
-        [--skip-sweep] [--recipes NAME,...]
+        [--skip-sweep] [--recipes NAME,...] [--artifacts DIR]
+    PYTHONPATH=. python3 bench/gpu_check.py --prepare DIR [--recipes NAME,...]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -101,7 +106,7 @@ def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="where the logs go (the device tool's $OUT)")
+    parser.add_argument("--out", type=Path, help="where the logs go (the device tool's $OUT)")
     parser.add_argument("--kernel", choices=["cuda", "sim"], default="cuda", help="where validate runs the kernels")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the device tests (a second run on a "
                         "machine whose first run passed them; with --kernel sim, the simulator's kernel tests)")
@@ -129,7 +134,16 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated recipes to quantize and validate (default: every one that packs)")
+    parser.add_argument("--prepare", type=Path, metavar="DIR", help="only quantize the synthetic Llama with each "
+                        "recipe into DIR/RECIPE (no GPU needed) and exit: carried to the device, --artifacts DIR "
+                        "validates them there")
+    parser.add_argument("--artifacts", type=Path, metavar="DIR", help="validate the artifacts --prepare wrote to "
+                        "DIR instead of quantizing on the device")
     args = parser.parse_args()
+    if args.prepare is not None:
+        sys.exit(prepare_artifacts(args.prepare, args.recipes.split(",")))
+    if args.out is None:
+        parser.error("--out is required (unless --prepare)")
     DEADLINE[0] = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work" if args.kernel == "sim" else Path("/tmp/quantkit-gpu-check")
@@ -159,6 +173,8 @@ def main() -> None:
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
                            str(args.out / "bench.json")], args.out, results, 360, env)  # 3 rounds
+        if not args.skip_validate:
+            validate_recipes(args, work, results, env)
         if not args.skip_timeline:  # where the decode kernels' time goes, phase by phase
             step("timeline", [py, "bench/timeline.py", "--json", str(args.out / "timeline.json")], args.out, results,
                  120, env)
@@ -198,11 +214,11 @@ def main() -> None:
             step("profile", [ncu, "--kernel-name", kernels, *(f"--section={s}" for s in PROFILE), py,
                              "bench/profile_smallm.py", *formats, *shlex.split(args.profile_args)], args.out, results,
                  100, env)
-    elif not args.skip_tests:  # the whole kernel test file on the CPU: about 10 minutes on 2 cores
-        step("kernel-tests", pytest, args.out, results, 1200, env)
-
-    if not args.skip_validate:
-        validate_recipes(args, work, results, env)
+    else:
+        if not args.skip_tests:  # the whole kernel test file on the CPU: about 10 minutes on 2 cores
+            step("kernel-tests", pytest, args.out, results, 1200, env)
+        if not args.skip_validate:
+            validate_recipes(args, work, results, env)
     if not args.skip_sweep and args.kernel == "cuda":
         step("sweep", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--paths", "all", "--m",
                        "1,4,16,64,256,1024", "--iters", "10", "--rounds", "1", "--json", str(args.out / "sweep.json")],
@@ -243,25 +259,45 @@ def tuned_env(best: list[Path]) -> dict[str, str] | None:
             "QUANTKIT_KERNEL_SETTINGS": json.dumps(settings)}
 
 
-def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[str, int, float]],
-                     env: dict[str, str]) -> None:
-    """Quantize a small synthetic Llama with every recipe that packs, and validate each artifact's kernels."""
+def prepare_artifacts(root: Path, recipes: list[str], results: list[tuple[str, int, float]] | None = None,
+                      out: Path | None = None) -> int:
+    """Quantize the synthetic Llama with each recipe into ROOT/RECIPE (on whatever device quantize picks); the
+    exit code is 1 if any recipe failed. Run alone (--prepare), its log goes to ROOT/gpu_check.log."""
     from quantkit.synthetic import SyntheticLlama, write_calibration_text, write_synthetic_llama
 
-    py = sys.executable
-    # intermediate 1024: down_proj's K takes the Any-Precision kernels' fast twins (K a multiple of 1024)
-    model = write_synthetic_llama(work / "model", SyntheticLlama(hidden_size=256, intermediate_size=1024,
-                                                                   num_hidden_layers=2))
-    calib = write_calibration_text(work / "calib.txt")
-    for recipe in args.recipes.split(","):
-        artifact = work / recipe
-        code = step(f"quantize-{recipe}", [py, "-m", "quantkit.cli", "quantize", str(model), "--recipe", recipe,
-                                           "-o", str(artifact), "--calib", str(calib), "--num-samples", "8",
-                                           "--seq-len", "128", "--overwrite"], args.out, results, 300, env)
-        if code == 0:
-            step(f"validate-{recipe}", [py, "-m", "quantkit.cli", "validate", str(artifact), "--kernel", args.kernel],
-                 args.out, results, 300, env)
+    root.mkdir(parents=True, exist_ok=True)
+    results = [] if results is None else results
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:  # the model and text stay behind: only the artifacts travel
+        # intermediate 1024: down_proj's K takes the Any-Precision kernels' fast twins (K a multiple of 1024)
+        model = write_synthetic_llama(Path(tmp) / "model", SyntheticLlama(hidden_size=256, intermediate_size=1024,
+                                                                            num_hidden_layers=2))
+        calib = write_calibration_text(Path(tmp) / "calib.txt")
+        for recipe in recipes:
+            failed |= step(f"quantize-{recipe}", [sys.executable, "-m", "quantkit.cli", "quantize", str(model),
+                                                  "--recipe", recipe, "-o", str(root / recipe), "--calib", str(calib),
+                                                  "--num-samples", "8", "--seq-len", "128", "--overwrite"],
+                           out or root, results, 300) != 0
+    return int(failed)
 
+
+def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[str, int, float]],
+                     env: dict[str, str]) -> None:
+    """Validate each recipe's artifact with the kernels: those --prepare wrote to --artifacts, else ones quantized
+    here from the synthetic Llama."""
+    recipes = args.recipes.split(",")
+    root = args.artifacts
+    if root is None:
+        root = work / "artifacts"
+        prepare_artifacts(root, recipes, results, args.out)
+    for recipe in recipes:
+        artifact = root / recipe
+        if not (artifact / "config.json").is_file():
+            print(f"\n=== validate-{recipe}: no artifact at {artifact}", flush=True)
+            results.append((f"validate-{recipe}", 2, 0.0))
+            continue
+        step(f"validate-{recipe}", [sys.executable, "-m", "quantkit.cli", "validate", str(artifact), "--kernel",
+                                    args.kernel], args.out, results, 300, env)
 
 if __name__ == "__main__":
     main()

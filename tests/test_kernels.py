@@ -742,6 +742,34 @@ def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
     assert json.loads(env["QUANTKIT_KERNEL_SETTINGS"]) == {"SPLITK_WARPS": 2048, "WGMMA_WIDE": True}
 
 
+def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path):
+    """gpu_check --artifacts DIR: each recipe's artifact in DIR is validated (no quantize on the device); a recipe
+    without one fails its step by name instead of passing unseen."""
+    import argparse
+
+    gpu_check = bench_module("gpu_check")
+    artifacts, out = tmp_path / "artifacts", tmp_path / "out"
+    (artifacts / "qoq").mkdir(parents=True)
+    out.mkdir()
+    (artifacts / "qoq" / "config.json").write_text("{}")
+    ran: list[list[str]] = []
+
+    def step(name, cmd, out_dir, results, limit=300, env=None):
+        ran.append(cmd)
+        results.append((name, 0, 0.0))
+        return 0
+
+    saved, gpu_check.step = gpu_check.step, step
+    try:
+        results: list = []
+        args = argparse.Namespace(recipes="qoq,qqq", artifacts=artifacts, kernel="sim", out=out)
+        gpu_check.validate_recipes(args, tmp_path / "work", results, {})
+    finally:
+        gpu_check.step = saved
+    assert [cmd[3:5] for cmd in ran] == [["validate", str(artifacts / "qoq")]]
+    assert [(name, code) for name, code, _ in results] == [("validate-qoq", 0), ("validate-qqq", 2)]
+
+
 def test_tuning_picks_the_fastest_configuration_per_layout():
     """smallm_tune --best: per layout the fastest configuration that matches the emulation, the winners' knobs
     merged only where they agree and slow no layout they change; the default's where nothing beats it. Every
