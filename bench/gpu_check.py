@@ -14,7 +14,7 @@
    quantized from a synthetic Llama with 128-multiple widths (hidden 256, intermediate 1024; nothing from
    ../shared, which does not travel to the device). Right after the bench: with the tests and the bars, it is what
    issue #6 asks of a GPU, where the steps after it explore. `--prepare DIR` quantizes them on a machine without a
-   GPU and exits (a few seconds each); `--artifacts DIR` then validates those, carried to the device, without
+   GPU and exits (about 20 s each on 2 cores); `--artifacts DIR` then validates those, carried to the device, without
    quantizing there.
 2b. bench/timeline.py: the decode kernels built with their phase stamps (kernels/qk_timeline.cuh), where the time
    between launch and the last store goes: the first loads' latency, the stream, the split-K meetings, the stores
