@@ -141,7 +141,7 @@ def main() -> None:
                         "DIR instead of quantizing on the device")
     args = parser.parse_args()
     if args.prepare is not None:
-        sys.exit(prepare_artifacts(args.prepare, args.recipes.split(",")))
+        sys.exit(prepare_artifacts(args.prepare.resolve(), args.recipes.split(",")))
     if args.out is None:
         parser.error("--out is required (unless --prepare)")
     DEADLINE[0] = time.time() + args.budget
@@ -286,7 +286,7 @@ def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[s
     """Validate each recipe's artifact with the kernels: those --prepare wrote to --artifacts, else ones quantized
     here from the synthetic Llama."""
     recipes = args.recipes.split(",")
-    root = args.artifacts
+    root = args.artifacts and args.artifacts.resolve()  # the steps run from the repository's root, not from here
     if root is None:
         root = work / "artifacts"
         prepare_artifacts(root, recipes, results, args.out)
