@@ -299,5 +299,6 @@ def validate_recipes(args: argparse.Namespace, work: Path, results: list[tuple[s
         step(f"validate-{recipe}", [sys.executable, "-m", "quantkit.cli", "validate", str(artifact), "--kernel",
                                     args.kernel], args.out, results, 300, env)
 
+
 if __name__ == "__main__":
     main()
