@@ -742,7 +742,7 @@ def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
     assert json.loads(env["QUANTKIT_KERNEL_SETTINGS"]) == {"SPLITK_WARPS": 2048, "WGMMA_WIDE": True}
 
 
-def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path):
+def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path, monkeypatch):
     """gpu_check --artifacts DIR: each recipe's artifact in DIR is validated (no quantize on the device); a recipe
     without one fails its step by name instead of passing unseen."""
     import argparse
@@ -759,13 +759,10 @@ def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path):
         results.append((name, 0, 0.0))
         return 0
 
-    saved, gpu_check.step = gpu_check.step, step
-    try:
-        results: list = []
-        args = argparse.Namespace(recipes="qoq,qqq", artifacts=artifacts, kernel="sim", out=out)
-        gpu_check.validate_recipes(args, tmp_path / "work", results, {})
-    finally:
-        gpu_check.step = saved
+    monkeypatch.setattr(gpu_check, "step", step)
+    results: list = []
+    args = argparse.Namespace(recipes="qoq,qqq", artifacts=artifacts, kernel="sim", out=out)
+    gpu_check.validate_recipes(args, tmp_path / "work", results, {})
     assert [cmd[3:5] for cmd in ran] == [["validate", str(artifacts / "qoq")]]
     assert [(name, code) for name, code, _ in results] == [("validate-qoq", 0), ("validate-qqq", 2)]
 
