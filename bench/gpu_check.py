@@ -7,7 +7,8 @@
    the other kernels' results. The cp.async wgmma loop's tests (-m cpasync; QK_WGMMA_TMA=0, the default until
    run 10) and the bulk-copy decode kernel's (-m bulk; off by default) follow, each in a process of their own with
    a short limit, neither gating the later steps. With --kernel sim, the kernel tests of tests/test_kernels.py
-   instead.
+   instead. Each test step spreads its tests over --test-workers pytest-xdist workers where that is installed (the
+   H200's image has it): the emulation's numpy on the CPU takes most of their time.
 2. `quantkit bench --shapes llama3-8b`: every kernel against cuBLAS FP16 and INT8, and the issue's bars (GPU only;
    right after the tests, so that a short lease still brings the bars back).
 2a. `quantkit validate --kernel KERNEL` on an artifact of every recipe with a packed layout (--recipes), each
@@ -44,16 +45,18 @@ without a GPU and carried to the device with QUANTKIT_CACHE pointing at them, th
     PYTHONPATH=. python3 bench/gpu_check.py --out $OUT [--kernel cuda|sim] [--budget S] [--skip-tests] [--skip-bench]
         [--skip-timeline] [--skip-tune] [--tune-args ARGS] [--tune-large ARGS] [--tune-seconds S] [--bench-tuned]
         [--skip-profile] [--profile-formats F,...] [--profile-args ARGS] [--profile-large] [--skip-validate]
-        [--skip-sweep] [--recipes NAME,...] [--artifacts DIR]
+        [--skip-sweep] [--recipes NAME,...] [--artifacts DIR] [--test-workers N]
     PYTHONPATH=. python3 bench/gpu_check.py --prepare DIR [--recipes NAME,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,7 +80,7 @@ def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, flo
          env: dict[str, str] | None = None) -> int:
     """Run `cmd` from the repository root, its output appended to OUT/gpu_check.log and to the console, for at
     most `limit` seconds or what is left of the budget (then killed: exit code 124); record its exit code. Under
-    30 s left: skipped, exit code -1."""
+    30 s left: skipped, exit code -1. Every process the step started ends with it."""
     limit = min(limit, DEADLINE[0] - time.time())
     if limit < 30:
         print(f"\n=== {name}: skipped, {max(limit, 0):.0f} s of the budget left", flush=True)
@@ -88,15 +91,31 @@ def step(name: str, cmd: list[str], out: Path, results: list[tuple[str, int, flo
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     with open(out / "gpu_check.log", "a") as log:  # one file: the device tool brings back at most 8
         log.write(f"\n=== {name}: {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        timer = threading.Timer(limit, proc.kill)
+        # a process group of its own, so that a kill takes the step's children too (pytest-xdist's workers, the
+        # tuning's per-configuration processes): none may outlive its step and share the GPU with the next one's
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+        def kill() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        def reap() -> None:  # once the step's own process is done, what it left running (holding the log's pipe) goes
+            proc.wait()
+            kill()
+
+        timer = threading.Timer(limit, kill)
         timer.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-        code = proc.wait()
-        timer.cancel()
+        threading.Thread(target=reap, daemon=True).start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            code = proc.wait()
+        finally:  # on time, early (Ctrl-C) or done: whatever of the step still runs ends with it
+            timer.cancel()
+            kill()
         if time.time() - t0 >= limit:
             code = 124
             print(f"=== {name}: killed after {limit:.0f} s", flush=True)
@@ -132,6 +151,9 @@ def main() -> None:
                         "again under the fastest configuration each found (bench_tuned.json; its report records "
                         "the defines and settings), unless that is the built-in default")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
+    parser.add_argument("--test-workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="pytest-xdist workers for the test steps (default: the CPU's cores, at most 8); 1, or "
+                        "no pytest-xdist installed, runs them in one process")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help="comma-separated recipes to quantize and validate (default: every one that packs)")
     parser.add_argument("--prepare", type=Path, metavar="DIR", help="only quantize the synthetic Llama with each "
@@ -151,6 +173,7 @@ def main() -> None:
     py, results = sys.executable, []
 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    many = [*pytest, *test_workers(args.test_workers)]  # the steps of many tests, spread over the CPU's cores
     env = {}
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
         # every kernel module the run will load, built by NVRTC on all cores at once (or found built ahead and
@@ -161,14 +184,14 @@ def main() -> None:
                        "--defines", "" if args.skip_timeline else "QK_TIMELINE=1"],
              args.out, results, 180)
         if not args.skip_tests:
-            if step("wgmma-tests", [*pytest, "-m", "hopper and not bulk and not cpasync"], args.out, results, 120) != 0:
+            if step("wgmma-tests", [*many, "-m", "hopper and not bulk and not cpasync"], args.out, results, 120) != 0:
                 env = {"QUANTKIT_WGMMA": "0"}  # the later steps leave the Hopper kernels out
             # the cp.async ring (the default until run 10) apart too: a failure there must not take the default
             # wgmma kernels out of the later steps
             step("cp-async-tests", [*pytest, "-m", "cpasync"], args.out, results, 90, env)
             # the bulk-copy decode kernel (off by default) apart: a wrong mbarrier count would hang only this step
-            step("bulk-tests", [*pytest, "-m", "bulk"], args.out, results, 60, env)
-            step("gpu-tests", [*pytest, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240,
+            step("bulk-tests", [*many, "-m", "bulk"], args.out, results, 60, env)
+            step("gpu-tests", [*many, "tests/test_pipeline.py", "-m", "gpu and not hopper"], args.out, results, 240,
                  env)
         if not args.skip_bench:  # the bars first: the validate steps and the sweep may run out of the lease
             step("bench", [py, "-m", "quantkit.cli", "bench", "--shapes", "llama3-8b", "--json",
@@ -216,7 +239,7 @@ def main() -> None:
                  100, env)
     else:
         if not args.skip_tests:  # the whole kernel test file on the CPU: about 10 minutes on 2 cores
-            step("kernel-tests", pytest, args.out, results, 1200, env)
+            step("kernel-tests", many, args.out, results, 1200, env)
         if not args.skip_validate:
             validate_recipes(args, work, results, env)
     if not args.skip_sweep and args.kernel == "cuda":
@@ -228,6 +251,16 @@ def main() -> None:
     for name, code, seconds in results:
         print(f"| {name} | {code} | {seconds:.0f} |")
     sys.exit(max((code for _, code, _ in results), default=0) != 0)
+
+
+def test_workers(workers: int) -> list[str]:
+    """pytest's arguments that spread a step's tests over `workers` processes (pytest-xdist, which the H200's image
+    holds), or none where it is not installed or one is asked for. The device tests spend most of their time in the
+    emulation's numpy on the CPU, one core each (the H200 lease of 112f7d7 ran 41 of 53 before its limit), and each
+    worker's CUDA context is its own, so a kernel's sticky error ends only its worker's tests."""
+    import importlib.util
+
+    return ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") is not None else []
 
 
 def configs_named(tune_args: str) -> str:

@@ -742,6 +742,39 @@ def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
     assert json.loads(env["QUANTKIT_KERNEL_SETTINGS"]) == {"SPLITK_WARPS": 2048, "WGMMA_WIDE": True}
 
 
+def test_gpu_check_steps_leave_no_process_behind(tmp_path):
+    """A step's children end with it (pytest-xdist's workers, the tuning's processes): here a sleep its shell left
+    running in the background, which would otherwise outlive the step and share the GPU with the next one."""
+    import os
+    import time
+
+    gpu_check = bench_module("gpu_check")
+    results: list = []
+    code = gpu_check.step("orphan", ["sh", "-c", "sleep 60 & echo $!"], tmp_path, results, limit=60)
+    assert code == 0 and results[0][:2] == ("orphan", 0)
+    pid = int((tmp_path / "gpu_check.log").read_text().split()[-1])
+    for _ in range(50):  # killed at once; reaped by init a moment later
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's background sleep (pid {pid}) outlived it")
+
+
+def test_gpu_check_spreads_tests_over_workers_only_with_xdist(monkeypatch):
+    """The test steps take pytest-xdist's -n where it is installed (the H200's image has it) and more than one
+    worker is asked for; without it, or with one, they run in one process as before."""
+    import importlib.util
+
+    gpu_check = bench_module("gpu_check")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "xdist" else None)
+    assert gpu_check.test_workers(8) == ["-n", "8"] and gpu_check.test_workers(1) == []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert gpu_check.test_workers(8) == []
+
+
 def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path, monkeypatch):
     """gpu_check --artifacts DIR: each recipe's artifact in DIR is validated (no quantize on the device); a recipe
     without one fails its step by name instead of passing unseen."""
