@@ -31,15 +31,16 @@ class SmolLM2Job:
     ledger: Ledger
 
 
-def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+def smollm2_job(doc: str, prefix: str, rows: list[str], extra: Callable[[argparse.ArgumentParser], None] | None = None
                 ) -> SmolLM2Job:
-    """Parse `--work`, `--windows`, `--only` (and what `extra` adds), and check the shared model and data are
-    present."""
+    """Parse `--work`, `--windows`, `--only` (labels among `rows`, the script's; one no row has is refused with the
+    list) and what `extra` adds, and check the shared model and data are present."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, help="keep artifacts and results here; a rerun reuses them "
                         "(default: a fresh temp dir)")
     parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--only", nargs="*", help="run only the rows with these labels")
+    parser.add_argument("--only", nargs="+", action="extend", metavar="LABEL",
+                        help="run only the rows with these labels (repeatable; the FP16 reference always runs)")
     parser.add_argument("--results", type=Path, default=REPO / "bench" / "results" / f"{Path(sys.argv[0]).stem}.json",
                         help="the ledger of measured rows, kept in the repository (default: %(default)s)")
     parser.add_argument("--remeasure", choices=["none", "stale", "all"], default="none",
@@ -51,6 +52,10 @@ def smollm2_job(doc: str, prefix: str, extra: Callable[[argparse.ArgumentParser]
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
+    unknown = [label for label in args.only or [] if label not in rows]
+    if unknown:  # a typo would measure nothing but the reference, and say nothing
+        parser.error(f"--only: no row is labelled {', '.join(map(repr, unknown))}; the rows: "
+                     + ", ".join(map(repr, rows)))
     check = (lambda path: path) if args.report else need
     model = check(SHARED / "models/smollm2-135m-instruct-q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
     data = check(SHARED / "data")

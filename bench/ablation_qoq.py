@@ -59,7 +59,7 @@ GAP: list[tuple[str, str, list[str]]] = [
 
 
 def main() -> None:
-    job = smollm2_job(__doc__, "quantkit-ablation-")
+    job = smollm2_job(__doc__, "quantkit-ablation-", [label for label, _, _ in STEPS + GAP])
     common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "1024",
               "--set", "calibration.sampling=first", "--overwrite"]
     fp_row = smollm2_row(job, "FP16", [])

@@ -51,7 +51,7 @@ def llmcompressor_row(python: str, model: Path, c4: Path, artifact: Path, out: P
 
 
 def main() -> None:
-    job = smollm2_job(__doc__, "quantkit-bench-", lambda p: p.add_argument(
+    job = smollm2_job(__doc__, "quantkit-bench-", list(VARIANTS), lambda p: p.add_argument(
         "--llmcompressor", metavar="PYTHON", help="python of a venv with llm-compressor 0.14, for a side-by-side "
         "GPTQ wall-time reference"))
     args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work

@@ -38,7 +38,8 @@ def _bytes(path: Path) -> int:
 
 
 def main() -> None:
-    job = smollm2_job(__doc__, "quantkit-anyprec-")
+    job = smollm2_job(__doc__, "quantkit-anyprec-", [label for label, _ in ATOM_ROWS] + [
+        f"{method} {b}-bit" for b in WIDTHS for method in ("Any-Precision", "SqueezeLLM", "RTN")])
     args, work = job.args, job.work
     calib = ["--calib", str(job.c4), "--overwrite"]
     fp_row = smollm2_row(job, "FP16", [])

@@ -38,7 +38,7 @@ ROWS: list[tuple[str, str, list[str]]] = [
 
 
 def main() -> None:
-    job = smollm2_job(__doc__, "quantkit-w4a8-")
+    job = smollm2_job(__doc__, "quantkit-w4a8-", [label for label, _, _ in ROWS])
     common = ["--calib", str(job.c4), "--num-samples", "128", "--seq-len", "2048",
               "--set", "calibration.sampling=first", "--overwrite"]
     fp_row = smollm2_row(job, "FP16", [])

@@ -1,0 +1,31 @@
+"""The accuracy benchmarks' harness (bench/_common.py): what a user asks of it is what it measures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def report(script: str, *args: str) -> subprocess.CompletedProcess:
+    """bench/SCRIPT --report (the tables from the ledger alone: no model, no data) with `args`."""
+    return subprocess.run([sys.executable, str(BENCH / script), "--report", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(BENCH.parent)}, timeout=120)
+
+
+def test_only_takes_every_label_given_and_refuses_one_no_row_has():
+    """--only repeated adds rows (it had kept the last one alone, so a run measured half of what was asked); a label
+    no row has, a typo, is refused with the script's rows, where it measured only the FP16 reference, silently."""
+    both = report("w4a8.py", "--only", "RTN W4A8 (per channel)", "--only", "QoQ W4A8 (per channel)")
+    assert both.returncode == 0, both.stderr
+    rows = [line.split("|")[1].strip() for line in both.stdout.splitlines() if line.startswith("| ")][1:]
+    assert rows == ["FP16", "RTN W4A8 (per channel)", "QoQ W4A8 (per channel)"]
+    typo = report("w4a8.py", "--only", "QoQ W4A8 (per chanel)")
+    assert typo.returncode == 2 and "no row is labelled 'QoQ W4A8 (per chanel)'" in typo.stderr
+    assert "'LiquidQuant (g64)'" in typo.stderr
+    for script, label in [("ablation_qoq.py", "+ reorder"), ("atom_anyprec.py", "SqueezeLLM 5-bit")]:
+        done = report(script, "--only", label)
+        assert done.returncode == 0 and label in done.stdout, done.stderr
