@@ -173,7 +173,7 @@ def main() -> None:
     py, results = sys.executable, []
 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
-    many = [*pytest, *test_workers(args.test_workers)]  # the steps of many tests, spread over the CPU's cores
+    many = [*pytest, *xdist_args(args.test_workers)]  # the steps of many tests, spread over the CPU's cores
     env = {}
     if args.kernel == "cuda":  # the device tests only: CI runs the rest (the warp simulator's among them)
         # every kernel module the run will load, built by NVRTC on all cores at once (or found built ahead and
@@ -253,7 +253,7 @@ def main() -> None:
     sys.exit(max((code for _, code, _ in results), default=0) != 0)
 
 
-def test_workers(workers: int) -> list[str]:
+def xdist_args(workers: int) -> list[str]:
     """pytest's arguments that spread a step's tests over `workers` processes (pytest-xdist, which the H200's image
     holds), or none where it is not installed or one is asked for. The device tests spend most of their time in the
     emulation's numpy on the CPU, one core each (the H200 lease of 112f7d7 ran 41 of 53 before its limit), and each

@@ -770,9 +770,9 @@ def test_gpu_check_spreads_tests_over_workers_only_with_xdist(monkeypatch):
 
     gpu_check = bench_module("gpu_check")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "xdist" else None)
-    assert gpu_check.test_workers(8) == ["-n", "8"] and gpu_check.test_workers(1) == []
+    assert gpu_check.xdist_args(8) == ["-n", "8"] and gpu_check.xdist_args(1) == []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert gpu_check.test_workers(8) == []
+    assert gpu_check.xdist_args(8) == []
 
 
 def test_gpu_check_validates_carried_artifacts_and_names_the_missing(tmp_path, monkeypatch):
