@@ -745,18 +745,23 @@ def test_gpu_check_benches_the_tuning_runs_fastest_configurations(tmp_path):
 def test_gpu_check_steps_leave_no_process_behind(tmp_path):
     """A step's children end with it (pytest-xdist's workers, the tuning's processes): here a sleep its shell left
     running in the background, which would otherwise outlive the step and share the GPU with the next one."""
-    import os
     import time
+    from pathlib import Path
 
     gpu_check = bench_module("gpu_check")
     results: list = []
     code = gpu_check.step("orphan", ["sh", "-c", "sleep 60 & echo $!"], tmp_path, results, limit=60)
     assert code == 0 and results[0][:2] == ("orphan", 0)
     pid = int((tmp_path / "gpu_check.log").read_text().split()[-1])
-    for _ in range(50):  # killed at once; reaped by init a moment later
+
+    def running() -> bool:  # a killed orphan is a zombie until its new parent reaps it: ended all the same
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    for _ in range(50):
+        if not running():
             break
         time.sleep(0.1)
     else:
