@@ -37,9 +37,14 @@ def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def width_label(method: str, bits: int) -> str:
+    """The label of a width row: what --only names and the ledger keys."""
+    return f"{method} {bits}-bit"
+
+
 def main() -> None:
     job = smollm2_job(__doc__, "quantkit-anyprec-", [label for label, _ in ATOM_ROWS] + [
-        f"{method} {b}-bit" for b in WIDTHS for method in ("Any-Precision", "SqueezeLLM", "RTN")])
+        width_label(method, b) for b in WIDTHS for method in ("Any-Precision", "SqueezeLLM", "RTN")])
     args, work = job.args, job.work
     calib = ["--calib", str(job.c4), "--overwrite"]
     fp_row = smollm2_row(job, "FP16", [])
@@ -63,16 +68,16 @@ def main() -> None:
     anyprec = work / "anyprec-3to8"
     results: dict[tuple[str, int], dict] = {}
     for b in WIDTHS:
-        r = row(f"Any-Precision {b}-bit", ["--recipe", "anyprec-3to8", *calib], "--bits", str(b), out=anyprec)
+        r = row(width_label("Any-Precision", b), ["--recipe", "anyprec-3to8", *calib], "--bits", str(b), out=anyprec)
         if r:
             results["Any-Precision", b] = r
-        r = row(f"SqueezeLLM {b}-bit", ["--recipe", "squeezellm-w3", "--set", f"weights.bits={b}",
-                                        "--set", f"weights.min_bits={b}", *calib], out=work / f"squeezellm-{b}")
+        r = row(width_label("SqueezeLLM", b), ["--recipe", "squeezellm-w3", "--set", f"weights.bits={b}",
+                                               "--set", f"weights.min_bits={b}", *calib], out=work / f"squeezellm-{b}")
         if r:
             results["SqueezeLLM", b] = r
-        r = row(f"RTN {b}-bit", ["--recipe", "rtn-w4a16-g128", "--set",
-                                 f"weights={{bits: {b}, symmetric: false, granularity: channel}}",
-                                 "--num-samples", "16", "--seq-len", "512", *calib], out=work / f"rtn-{b}")
+        r = row(width_label("RTN", b), ["--recipe", "rtn-w4a16-g128", "--set",
+                                        f"weights={{bits: {b}, symmetric: false, granularity: channel}}",
+                                        "--num-samples", "16", "--seq-len", "512", *calib], out=work / f"rtn-{b}")
         if r:
             results["RTN", b] = r
 
