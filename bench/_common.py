@@ -233,9 +233,10 @@ def _commit() -> str:
 def smollm2_row(job: SmolLM2Job, label: str, quantize_args: list[str], eval_args: tuple[str, ...] = (),
                 out: Path | None = None) -> dict | None:
     """Quantize SmolLM2 with `quantize_args` (unless empty: the FP16 model itself) and measure WikiText-2
-    perplexity (`eval_args`, e.g. --bits 3), through the ledger; returns {"ppl", "wall"} (wall None for FP16),
-    or None for a row not in the ledger with --report. Rows that share `out` (one artifact read at several
-    widths) quantize it once."""
+    perplexity (`eval_args`, e.g. --bits 3), through the ledger; returns {"ppl", "wall", "peak_rss_bytes"} (wall
+    and peak RSS, the quantize run's, None for FP16; rows measured before peak RSS was recorded lack it), or None
+    for a row not in the ledger with --report. Rows that share `out` (one artifact read at several widths)
+    quantize it once."""
     out = out or job.work / slug(label)
     windows = job.args.windows
     evaluated = out if quantize_args else job.model
@@ -245,7 +246,8 @@ def smollm2_row(job: SmolLM2Job, label: str, quantize_args: list[str], eval_args
     def run() -> dict:
         wall = quantize_cached(job.model, out, *quantize_args) if quantize_args else None
         ppl = eval_ppl(evaluated, job.data, windows, 2048, job.work / f"{slug(label)}.json", *eval_args)
-        return {"ppl": ppl, "wall": wall}
+        rss = manifest(out)["peak_rss_bytes"] if quantize_args else None
+        return {"ppl": ppl, "wall": wall, "peak_rss_bytes": rss}
 
     return job.ledger.measure(label, [c for c in (quant_cmd, eval_cmd) if c], run)
 

@@ -3,7 +3,11 @@
 Protocol (issue #2): WikiText-2 perplexity over the first 40 windows of 2048 tokens; calibration on the first
 32 windows of 2048 tokens of shared/data/c4 (documents in file order joined with "\\n\\n").
 
-    python bench/accuracy.py [--work DIR] [--windows 40] [--only LABEL ...] [--llmcompressor PYTHON]
+    python bench/accuracy.py [--work DIR] [--windows 40] [--only LABEL ...] [--remeasure none|stale|all] [--report]
+                             [--llmcompressor PYTHON]
+
+Each measured row is kept in the ledger bench/results/accuracy.json (see _common.Ledger), with the code, commit
+and CPU it was measured on; artifacts are kept under --work.
 
 With --llmcompressor (the python of a virtual environment with llm-compressor 0.14 installed), each GPTQ row
 also runs llm-compressor's GPTQModifier on the same token windows (bench/llmcompressor_gptq.py), so the
@@ -16,7 +20,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from _common import REPO, cpu_probe, eval_ppl, manifest, quantize_cached, smollm2_job, table
+from _common import REPO, eval_ppl, manifest, ppl_cells, slug, smollm2_job, smollm2_row, table
 
 VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
@@ -53,41 +57,45 @@ def llmcompressor_row(python: str, model: Path, c4: Path, artifact: Path, out: P
 def main() -> None:
     job = smollm2_job(__doc__, "quantkit-bench-", list(VARIANTS), lambda p: p.add_argument(
         "--llmcompressor", metavar="PYTHON", help="python of a venv with llm-compressor 0.14, for a side-by-side "
-        "GPTQ wall-time reference"))
-    args, model, data, c4, work = job.args, job.model, job.data, job.c4, job.work
-
-    probe_start = cpu_probe()
-    fp = eval_ppl(model, data, args.windows, 2048, work / "fp16.json")
-    rows = [["FP16 (GGUF dequantized)", f"{fp:.2f}", "-", "-", "-"]]
-    common = ["--calib", str(c4), "--num-samples", "32", "--seq-len", "2048", "--set", "calibration.sampling=first",
+        "GPTQ wall-time reference (measured on every run, not kept in the ledger)"))
+    args = job.args
+    if args.llmcompressor and args.report:
+        raise SystemExit("--llmcompressor measures; --report only reads the ledger")
+    common = ["--calib", str(job.c4), "--num-samples", "32", "--seq-len", "2048", "--set", "calibration.sampling=first",
               "--set", "weights.group_size=64", "--overwrite"]
-    for name, extra in VARIANTS.items():
-        if args.only and name not in args.only:
+    fp_row = smollm2_row(job, "FP16", [])
+    fp = fp_row["ppl"] if fp_row else float("nan")
+    rows = [["FP16 (GGUF dequantized)", *ppl_cells(fp_row, fp), "-", "-", job.ledger.provenance("FP16")]]
+    labels, ppls = ["FP16"], {}
+    for label, extra in VARIANTS.items():
+        if args.only and label not in args.only:
             continue
-        out = work / name.split()[0].lower().replace("(", "") / name.replace(" ", "_").replace("(", "").replace(")", "")
-        wall = quantize_cached(model, out, *extra, *common)
-        m = manifest(out)
-        ppl = eval_ppl(out, data, args.windows, 2048, out.with_suffix(".json"))
-        gap = (ppl - fp)
-        rows.append([name, f"{ppl:.2f}", f"{wall:.0f} s", f"{m['peak_rss_bytes'] / 2**30:.2f} GiB", f"{gap:+.2f}"])
-        if args.llmcompressor and name.startswith("GPTQ"):
+        r = smollm2_row(job, label, [*extra, *common])
+        rows.append([label, *ppl_cells(r, fp), f"{r['wall']:.0f} s" if r else "-", _gib(r and r.get("peak_rss_bytes")),
+                     job.ledger.provenance(label)])
+        labels.append(label)
+        if r is not None:
+            ppls[label] = r["ppl"]
+        if args.llmcompressor and label.startswith("GPTQ"):
+            out = job.work / slug(label)
             lc_out = out.with_name("llmcompressor_" + out.name)
-            report = llmcompressor_row(args.llmcompressor, model, c4, out, lc_out,
-                                       "none" if "off" in name else "static")
-            lc_ppl = eval_ppl(lc_out, data, args.windows, 2048, lc_out.with_suffix(".json"))
-            rows.append([f"llm-compressor 0.14 {name}", f"{lc_ppl:.2f}", f"{report['wall']:.0f} s",
-                         f"{report['peak_rss_bytes'] / 2**30:.2f} GiB", f"{lc_ppl - fp:+.2f}"])
-            print(f"{name}: quantkit / llm-compressor wall time = {wall / report['wall']:.2f}")
-    rtn = next((float(r[1]) for r in rows if r[0] == "RTN"), None)
-    print()
-    print(f"CPU probe (fp32 2048^3 matmul): {probe_start:.0f} GFLOP/s at the start, {cpu_probe():.0f} at the end; "
-          "wall times of cached rows come from earlier runs")
-    print(f"SmolLM2-135M, W4A16 sym g64, WikiText-2 ppl (first {args.windows} x 2048), calib 32 x 2048 c4")
-    print(table(["method", "wikitext2 ppl", "quantize wall", "peak RSS", "ppl - FP16"], rows))
-    if rtn is not None:
-        for r in rows[2:]:
-            closed = (rtn - float(r[1])) / (rtn - fp)
-            print(f"{r[0]}: closes {closed:.0%} of the RTN-to-FP16 gap")
+            report = llmcompressor_row(args.llmcompressor, job.model, job.c4, out, lc_out,
+                                       "none" if "off" in label else "static")
+            lc_ppl = eval_ppl(lc_out, job.data, args.windows, 2048, lc_out.with_suffix(".json"))
+            rows.append([f"llm-compressor 0.14 {label}", f"{lc_ppl:.2f}", f"{lc_ppl - fp:+.2f}",
+                         f"{report['wall']:.0f} s", _gib(report["peak_rss_bytes"]), "this run"])
+            print(f"{label}: quantkit / llm-compressor wall time = {r['wall'] / report['wall']:.2f}")
+    print(f"\nSmolLM2-135M, W4A16 sym g64, WikiText-2 ppl (first {args.windows} x 2048), calib 32 x 2048 c4")
+    print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "peak RSS", "measured with"], rows))
+    print(job.ledger.note(labels))
+    if "RTN" in ppls:
+        for label, ppl in ppls.items():
+            if label != "RTN":
+                print(f"{label}: closes {(ppls['RTN'] - ppl) / (ppls['RTN'] - fp):.0%} of the RTN-to-FP16 gap")
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def test_only_takes_every_label_given_and_refuses_one_no_row_has():
     typo = report("w4a8.py", "--only", "QoQ W4A8 (per chanel)")
     assert typo.returncode == 2 and "no row is labelled 'QoQ W4A8 (per chanel)'" in typo.stderr
     assert "'LiquidQuant (g64)'" in typo.stderr
-    for script, label in [("ablation_qoq.py", "+ reorder"), ("atom_anyprec.py", "SqueezeLLM 5-bit")]:
+    for script, label in [("ablation_qoq.py", "+ reorder"), ("atom_anyprec.py", "SqueezeLLM 5-bit"),
+                          ("accuracy.py", "GPTQ (static act-order)")]:
         done = report(script, "--only", label)
         assert done.returncode == 0 and label in done.stdout, done.stderr
