@@ -117,17 +117,20 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label).strip("_")
 
 
-def quantize_cached(model: Path, out: Path, *args: str) -> float:
-    """`quantkit quantize MODEL -o OUT ARGS`, skipped when OUT holds a finished artifact from an earlier run
-    of the same command, recipe file and quantkit code (its measured wall time is kept beside it); returns
-    wall seconds. A run of the same command and code that was interrupted (a session ended) continues with
-    --resume; its wall time is then the interrupted part's per-layer times plus the resumed run, and the stamp
-    says it was resumed."""
+_QUANTIZED_NOW: set[Path] = set()  # the artifacts this process quantized (rows that share one reuse it anyway)
+
+
+def quantize_cached(model: Path, out: Path, *args: str, reuse: bool = True) -> float:
+    """`quantkit quantize MODEL -o OUT ARGS`, skipped when OUT holds a finished artifact of the same command, recipe
+    file and quantkit code (its measured wall time is kept beside it) from an earlier run (with `reuse`) or from this
+    process; returns wall seconds. A run of the same command and code that was interrupted (a session ended)
+    continues with --resume; its wall time is then the interrupted part's per-layer times plus the resumed run, and
+    the stamp says it was resumed."""
     stamp = out.with_name(out.name + ".wall.json")
     started = out.with_name(out.name + ".started.json")
     cmd = ["quantize", str(model), "-o", str(out), *args]
     key = {"cmd": cmd, "recipe_sha256": _recipe_digest(args), "code_sha256": _code_digest()}
-    if stamp.exists() and (out / "quantkit_manifest.json").exists():
+    if (reuse or out in _QUANTIZED_NOW) and stamp.exists() and (out / "quantkit_manifest.json").exists():
         cached = json.loads(stamp.read_text())
         if {k: cached.get(k) for k in key} == key:
             return cached["wall"]
@@ -140,6 +143,7 @@ def quantize_cached(model: Path, out: Path, *args: str) -> float:
     started.write_text(json.dumps(key))
     wall = earlier + quantkit(*cmd)
     stamp.write_text(json.dumps({**key, "wall": wall, "resumed": earlier > 0}))
+    _QUANTIZED_NOW.add(out)
     return wall
 
 
@@ -244,7 +248,9 @@ def smollm2_row(job: SmolLM2Job, label: str, quantize_args: list[str], eval_args
     quant_cmd = ["quantize", str(job.model), "-o", str(out), *quantize_args] if quantize_args else []
 
     def run() -> dict:
-        wall = quantize_cached(job.model, out, *quantize_args) if quantize_args else None
+        # --remeasure all asks for a new measurement: a finished artifact's wall time from an earlier run will not do
+        reuse = job.ledger.remeasure != "all"
+        wall = quantize_cached(job.model, out, *quantize_args, reuse=reuse) if quantize_args else None
         ppl = eval_ppl(evaluated, job.data, windows, 2048, job.work / f"{slug(label)}.json", *eval_args)
         rss = manifest(out)["peak_rss_bytes"] if quantize_args else None
         return {"ppl": ppl, "wall": wall, "peak_rss_bytes": rss}
