@@ -30,3 +30,29 @@ def test_only_takes_every_label_given_and_refuses_one_no_row_has():
                           ("accuracy.py", "GPTQ (static act-order)")]:
         done = report(script, "--only", label)
         assert done.returncode == 0 and label in done.stdout, done.stderr
+
+
+def test_remeasure_all_quantizes_again_but_once_a_run(tmp_path, monkeypatch):
+    """A finished artifact of the same command and code serves its recorded wall time, except where the ledger
+    measures anew (--remeasure all): that had compared a fresh llm-compressor time with quantkit's of hours before.
+    An artifact this process quantized serves the rows that share it either way."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+
+    calls = []
+
+    def fake_quantkit(*args: str) -> float:
+        out = Path(args[args.index("-o") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "quantkit_manifest.json").write_text("{}")
+        calls.append(args)
+        return 10.0 * len(calls)
+
+    monkeypatch.setattr(_common, "quantkit", fake_quantkit)
+    monkeypatch.setattr(_common, "_QUANTIZED_NOW", set())
+    model, out = tmp_path / "model.gguf", tmp_path / "work" / "row"
+    assert _common.quantize_cached(model, out, "--recipe", "qqq") == 10.0
+    monkeypatch.setattr(_common, "_QUANTIZED_NOW", set())  # a later run of the bench
+    assert _common.quantize_cached(model, out, "--recipe", "qqq") == 10.0 and len(calls) == 1  # reused
+    assert _common.quantize_cached(model, out, "--recipe", "qqq", reuse=False) == 20.0 and len(calls) == 2
+    assert _common.quantize_cached(model, out, "--recipe", "qqq", reuse=False) == 20.0 and len(calls) == 2
