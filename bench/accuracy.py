@@ -59,8 +59,9 @@ def main() -> None:
         "--llmcompressor", metavar="PYTHON", help="python of a venv with llm-compressor 0.14, for a side-by-side "
         "GPTQ wall-time reference (measured on every run, not kept in the ledger)"))
     args = job.args
-    if args.llmcompressor and args.report:
-        raise SystemExit("--llmcompressor measures; --report only reads the ledger")
+    if args.llmcompressor and (args.report or args.remeasure != "all"):  # a ratio of two times measured together
+        raise SystemExit("--llmcompressor times llm-compressor now, beside quantkit's row measured in the same run: "
+                         "add --remeasure all (and --only the GPTQ rows), without --report")
     common = ["--calib", str(job.c4), "--num-samples", "32", "--seq-len", "2048", "--set", "calibration.sampling=first",
               "--set", "weights.group_size=64", "--overwrite"]
     fp_row = smollm2_row(job, "FP16", [])
