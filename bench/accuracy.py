@@ -71,20 +71,20 @@ def main() -> None:
     for label, extra in VARIANTS.items():
         if args.only and label not in args.only:
             continue
-        r = smollm2_row(job, label, [*extra, *common])
+        out = job.work / slug(label)  # the artifact llm-compressor's row reads its calibration windows from
+        r = smollm2_row(job, label, [*extra, *common], out=out)
         rows.append([label, *ppl_cells(r, fp), f"{r['wall']:.0f} s" if r else "-", _gib(r and r.get("peak_rss_bytes")),
                      job.ledger.provenance(label)])
         labels.append(label)
         if r is not None:
             ppls[label] = r["ppl"]
         if args.llmcompressor and label.startswith("GPTQ"):
-            out = job.work / slug(label)
             lc_out = out.with_name("llmcompressor_" + out.name)
             report = llmcompressor_row(args.llmcompressor, job.model, job.c4, out, lc_out,
                                        "none" if "off" in label else "static")
             lc_ppl = eval_ppl(lc_out, job.data, args.windows, 2048, lc_out.with_suffix(".json"))
-            rows.append([f"llm-compressor 0.14 {label}", f"{lc_ppl:.2f}", f"{lc_ppl - fp:+.2f}",
-                         f"{report['wall']:.0f} s", _gib(report["peak_rss_bytes"]), "this run"])
+            rows.append([f"llm-compressor 0.14 {label}", *ppl_cells({"ppl": lc_ppl}, fp), f"{report['wall']:.0f} s",
+                         _gib(report["peak_rss_bytes"]), "this run"])
             print(f"{label}: quantkit / llm-compressor wall time = {r['wall'] / report['wall']:.2f}")
     print(f"\nSmolLM2-135M, W4A16 sym g64, WikiText-2 ppl (first {args.windows} x 2048), calib 32 x 2048 c4")
     print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "peak RSS", "measured with"], rows))
