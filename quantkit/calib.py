@@ -41,6 +41,7 @@ import random
 import socket
 import struct
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -312,7 +313,7 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
                 yield from _iter_jsonl(handle, path, text_field)
         except UnicodeDecodeError as exc:
             raise CalibrationError(f"{path} is not UTF-8 text ({exc})") from exc
-        except (OSError, EOFError) as exc:  # truncated or corrupt .gz
+        except (OSError, EOFError, zlib.error) as exc:  # truncated or corrupt .gz (damaged deflate data: zlib.error)
             raise CalibrationError(f"cannot read {path}: {exc}") from exc
 
 
@@ -362,7 +363,14 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
     column_type = parquet.schema_arrow.field(text_field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise CalibrationError(f"{path}: column {text_field!r} has type {column_type}, not string")
-    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+    batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
+    while True:
+        try:  # a damaged data page fails here, past the footer that ParquetFile read
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as exc:
+            raise CalibrationError(f"cannot read {path} as parquet: {exc}") from exc
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
             if value is not None:
                 yield value

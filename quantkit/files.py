@@ -114,19 +114,23 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
 
     atomic_write_with(path, write)
 
 
 def atomic_write_with(path: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp_path)` creates the file (a library's own writer, say), which is then renamed onto `path`."""
+    """`write(tmp_path)` creates the file (a library's own writer, say), which is then fsynced and renamed onto
+    `path`: the name never points at bytes a crash of the machine could still lose."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:

@@ -205,7 +205,11 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
         targets = raw.get("targets", list(ROLES))
         if not isinstance(targets, list) or any(t not in ROLES for t in targets) or not targets:
             raise RecipeError(f"{where}.targets: expected a non-empty list of roles from {', '.join(ROLES)}")
-        passes = [_parse_pass(p, f"{where}.passes[{i}]") for i, p in enumerate(raw.get("passes") or [])]
+        entries = raw.get("passes") or []
+        if not isinstance(entries, list):
+            raise RecipeError(f"{where}.passes: expected a list of passes, each a mapping with a 'name' (one of "
+                              f"{', '.join(sorted(PASSES))}), got {type(entries).__name__} {entries!r}")
+        passes = [_parse_pass(p, f"{where}.passes[{i}]") for i, p in enumerate(entries)]
     except ConfigError as exc:
         raise RecipeError(str(exc)) from None
     _check_order(passes, where)

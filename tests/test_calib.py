@@ -8,6 +8,7 @@ import json
 import random
 import struct
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -391,3 +392,99 @@ def test_self_generated_rows_never_end_early(model, tokenizer):
     finally:
         handle.remove()
     assert cal.tokens.shape == (2, 16) and not (cal.tokens[:, 1:] == eos).any()
+
+
+def test_offline_lookup_of_a_named_set_asks_the_cache_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HF_HUB_OFFLINE set, a named set missing from the data dir is looked up in the local Hugging Face cache
+    only (local_files_only), even where the Hub would answer: offline means no download."""
+    import huggingface_hub
+
+    import quantkit.calib as calib
+
+    asked: list[bool] = []
+
+    def download(*args: object, local_files_only: bool = False, **kwargs: object) -> str:
+        asked.append(local_files_only)
+        raise FileNotFoundError("not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(calib, "_hub_unreachable", lambda timeout=3.0: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CalibrationError, match="HF_HUB_OFFLINE is set and it is not in the local cache"):
+        resolve_named_set("c4", tmp_path)
+    assert asked == [True]
+
+
+def test_blank_lines_between_json_rows_are_no_rows(tmp_path: Path) -> None:
+    """Blank lines in a JSON-lines file (a trailing newline too many, rows separated by an empty line, a "\\r\\n"
+    line) are skipped, not refused as lines that do not parse; a "" text field is still a row."""
+    path = tmp_path / "gaps.jsonl"
+    path.write_text('\n{"text": "a"}\n\n  \n{"text": ""}\r\n\r\n{"text": "b"}\n\n', encoding="utf-8")
+    assert list(iter_documents(path)) == ["a", "", "b"]
+
+
+def test_a_corrupt_compressed_or_parquet_file_is_named(tmp_path: Path) -> None:
+    """A .gz whose deflate data is damaged (zlib's own error, not an OSError) and a parquet file whose footer reads
+    but whose data pages are damaged (an OSError from inside pyarrow's batches) are calibration errors naming the
+    file, not tracebacks."""
+    text = "\n".join(f"Once upon a time number {i} there was a cat who liked to play." for i in range(3000))
+    packed = bytearray(gzip.compress(text.encode(), mtime=0))
+    packed[40:400] = bytes(b ^ 0x5A for b in packed[40:400])
+    (tmp_path / "bad.txt.gz").write_bytes(bytes(packed))
+    with pytest.raises(CalibrationError, match=r"cannot read .*bad\.txt\.gz"):
+        list(iter_documents(tmp_path / "bad.txt.gz"))
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": text.splitlines()}), path, compression="snappy")
+    data = bytearray(path.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    end = len(data) - 8 - footer  # the data pages, between the leading magic and the footer
+    data[4:end] = bytes(b ^ 0x5A for b in data[4:end])
+    path.write_bytes(bytes(data))
+    with pytest.raises(CalibrationError, match=r"cannot read .*bad\.parquet as parquet"):
+        list(iter_documents(path))
+
+
+def test_a_compressed_parquet_name_is_refused_as_a_file_type(tmp_path: Path, tokenizer: Any) -> None:
+    """Only the text formats may be compressed: a .parquet.gz is refused by its name, listing the types, before any
+    read (parquet compresses its own pages)."""
+    path = tmp_path / "docs.parquet.gz"
+    path.write_bytes(gzip.compress(b"not read", mtime=0))
+    with pytest.raises(CalibrationError, match="unsupported calibration file type"):
+        load_calibration(path, tokenizer, num_samples=1, seq_len=8)
+
+
+def test_random_windows_that_fit_the_stream_exactly_do_not_warn() -> None:
+    """The overlap warning is for a stream shorter than num_samples x seq_len; a stream of exactly that many tokens
+    could hold the windows side by side, so it draws them without a warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        windows = sample_windows(list(range(20)), num_samples=2, seq_len=10, seed=0, sampling="random")
+    assert windows.shape == (2, 10)
+
+
+def test_every_start_can_be_drawn_the_last_included() -> None:
+    """Random starts are drawn from all of [0, len(stream) - seq_len]: with two possible starts, 64 seeded draws take
+    both, the window that ends on the stream's last token included."""
+    with pytest.warns(UserWarning, match="necessarily overlap"):
+        windows = sample_windows(list(range(11)), num_samples=64, seq_len=10, seed=0, sampling="random")
+    assert {row[0] for row in windows.tolist()} == {0, 1}
+
+
+def test_a_missing_file_in_a_directory_is_named_as_a_file(tmp_path: Path, tokenizer: Any) -> None:
+    """A --calib path with directories but no suffix that is not there is a missing file, not looked up (and refused)
+    as a calibration set of that name."""
+    with pytest.raises(CalibrationError, match=r"calibration file .*missing[/\\]docs does not exist"):
+        load_calibration(tmp_path / "missing" / "docs", tokenizer, num_samples=1, seq_len=8)
+
+
+def test_a_directory_named_like_a_sets_file_is_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A named set's candidates in the data dir are files: a directory of the first candidate's name (an unpacked
+    archive, say) is passed over for the next candidate that is a file."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    first, second = load_named_set("tinystories").local[:2]
+    (tmp_path / first).mkdir(parents=True)
+    (tmp_path / second).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / second).write_text("Once upon a time.\n", encoding="utf-8")
+    assert resolve_named_set("tinystories", tmp_path) == tmp_path / second

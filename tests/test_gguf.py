@@ -102,3 +102,12 @@ def test_a_damaged_gguf_file_is_named_as_such(tmp_path):
         with pytest.raises(ModelError, match=rf"{name}: not a readable GGUF file, damaged or truncated .*; download"):
             gguf_to_safetensors(tmp_path / name, tmp_path / "cache")
     assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_a_directory_of_several_gguf_files_names_them(tmp_path: Path) -> None:
+    """A directory without config.json holding more than one .gguf (two quantizations of one model, say) is refused
+    naming the files to choose from, before any is read: quantkit does not pick one of them for the user."""
+    for name in ("model.Q4_1.gguf", "model.Q8_0.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF not read")
+    with pytest.raises(ModelError, match="several .gguf files, pass one of model.Q4_1.gguf, model.Q8_0.gguf"):
+        open_model(tmp_path, cache_dir=tmp_path / "cache")

@@ -1745,3 +1745,219 @@ def test_the_scan_stops_the_run_between_layers_with_the_finished_ones_kept(synth
         run_quantize(job, FindAfterFirst())
     assert len(found) == 1
     assert sorted(json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())["layers"]) == ["0"]
+
+
+def test_kept_tensors_are_written_in_the_artifacts_dtype(rtn_artifact: Path) -> None:
+    """Norms, biases and edges are written in the dtype config.json names (here float16), as the checkpoint held
+    them: a shard that kept a block's float32 copies would double their size and contradict its own config."""
+    config = json.loads((rtn_artifact / "config.json").read_text())
+    assert config["torch_dtype"] == "float16"
+    for shard in sorted(rtn_artifact.glob("model-*.safetensors")):
+        wrong = {k: t.dtype for k, t in read_safetensors(shard).items()
+                 if t.is_floating_point() and t.dtype != torch.float16}
+        assert wrong == {}, shard.name
+
+
+def test_resume_of_a_bfloat16_run_with_folded_norms_is_bit_identical(
+    synthetic: Path, calib_txt: Path, tmp_path: Path,
+) -> None:
+    """With --dtype bfloat16, the norms qqq's smoothing rewrites are rounded to bfloat16 (the artifact's dtype, not
+    float16) before the next block's inputs are computed, so a resumed run, which replays the shards, continues with
+    the very inputs the uninterrupted run had and writes the same bytes."""
+    recipe = load_recipe("qqq", ["calibration.num_samples=4", "calibration.seq_len=64", "export.format=quantkit"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "a", calib=str(calib_txt),
+                      dtype="bfloat16")
+    run_quantize(job)
+    interrupted = QuantizeJob(**{**job.__dict__, "output": tmp_path / "b"})
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(interrupted, _InterruptAfter(1))
+    summary = run_quantize(QuantizeJob(**{**interrupted.__dict__, "resume": True}))
+    assert [r.replayed for r in summary.layers] == [True, False, False]
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert artifact_digest(tmp_path / "a") == artifact_digest(tmp_path / "b")
+
+
+def test_resume_refuses_tokenizer_files_touched_since_the_interruption(
+    stories260k: Path, tinystories_txt: Path, tmp_path: Path,
+) -> None:
+    """The checkpoint stamp a resume compares covers the tokenizer files as the README says (tokenizer.json, its
+    config, a SentencePiece tokenizer.model), not only config.json and the weights: each one touched since the
+    interruption is refused and named; with every file as it was, the run resumes."""
+    model = shutil.copytree(stories260k, tmp_path / "model")
+    job = _interrupted(model, tinystories_txt, tmp_path / "b", "gptq-w4a16")
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        st = (model / name).stat()
+        os.utime(model / name, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with pytest.raises(QuantkitError, match=rf"checkpoint files changed since \({name}\)"):
+            run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+        os.utime(model / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    assert [r.replayed for r in summary.layers] == [True, False, False, False, False]
+
+
+def test_error_samples_sets_what_the_layer_error_is_measured_on(
+    synthetic: Path, calib_txt: Path, tmp_path: Path,
+) -> None:
+    """engine.error_samples only chooses the sequences the per-layer error is measured on: GPTQ (which reads every
+    window) writes the same shards whatever it is, the errors over the first 2 of 4 windows are not those over all
+    4, and error_samples equal to num_samples measures what null (all of them) does."""
+    runs = {}
+    for n in ("2", "4", "null"):
+        recipe = load_recipe("gptq-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64",
+                                                 f"engine.error_samples={n}"])
+        summary = run_quantize(QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / n,
+                                           calib=str(calib_txt)))
+        shards = {k: v for k, v in artifact_digest(tmp_path / n).items() if k.endswith(".safetensors")}
+        runs[n] = ([r.rel_error for r in summary.layers], shards)
+    assert runs["2"][1] == runs["4"][1] == runs["null"][1]
+    assert runs["4"][0] == runs["null"][0]
+    assert all(a != b for a, b in zip(runs["2"][0], runs["null"][0], strict=True))
+
+
+def test_windows_of_the_full_context_and_the_generation_config_pass_through(
+    stories260k: Path, tinystories_txt: Path, tmp_path: Path,
+) -> None:
+    """A --seq-len equal to the model's context (stories260K: 512) is used as it is, with no warning that it exceeds
+    it, and the artifact carries the checkpoint's generation_config.json unchanged (engines read its sampling
+    defaults and token ids from there); one past the context is capped to it, saying so."""
+    out = tmp_path / "out"
+    result = cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", out, "--calib", tinystories_txt,
+                    "--num-samples", "2", "--seq-len", "512")
+    assert "exceeds the model's context" not in result.output
+    assert yaml.safe_load((out / "quantkit_recipe.yaml").read_text())["calibration"]["seq_len"] == 512
+    assert (out / "generation_config.json").read_bytes() == (stories260k / "generation_config.json").read_bytes()
+    result = cli_ok("quantize", stories260k, "--recipe", "gptq-w4a16", "-o", tmp_path / "capped", "--calib",
+                    tinystories_txt, "--num-samples", "2", "--seq-len", "513")
+    assert "calibration.seq_len 513 exceeds the model's context (max_position_embeddings 512); using windows of " \
+           "512 tokens" in " ".join(result.output.split())
+    assert yaml.safe_load((tmp_path / "capped" / "quantkit_recipe.yaml").read_text())["calibration"]["seq_len"] == 512
+
+
+def test_a_relative_calib_path_is_saved_absolute(
+    synthetic: Path, calib_txt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --calib given relative to the working directory is recorded absolute, in the saved recipe and as the
+    manifest's calibration source, so that quantizing again from the saved recipe elsewhere reads the same file and
+    calibrates on the same tokens, where the relative name would not be found."""
+    monkeypatch.chdir(Path(calib_txt).parent)
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", Path(calib_txt).name, *FAST)
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    assert manifest["calibration"]["source"] == str(Path(calib_txt).resolve())
+    assert yaml.safe_load((out / "quantkit_recipe.yaml").read_text())["calibration"]["dataset"] == \
+        str(Path(calib_txt).resolve())
+    monkeypatch.chdir(tmp_path)
+    cli_ok("quantize", synthetic, "--recipe", out / "quantkit_recipe.yaml", "-o", tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "quantkit_manifest.json").read_text())
+    assert again["calibration"]["sha256"] == manifest["calibration"]["sha256"]
+
+
+def test_a_checkpoint_whose_config_says_quantized_is_refused(synthetic: Path, calib_txt: Path, tmp_path: Path) -> None:
+    """A checkpoint another tool quantized (config.json holds a quantization_config, no quantkit manifest) is
+    refused as already quantized, before any work, rather than read as a floating-point model."""
+    model = shutil.copytree(synthetic, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (model / "config.json").write_text(json.dumps(config))
+    _fails(tmp_path, "quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+           tmp_path / "out", match="is already quantized (its config.json has a quantization_config); quantize the "
+           "original floating-point checkpoint")
+
+
+def test_resume_on_a_device_other_than_the_interrupted_runs_is_refused(
+    synthetic: Path, calib_txt: Path, tmp_path: Path,
+) -> None:
+    """The identity a resume compares holds the device this run asks for: a CPU run resumed with device cuda is
+    refused before any layer runs (on a machine without a GPU too), naming both devices."""
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
+    with pytest.raises(QuantkitError, match="differs from this one: device 'cpu' vs 'cuda'"):
+        run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "device": "cuda"}))
+
+
+def test_step_totals_sum_each_step_over_layers_largest_first() -> None:
+    """The summary's "time by step" row sums each step over the layers and lists the largest first, so the pass to
+    tune comes first."""
+    from quantkit.pipeline import LayerReport, step_totals
+
+    layers = [LayerReport(0, 0.1, 3.0, step_seconds={"load": 1.0, "gptq": 2.0}),
+              LayerReport(1, 0.1, 4.0, step_seconds={"load": 0.5, "gptq": 3.0, "hessians": 4.0})]
+    assert list(step_totals(layers).items()) == [("gptq", 5.0), ("hessians", 4.0), ("load", 1.5)]
+
+
+def test_the_memory_check_counts_only_the_cached_error_windows_of_a_data_free_recipe(
+    synthetic: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RTN reads no activations, so only engine.error_samples windows are embedded and cached: its memory check
+    counts those, and passes where GPTQ, caching every window, is refused with the sizes."""
+    from quantkit.models.source import open_model
+    from quantkit.pipeline import _check_cache_fits
+
+    source = open_model(synthetic)
+    monkeypatch.setattr("quantkit.pipeline._available_memory", lambda: 32 << 20)
+    overrides = ["calibration.num_samples=1000", "calibration.seq_len=64", "engine.error_samples=4"]
+    _check_cache_fits(load_recipe("rtn-w4a16-g128", overrides), source)
+    with pytest.raises(QuantkitError, match="calibration on 1000 windows of 64 tokens keeps 0.1 GiB of activations"):
+        _check_cache_fits(load_recipe("gptq-w4a16-g128", overrides), source)
+
+
+def test_the_summary_names_the_layer_of_the_largest_error(synthetic: Path, calib_txt: Path, tmp_path: Path) -> None:
+    """The summary table's error rows give the mean and the maximum of the manifest's layer errors and name the
+    layer of each maximum, the attention sink's apart."""
+    import re
+
+    out = tmp_path / "out"
+    said = " ".join(cli_ok("quantize", synthetic, "--recipe", "gptq-w4a16-g128", "-o", out, "--calib", calib_txt,
+                           *FAST).output.split())
+    layers = json.loads((out / "quantkit_manifest.json").read_text())["layers"]
+    errors = [r["rel_error"] for r in layers]
+    sinks = [r["metrics"]["sink_rel_error"] for r in layers]
+    assert errors.index(max(errors)) != errors.index(min(errors)) and sinks.index(max(sinks)) != sinks.index(min(sinks))
+    row = re.search(r"mean (\S+), max (\S+) \(layer (\d+); attention sink apart\)", said)
+    assert row and [float(row[1]), float(row[2]), int(row[3])] == [
+        round(sum(errors) / len(errors), 4), round(max(errors), 4), errors.index(max(errors))], said
+    sink = re.search(r"rel\. error max (\S+) \(layer (\d+)\)", said)
+    assert sink and [float(sink[1]), int(sink[2])] == [round(max(sinks), 4), sinks.index(max(sinks))], said
+
+
+def test_a_shard_write_cut_short_leaves_the_old_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard whose writer fails half-way (a full disk, a kill) leaves the shard that was there, readable and
+    unchanged, and no temp file beside it: shards go through a temp file and a rename, as the journal does."""
+    from quantkit.artifact import atomic_save_safetensors
+
+    path = tmp_path / "model-00001-of-00004.safetensors"
+    atomic_save_safetensors({"w": torch.arange(4, dtype=torch.float16)}, path)
+
+    def half(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        Path(filename).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("quantkit.artifact.save_file", half)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save_safetensors({"w": torch.zeros(4, dtype=torch.float16)}, path)
+    assert torch.equal(read_safetensors(path)["w"], torch.arange(4, dtype=torch.float16))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_shard_is_on_disk_before_its_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's bytes are fsynced before the rename puts it in place, as the journal's are: the journal records a
+    shard (and the manifest lists it) only once it is written, and a crash of the machine must not leave that name
+    pointing at bytes the page cache had not yet written."""
+    from quantkit.artifact import atomic_save_safetensors
+
+    path = tmp_path / "model-00001-of-00004.safetensors"
+    events: list[tuple] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def spy_replace(src: str, dst: str | Path) -> None:
+        events.append(("replace", Path(dst).name))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    atomic_save_safetensors({"w": torch.arange(4, dtype=torch.float16)}, path)
+    monkeypatch.undo()
+    assert events == [("fsync", path.stat().st_ino), ("replace", path.name)]

@@ -1,5 +1,7 @@
 """Recipe loading, validation errors that name the field, and --set overrides."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -186,3 +188,53 @@ def test_a_missing_recipe_file_is_named_not_taken_for_a_bundled_name(tmp_path, m
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError, match=r"recipe file rtn-w8a8\.yaml not found"):
         load_recipe("rtn-w8a8.yaml")
+
+
+@pytest.mark.parametrize("value", ["3", "true", "gptq", "{name: gptq}"])
+def test_passes_that_are_not_a_list_are_refused_naming_the_field(value: str) -> None:
+    """`passes` given as a scalar or a mapping (a --set or an indentation slip) is a clear error naming the field: an
+    int or bool crashed with a TypeError traceback, and a string or mapping was iterated into "passes[0]" errors."""
+    with pytest.raises(RecipeError, match=r"gptq-w4a16\.yaml\.passes: expected a list of passes, each a mapping "):
+        load_recipe("gptq-w4a16", [f"passes={value}"])
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("calibration.seed=true", "calibration.seed: expected an integer, got True"),
+    ("passes.gptq.damp=true", r"\(gptq\)\.damp: expected a number, got True"),
+    ("weights.symmetric=1", "weights.symmetric: expected true or false, got 1"),
+    ("calibration.text_field=5", "calibration.text_field: expected a string, got 5"),
+])
+def test_a_value_of_another_yaml_type_is_refused(override: str, match: str) -> None:
+    """YAML's true is not the integer 1 nor the number 1.0, 1 is not true, and 5 is not the text "5": each is
+    refused naming the field, where Python's bool-is-int (or no check at all) would have run something else."""
+    with pytest.raises(RecipeError, match=match):
+        load_recipe("gptq-w4a16-g128", [override])
+
+
+def test_passes_are_numbered_from_zero_and_a_number_past_the_last_is_named() -> None:
+    """`--set passes.N.field` addresses the pass at index N (qqq: 0 smooth, 1 gptq), and an index past the last pass
+    is an error naming the recipe's passes, not an IndexError."""
+    recipe = load_recipe("qqq", ["passes.1.damp=0.05"])
+    assert [p.name for p in recipe.passes] == ["smooth", "gptq"] and recipe.passes[1].config.damp == 0.05
+    with pytest.raises(RecipeError, match=r"no pass '1' at passes\.1; the recipe's passes are \['gptq'\]"):
+        load_recipe("gptq-w4a16-g128", ["passes.1.damp=0.05"])
+
+
+@pytest.mark.parametrize(("recipe", "override", "match"), [
+    ("gptq-w4a16-g128", "calibration.seq_len=1", "seq_len at least 2"),
+    ("gptq-w4a16-g128", "engine.error_samples=0", "error_samples must be positive or null, got 0"),
+    ("rtn-w8a8", "activations.clip_ratio=1.5", r"activation clip_ratio must be in \(0, 1\], got 1.5"),
+])
+def test_values_out_of_their_range_are_refused(recipe: str, override: str, match: str) -> None:
+    """A one-token window (no token but the attention sink to measure), zero error samples (which would read as
+    "all") and an activation clip ratio above 1 (widening the range) are refused where --set gives them."""
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(recipe, [override])
+
+
+def test_set_fills_a_section_the_recipe_file_leaves_null(tmp_path: Path) -> None:
+    """`--set activations.bits=8` adds the section to a recipe that says `activations: null`, as to one without the
+    key (README: "this adds the section when the recipe has none")."""
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nactivations: null\npasses: [{name: rtn}]\n")
+    assert load_recipe(path, ["activations.bits=8"]).activations.bits == 8

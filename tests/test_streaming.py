@@ -363,3 +363,90 @@ def test_a_config_transformers_refuses_is_named(synthetic, tmp_path, key, value,
     (d / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(ModelError, match=match):
         open_model(d)
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    """A safetensors file of the given header and data bytes, written byte for byte (no library check)."""
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(("header", "data", "match"), [
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 6,
+     "corrupt \\(trailing bytes\\) safetensors: tensors need 4 data bytes, file has 6"),
+    ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "corrupt safetensors header entry for 'w'"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}}, b"\0" * 4,
+     "corrupt safetensors header entry for 'w'"),
+])
+def test_a_safetensors_header_that_does_not_describe_its_data_is_refused(
+    tmp_path: Path, header: dict, data: bytes, match: str,
+) -> None:
+    """Bytes past the last tensor (another file's tail, a concatenation), a dtype safetensors does not have and a
+    tensor whose data ends before it starts are each named as a corrupt file when the checkpoint is opened."""
+    from quantkit.models.source import check_safetensors
+
+    with pytest.raises(ModelError, match=match):
+        check_safetensors(_raw_safetensors(tmp_path / "m.safetensors", header, data))
+
+
+def test_a_file_cut_inside_its_header_is_named_truncated(stories260k: Path, tmp_path: Path) -> None:
+    """A copy cut short before its header ends (a download stopped in its first kilobytes) says truncated, with the
+    header's length and the file's, not only that the header does not parse."""
+    d = _copy_model(stories260k, tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:200])
+    with pytest.raises(ModelError, match=r"corrupt or truncated safetensors \(header says \d+ bytes, file has 200\)"):
+        open_model(d)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_a_nan_weight_is_named_whatever_the_checkpoint_dtype(tmp_path: Path, dtype: str) -> None:
+    """A read of a layer checks its tensors for NaN in every floating dtype a checkpoint stores, bfloat16 (Llama 3's)
+    included, not only in the one the synthetic models use."""
+    from helpers import set_weight
+
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    d = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                             num_hidden_layers=2, num_attention_heads=4,
+                                                             num_key_value_heads=2, dtype=dtype))
+    set_weight(d, "model.layers.1.mlp.up_proj.weight", float("nan"), at=(3, 4))
+    source = open_model(d)
+    assert source.checkpoint_dtype == getattr(torch, dtype)
+    with pytest.raises(ModelError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' has 1 NaN/Inf"):
+        source.layer_tensors(1)
+
+
+def test_content_digest_rehashes_a_file_of_another_size_at_the_same_mtime(tmp_path: Path) -> None:
+    """The digest memo is keyed by size and mtime together: a file rewritten to another length and given back its
+    old mtime (a copy tool that keeps times) is hashed again, not handed the old digest (which would reuse a GGUF
+    conversion or Fisher cache of other bytes)."""
+    import hashlib
+    import os
+
+    from quantkit.models.source import content_digest
+
+    cache = tmp_path / "cache"
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 1000)
+    st = f.stat()
+    assert content_digest(f, cache) == hashlib.sha256(b"x" * 1000).hexdigest()
+    f.write_bytes(b"x" * 1001)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert content_digest(f, cache) == hashlib.sha256(b"x" * 1001).hexdigest()
+
+
+def test_a_missing_nested_path_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only OWNER/NAME is a hub id: a missing local path of more parts (a typo in runs/llama/out) is named as
+    missing, at once, never looked up on the Hub (a download attempt that would fail slowly, offline, with
+    another error)."""
+    import quantkit.models.source as source
+
+    monkeypatch.setattr(source, "_download", lambda repo_id: pytest.fail(f"{repo_id} was looked up on the hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="runs/llama/out: no such model directory or file"):
+        open_model("runs/llama/out")
