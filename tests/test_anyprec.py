@@ -538,3 +538,56 @@ def test_kmeanspp_never_draws_a_value_twice_while_others_are_left():
     rows = SortedRows.build(w, torch.ones_like(w))
     starts = _kmeanspp_starts(rows, 5, torch.Generator().manual_seed(0))
     assert torch.equal(starts, rows.values)
+
+
+def test_kmeanspp_draws_only_values_with_sensitivity() -> None:
+    """Each k-means++ draw has probability f x D^2, so exact zeros (f = 0) are never drawn, however far they lie."""
+    # Rows [0, 0, 0, 0, 1, 2, 3, 4] with unit sensitivities: the four starts are always 1..4 (500 rows: 500
+    # independent draws of each step); unweighted D^2 draws would pick a zero now and then.
+    w = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(500, 1)
+    rows = SortedRows.build(w, torch.ones_like(w))
+    starts = _kmeanspp_starts(rows, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(starts, torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64).repeat(500, 1))
+
+
+def test_interval_without_sensitivity_takes_its_plain_mean() -> None:
+    """A cluster whose members all have sensitivity 0 takes their plain mean; an empty one keeps its given value."""
+    # Row [1, 2, 10, 11] with f = [0, 0, 1, 3] cut at 2 and 4: (1 + 2) / 2 = 1.5, (10 + 33) / 4 = 10.75, then empty.
+    rows = SortedRows.build(torch.tensor([[1.0, 2.0, 10.0, 11.0]]), torch.tensor([[0.0, 0.0, 1.0, 3.0]]))
+    previous = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    assert rows.means(torch.tensor([[0, 2, 4, 4]]), previous).tolist() == [[1.5, 10.75, -3.0]]
+
+
+def test_squeezellm_pass_clusters_with_the_engines_fisher() -> None:
+    """The squeezellm pass gives any_precision's codes and fp16 tables for the linear's Fisher, not unweighted ones."""
+    # Tables are stored narrowest first; the unweighted clustering differs, so the check is not vacuous.
+    from torch import nn
+
+    from quantkit.passes import LayerWork
+    from quantkit.passes.squeezellm import SqueezeLLM, SqueezeLLMConfig
+    from quantkit.quantizers import QuantSpec, lut_width
+
+    w, f = _row_problem(n=4, k=64, seed=3)
+    f = torch.exp(4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(4)))  # heavy-tailed, as Fisher is
+    block = nn.ModuleDict({"lin": nn.Linear(64, 4, bias=False)})
+    block["lin"].weight.data = w.clone()
+    spec = QuantSpec(bits=4, granularity="channel", codebook=True, min_bits=2)
+    work = LayerWork(index=0, block=block, linears={"lin": "down"}, specs={"lin": spec}, fisher={"lin": f})
+    SqueezeLLM(SqueezeLLMConfig()).run(work)
+    got = work.results["lin"]
+    codes, luts = any_precision(w, f, 2, 4)
+    assert torch.equal(got.codes.long() + 8, codes)
+    for bits in (2, 3, 4):
+        assert torch.equal(lut_width(got.qparams.lut, spec, bits), luts[bits].half().float()), bits
+    unweighted, _ = any_precision(w, torch.ones_like(f), 2, 4)
+    assert not torch.equal(codes, unweighted)
+
+
+def test_quantile_start_takes_the_value_where_the_weight_reaches_the_target() -> None:
+    """The quantile start takes the first sorted value whose running weight reaches (j + 1/2) / k, not the next one."""
+    # Row 1..8, unit weights, two clusters: targets 2 and 6 pick the values 2 and 6 (not 3 and 7); one Lloyd step
+    # splits at their midpoint 4, giving centroids 2.5 and 6.5.
+    w = torch.arange(1.0, 9.0)[None]
+    centroids, borders = kmeans_rows(SortedRows.build(w, torch.ones_like(w)), 2, max_iter=1, restarts=0)
+    assert borders.tolist() == [[0, 4, 8]]
+    assert centroids.tolist() == [[2.5, 6.5]]

@@ -427,3 +427,42 @@ def test_atom_check_compares_every_groups_int32_sums():
         emulation.partials = np.array(emulation.partials)
         emulation.partials[group, 0, 0] += 1
         assert not check_atom(emulation, q, x, 4, 0.9).exact, group
+
+
+def test_gptq_along_the_natural_order_keeps_the_outlier_groups_g_idx() -> None:
+    """GPTQ's natural-order Atom groups keep g_idx (the outlier group is not group_size wide), so it dequantizes."""
+    # Groups of 32, then the 16 INT8 outlier columns: g_idx equals k // 32, but scales [N, 3] of groups of 32 do not
+    # cover K = 80 without it. With a diagonal Hessian (no error moves) the result is exactly round-to-nearest's.
+    w, _, _ = _problem()
+    h = torch.diag(torch.rand(80, generator=torch.Generator().manual_seed(1)) + 0.5)
+    config = GPTQConfig(act_order=False, static_groups=False)
+    result, _ = gptq_with_factor(w, factor_hessian(h, config), ATOM, config, torch.float32)
+    codes, qp, g_idx = ordered_quantize(w, ATOM, torch.arange(80), torch.float32)
+    assert result.g_idx is not None and result.g_idx.tolist() == [0] * 32 + [1] * 32 + [2] * 16
+    assert torch.equal(result.codes, codes) and torch.equal(result.qparams.scale, qp.scale)
+    assert torch.equal(result.dequantize(), dequantize(codes, qp, g_idx))
+
+
+def test_gptq_pass_without_an_outlier_order_keeps_the_natural_order() -> None:
+    """Without outlier_order, the GPTQ pass takes INT8 outliers from the last natural columns, also in act-order."""
+    # As RTN and the README say; act-order would visit the most active columns first and leave the least active, last
+    # visited, for the INT8 group. The natural outlier columns here carry the largest inputs.
+    from torch import nn
+
+    from quantkit.passes import LayerWork
+    from quantkit.passes.gptq import GPTQ
+
+    w, x, _ = _problem()
+    x[:, 64:] *= 10
+    h = 2 * x.T @ x / x.shape[0]
+    block = nn.ModuleDict({"lin": nn.Linear(80, 8, bias=False)})
+    block["lin"].weight.data = w.clone()
+    config = GPTQConfig(act_order=True, static_groups=False)
+    work = LayerWork(index=0, block=block, linears={"lin": "down"}, specs={"lin": ATOM}, scale_dtype=torch.float32,
+                     hessians={"down": h.clone()})
+    GPTQ(config).run(work)
+    got = work.results["lin"]
+    expected, _ = gptq_with_factor(w, factor_hessian(h, config, order=torch.arange(80)), ATOM, config, torch.float32)
+    assert got.g_idx.tolist() == [0] * 32 + [1] * 32 + [2] * 16
+    assert torch.equal(got.codes, expected.codes) and torch.equal(got.qparams.scale, expected.qparams.scale)
+    assert got.codes[:, 64:].abs().max() > 7  # INT8 codes on the large columns

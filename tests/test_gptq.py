@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from quantkit.passes import LayerWork
 from quantkit.passes.gptq import GPTQConfig, gptq_quantize
 from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, quantize
 
@@ -259,3 +260,112 @@ def test_rtn_pass_applies_the_clip_search_ratios():
     torch.testing.assert_close(result.qparams.scale.reshape(2, 2), scale, rtol=1e-6, atol=0)
     codes = torch.clamp(torch.round(w / scale.repeat_interleave(16, dim=1)), -8, 7)
     assert torch.equal(result.codes.to(torch.float32), codes)
+
+
+def test_damping_escalates_tenfold_up_to_and_including_max_damp() -> None:
+    """Failed Cholesky damping grows tenfold (0.01 -> 0.1) and may reach max_damp itself (1.0 with max_damp 1.0)."""
+    # diag(1, 1, 1, d) + damp x mean I is positive definite once damp x (3 + d) / 4 > -d: d = -0.05 fails at 0.01 and
+    # factors at 0.1 (doubling would stop at 0.08); d = -0.5 needs damp 1.0, which max_damp = 1.0 allows.
+    w = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    spec = QuantSpec(granularity="channel")
+    h = torch.diag(torch.tensor([1.0, 1.0, 1.0, -0.05]))
+    _, damp, _ = gptq_quantize(w, h, spec, GPTQConfig(damp=0.01), torch.float32)
+    assert damp == pytest.approx(0.1, rel=1e-12)
+    h = torch.diag(torch.tensor([1.0, 1.0, 1.0, -0.5]))
+    _, damp, _ = gptq_quantize(w, h, spec, GPTQConfig(damp=0.01, max_damp=1.0), torch.float32)
+    assert damp == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dynamic_groups_wider_than_a_block_take_every_column_of_the_group(symmetric: bool) -> None:
+    """A dynamic group's parameters come from all its columns, also those in later blocks (block 8, groups of 16)."""
+    # With a diagonal Hessian no error moves, so parameters and codes equal round-to-nearest's exactly.
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(6, 64, generator=g)
+    spec = QuantSpec(bits=4, symmetric=symmetric, granularity="group", group_size=16)
+    cfg = GPTQConfig(block_size=8, act_order=False, static_groups=False)
+    result, _, _ = gptq_quantize(w, torch.diag(torch.rand(64, generator=g) + 0.5), spec, cfg, torch.float16)
+    rtn = compute_qparams(w, spec, torch.float16)
+    assert result.g_idx is None
+    assert torch.equal(result.qparams.scale, rtn.scale)
+    assert result.qparams.zero is None if symmetric else torch.equal(result.qparams.zero, rtn.zero)
+    assert torch.equal(result.codes, quantize(w, rtn, spec))
+
+
+def _pass_work(w: torch.Tensor, spec: QuantSpec, h: torch.Tensor, **fields: object) -> LayerWork:
+    """A LayerWork of one linear `lin` (role down) holding weight `w`, its Hessian and the given statistics."""
+    from torch import nn
+
+    block = nn.ModuleDict({"lin": nn.Linear(w.shape[1], w.shape[0], bias=False)})
+    block["lin"].weight.data = w.clone()
+    return LayerWork(index=0, block=block, linears={"lin": "down"}, specs={"lin": spec}, scale_dtype=torch.float16,
+                     hessians={"down": h.clone()}, **fields)
+
+
+def test_gptq_pass_quantizes_with_the_clip_search_ratios() -> None:
+    """The GPTQ pass sweeps with the ratios a clipping search left in `work.clip`, as gptq_quantize(clip=...) does."""
+    from quantkit.passes.gptq import GPTQ
+
+    w, h, _ = _problem(n=8, k=64, seed=14)
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=16)
+    cfg = GPTQConfig(block_size=16, act_order=False, static_groups=True)
+    ratios = torch.linspace(0.6, 1.0, 8)[:, None].repeat(1, 4)
+    work = _pass_work(w, spec, h, clip={"lin": ratios})
+    GPTQ(cfg).run(work)
+    expected, _, _ = gptq_quantize(w, h, spec, cfg, torch.float16, clip=ratios)
+    plain, _, _ = gptq_quantize(w, h, spec, cfg, torch.float16)
+    got = work.results["lin"]
+    assert torch.equal(got.qparams.scale, expected.qparams.scale) and torch.equal(got.codes, expected.codes)
+    assert not torch.equal(got.qparams.scale, plain.qparams.scale)
+    assert "down" not in work.hessians  # consumed
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_pass_forms_groups_along_the_layers_column_order(act_order: bool) -> None:
+    """The GPTQ pass visits a given column order (Atom) whatever act_order says, its groups and outliers along it."""
+    # The factor's permutation is the order, and the result equals gptq_with_factor's along it.
+    from quantkit.passes.gptq import GPTQ, factor_hessian, gptq_with_factor
+
+    w, h, _ = _problem(n=8, k=64, seed=15)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(2))
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=16, outliers=16)
+    cfg = GPTQConfig(block_size=16, act_order=act_order, static_groups=False)
+    factor = factor_hessian(h, cfg, order=order)
+    assert torch.equal(factor.perm, order) and factor.ordered
+    expected, _ = gptq_with_factor(w, factor, spec, cfg, torch.float16)
+    work = _pass_work(w, spec, h, column_order={"down": order})
+    GPTQ(cfg).run(work)
+    got = work.results["lin"]
+    assert got.g_idx[order].tolist() == [0] * 16 + [1] * 16 + [2] * 16 + [3] * 16
+    assert torch.equal(got.g_idx, expected.g_idx) and torch.equal(got.codes, expected.codes)
+    assert torch.equal(got.qparams.scale, expected.qparams.scale)
+
+
+def test_rtn_pass_splits_atom_outliers_without_a_column_order() -> None:
+    """RTN with an Atom spec but no column order puts the INT8 outliers on the last columns in natural order."""
+    # Exactly ordered_quantize along the identity order, as the README says ("natural order without it").
+    from quantkit.passes.rtn import RTN, RTNConfig
+    from quantkit.quantizers import ordered_quantize
+
+    w, h, _ = _problem(n=8, k=64, seed=16)
+    w[:, 48:] *= 20  # outlier columns: INT4 codes of them would saturate
+    spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=16, outliers=16, row_block=2)
+    work = _pass_work(w, spec, h)
+    RTN(RTNConfig()).run(work)
+    got = work.results["lin"]
+    codes, qp, g_idx = ordered_quantize(w, spec, torch.arange(64), torch.float16)
+    assert got.g_idx.tolist() == [0] * 16 + [1] * 16 + [2] * 16 + [3] * 16 and torch.equal(got.g_idx, g_idx)
+    assert torch.equal(got.codes, codes) and torch.equal(got.qparams.scale, qp.scale)
+    assert got.codes[:, 48:].abs().max() > 7
+
+
+def test_blocked_cholesky_inverse_covers_every_block_of_columns() -> None:
+    """The off-CPU (L L^T)^-1, one block of identity columns at a time, is right in every block, the partial last."""
+    # Blocks of 4 over K = 10, checked in float64 against torch.linalg.inv.
+    from quantkit.passes.gptq import _cholesky_inverse
+
+    x = torch.randn(40, 10, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    a = x.T @ x + 0.1 * torch.eye(10, dtype=torch.float64)
+    out = torch.empty_like(a)
+    _cholesky_inverse(torch.linalg.cholesky(a), out, block=4)
+    torch.testing.assert_close(out, torch.linalg.inv(a), rtol=1e-9, atol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -195,3 +197,33 @@ def test_attention_clip_ratio_minimizes_the_attention_output_error(block_work):
     assert torch.equal(module.weight.data, original)
     assert chosen == pytest.approx(min(errors, key=errors.get))
     assert max(errors.values()) > 1.01 * min(errors.values())  # not vacuous: the ratios differ
+
+
+def test_clip_grid_count_survives_float_error() -> None:
+    """The clip grid still ends at min_ratio when (1 - min_ratio) / step falls just below an integer."""
+    # (1 - 0.7) / 0.1 and (1 - 0.4) / 0.2 are both 2.9999999999999996: rounded, not truncated, the count is 3.
+    from quantkit.passes.clip import _grid
+
+    assert _grid(0.7, 0.1) == pytest.approx([1.0, 0.9, 0.8, 0.7])
+    assert _grid(0.4, 0.2) == pytest.approx([1.0, 0.8, 0.6, 0.4])
+
+
+def test_clip_pass_gives_q_and_k_one_attention_ratio_and_the_rest_hessian_ratios(
+        block_work: Callable[..., LayerWork]) -> None:
+    """The clip pass gives q_proj and k_proj the attention objective's one ratio, other linears the Hessian search's."""
+    from quantkit.passes.clip import Clip, ClipConfig, _grid, hessian_clip_search
+    from quantkit.quantizers import QuantSpec
+
+    work = block_work(None)
+    spec = QuantSpec(bits=3, symmetric=True, granularity="group", group_size=32)
+    work.specs = dict.fromkeys(work.linears, spec)
+    clip = Clip(ClipConfig())
+    clip.run(work)
+    a = work.adapter
+    for name in (a.q_proj, a.k_proj):
+        assert isinstance(work.clip[name], float), name
+        assert work.clip[name] == clip._attention_ratio(work, name)
+    for name in set(work.linears) - {a.q_proj, a.k_proj}:
+        w = work.weight(name).detach().float()
+        expected, _ = hessian_clip_search(w, work.hessian(name), spec, work.scale_dtype, _grid(0.5, 0.02))
+        assert torch.equal(work.clip[name], expected), name

@@ -245,3 +245,35 @@ def test_packed_tensors_and_config_follow_the_documented_layout():
     assert packer.quantization_config({"down": G64}) == {
         "quant_method": "liquidquant", "wbits": 4, "abits": 8, "group_size": 64, "layout": "lqq_dual64",
         "note": "no public engine loads it; quantkit's kernels read it"}
+
+
+def test_step_is_capped_at_16_beyond_the_protective_range() -> None:
+    """The LQQ step is clamped to 1..16 even where the protective range 127 would round it to 17."""
+    # P = 127, group [-127, 127]: round(254 / 15 = 16.93) = 17 -> s2 = 16; the bound floor((127 + 127) / 16) = 15
+    # keeps 127 at u = 15 -> 15 * 16 - 127 = 113 (a step of 17 would give 111).
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True,
+                     protective_range=127, level2="lqq")
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -127.0, 127.0
+    qp = compute_qparams(w, spec)
+    assert (qp.s1.item(), qp.s2.item(), qp.offset.item(), qp.code_hi.item() + 8) == (1.0, 16.0, -127.0, 15)
+    q = quantize(w, qp, spec)
+    assert q[0, :3].tolist() == [-8, 7, 0]  # u = 0, 15 (16 held at the bound), round(127 / 16 = 7.94) = 8
+    assert dequantize(q, qp)[0, :3].tolist() == [-127.0, 113.0, 1.0]
+
+
+def test_codes_round_the_int8_level1_value_not_the_float_one() -> None:
+    """LQQ level 2 quantizes the INT8 value x8 = round(w / s1), also in GPTQ's column step, not w / s1 itself."""
+    # Group 1 of [119 | -40, 110, -25.3] has s1 = 1, offset -40 and s2 = round(150 / 15) = 10; -25.3 is x8 = -25, so
+    # u = round(15 / 10 = 1.5) = 2 (ties to even) -> -20, where rounding the float (14.7 / 10) gives u = 1 -> -30.
+    w = torch.zeros(1, 64)
+    w[0, 0] = 119.0
+    w[0, 32:35] = torch.tensor([-40.0, 110.0, -25.3])
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True, level2="lqq")
+    qp = compute_qparams(w, spec)
+    assert qp.s1.item() == 1.0 and qp.s2[0, 1].item() == 10.0 and qp.offset[0, 1].item() == -40.0
+    q = quantize(w, qp, spec)
+    assert q[0, 32:36].tolist() == [-8, 7, -6, -4]
+    assert dequantize(q, qp)[0, 32:36].tolist() == [-40.0, 110.0, -20.0, 0.0]
+    col, deq = quantize_column(w[:, 34], qp, 1, spec)
+    assert col.item() == -6 and deq.item() == -20.0

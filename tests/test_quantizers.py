@@ -267,3 +267,54 @@ def test_per_token_clip_saturates_at_the_signed_code_range():
     -128 (the INT8 minimum, as Atom's quantizers clamp to [-2^(b-1), 2^(b-1) - 1]); 0.5 rounds half to even, to 0."""
     x = torch.tensor([[254.0, 100.0, -254.0, 0.5]])
     assert fake_quantize_per_token(x, 8, True, 0.5).tolist() == [[127.0, 100.0, -128.0, 0.0]]
+
+
+P127_G32 = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True,
+                     protective_range=127)
+
+
+def test_progressive_code_ceiling_keeps_the_int8_product_at_most_127() -> None:
+    """code_hi = z_u + floor(127 / s2) holds a code whose (q - z) * s2 would be +128, no INT8 value, one below."""
+    # P = 127, group [-113, 127]: s1 = 1, s2 = round(240 / 15) = 16, z_u = round(7.06) = 7, so code_hi = 7 + 7 = 14
+    # (signed 6). 127 rounds to u = 15, (15 - 7) * 16 = 128, and is held at 14 -> 112; floor(128 / s2) lets it by.
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -113.0, 127.0
+    qp = compute_qparams(w, P127_G32)
+    assert (qp.s1.item(), qp.s2.item(), qp.zero.item() + 8) == (1.0, 16.0, 7)
+    assert (qp.code_lo.item(), qp.code_hi.item()) == (-8, 6)
+    q = quantize(w, qp, P127_G32)
+    assert q[0, :3].tolist() == [-8, 6, -1]  # round(-0.06) = 0; round(14.94) = 15 -> 14; 0 -> z_u
+    assert dequantize(q, qp)[0, :3].tolist() == [-112.0, 112.0, 0.0]
+
+
+def test_progressive_code_floor_binds_when_the_zero_is_high() -> None:
+    """code_lo = z_u - floor(128 / s2) is above the 4-bit minimum here, and quantize clamps the low code up to it."""
+    # P = 127, group [-127, 23]: s1 = 1, s2 = round(150 / 15) = 10, z_u = round(12.7) = 13, code_lo = 13 - 12 = 1
+    # (signed -7). -127 rounds to u = round(0.3) = 0, (0 - 13) * 10 = -130 is no INT8 value: held at u = 1 -> -120.
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -127.0, 23.0
+    qp = compute_qparams(w, P127_G32)
+    assert (qp.s1.item(), qp.s2.item(), qp.zero.item() + 8) == (1.0, 10.0, 13)
+    assert (qp.code_lo.item(), qp.code_hi.item()) == (-7, 7)
+    q = quantize(w, qp, P127_G32)
+    assert q[0, :3].tolist() == [-7, 7, 5]
+    assert dequantize(q, qp)[0, :3].tolist() == [-120.0, 20.0, 0.0]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_all_zero_group_gets_scale_one_and_the_code_of_zero(symmetric: bool) -> None:
+    """An all-zero group stores scale 1 (not 0, which makes w / scale 0 / 0) and the exact code of 0 (-8 asymmetric)."""
+    # amax (or range) 0: the scale becomes 1, so codes are 0 symmetric, and the zero point round(-8 - 0 / 1) = -8
+    # asymmetric; with scale 0 the codes would be NaN cast to int8 and the zero point NaN cast to int32.
+    w = torch.zeros(2, 8)
+    w[1, 4:] = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    spec = QuantSpec(bits=4, symmetric=symmetric, granularity="group", group_size=4)
+    qp = compute_qparams(w, spec, torch.float32)
+    assert qp.scale[0].tolist() == [1.0, 1.0] and qp.scale[1, 0].item() == 1.0
+    q = quantize(w, qp, spec)
+    if symmetric:
+        assert q[0].tolist() == [0] * 8 and q[1, :4].tolist() == [0] * 4
+    else:
+        assert qp.zero[0].tolist() == [-8, -8] and qp.zero[1, 0].item() == -8
+        assert q[0].tolist() == [-8] * 8 and q[1, :4].tolist() == [-8] * 4
+    assert torch.equal(dequantize(q, qp)[0], torch.zeros(8))

@@ -360,3 +360,15 @@ def test_smoothing_that_only_ties_no_smoothing_leaves_the_block_alone(tmp_path):
     Smooth(SmoothConfig(targets=["down"], alphas=[0.0]))._smooth_point(work, "down", x)
     assert work.metrics[f"{a.down_proj}.smooth_alpha"] == -1.0
     assert all(torch.equal(work.weight(n), w) for n, w in before.items())
+
+
+def test_alpha_candidates_take_max_w_over_every_consumer() -> None:
+    """SmoothQuant's max|W_:,j| is taken over every consumer of the point, all of whose columns lambda multiplies."""
+    # max|X| = [1, 4]; consumers [[1, 1]] and [[4, 0.25]] give max|W| = [4, 1], so alpha 0.5 gives
+    # lambda = [sqrt(1 / 4), sqrt(4 / 1)] = [0.5, 2] (the first consumer alone would give [1, 2]).
+    from quantkit.passes.smooth import Smooth, SmoothConfig
+
+    x = torch.tensor([[1.0, -4.0], [0.5, 2.0]])
+    weights = [torch.tensor([[1.0, 1.0]]), torch.tensor([[4.0, -0.25]])]
+    candidates = Smooth(SmoothConfig(alphas=[0.5]))._candidates(x, weights, torch.arange(2))
+    assert candidates[0][1].tolist() == [0.5, 2.0]

@@ -60,8 +60,13 @@ class GPTQ(Pass):
             by_role.setdefault(work.linears[name], []).append(name)
         for role, members in by_role.items():
             work.hessian(members[0])  # collected on first use
-            factor = factor_hessian(work.hessians.pop(role), self.config, consume=True,
-                                    order=work.column_order.get(role))
+            hessian = work.hessians.pop(role)
+            order = work.column_order.get(role)
+            if order is None and any(work.specs[name].outliers for name in members):
+                # Atom without an outlier order: groups and INT8 outliers along the natural column order, as RTN
+                # forms them (act-order would put the outliers on the least active columns, visited last)
+                order = torch.arange(hessian.shape[0], device=hessian.device)
+            factor = factor_hessian(hessian, self.config, consume=True, order=order)
             for name in members:
                 w = work.weight(name).detach().float()
                 result, loss = gptq_with_factor(w, factor, work.specs[name], self.config, work.scale_dtype,
@@ -321,5 +326,7 @@ def gptq_with_factor(
     else:
         qparams = dynamic[0].map(lambda f, t: torch.cat([getattr(d, f) for d in dynamic], dim=1))
         qparams.group_size = gs
-        g_idx_out = None if torch.equal(g_idx, torch.arange(k, device=dev) // gs) else g_idx
+        # Atom keeps g_idx even in natural order: its outlier group is not `gs` columns wide
+        natural = not spec.outliers and torch.equal(g_idx, torch.arange(k, device=dev) // gs)
+        g_idx_out = None if natural else g_idx
     return QuantizedLinear(codes, qparams, spec, g_idx_out), float(loss.sum())
