@@ -202,9 +202,10 @@ def weight_bytes(tensors: dict[str, torch.Tensor], variant: Variant) -> int:
     """Bytes of stored weight data the kernel reads (Any-Precision: only the planes and table of its width)."""
     if variant.fmt == "anyprec":
         planes = tensors["qweight"]
+        bits = variant.bits or 3  # variant_launch's width where the variant names none
         per_plane = planes[0].numel() * planes.element_size()
-        table = tensors[f"lut{variant.bits}"]
-        return per_plane * (variant.bits or 3) + table.numel() * table.element_size()
+        table = tensors[f"lut{bits}"]
+        return per_plane * bits + table.numel() * table.element_size()
     return sum(t.numel() * t.element_size() for key, t in tensors.items() if key != "reorder_index")
 
 

@@ -2340,6 +2340,17 @@ def test_bench_rows_count_the_bytes_each_layout_moves(monkeypatch):
     assert kb.weight_bytes(atom, kb.Variant("Atom", "atom", group=128)) == weights
 
 
+def test_bench_weight_bytes_of_any_precision_at_the_width_it_launches():
+    """An Any-Precision variant that names no width launches at 3 bits (variant_launch): its bytes are those of 3
+    planes and lut3 (256 x 640 / 8 x 3 + 256 x 8 x 2 = 65,536), not a KeyError for 'lutNone'."""
+    from quantkit import kernel_bench as kb
+
+    tensors = kb.synthetic("anyprec", 256, 640)
+    assert kb.variant_launch(kb.Variant("AP", "anyprec"), tensors, 1, 640).name.endswith("_3")
+    assert kb.weight_bytes(tensors, kb.Variant("AP", "anyprec")) == 65536
+    assert kb.weight_bytes(tensors, kb.Variant("AP", "anyprec", bits=3)) == 65536
+
+
 def test_bench_baselines_count_their_operands_and_apply_where_torch_takes_the_shape(monkeypatch):
     """The baselines without a GPU (timings stubbed): cuBLAS FP16 moves 2 bytes an element of [M, K], [K, N] and the
     output; cuBLAS INT8 one of each input and 4 of its int32 output, timed only above M = 16 (M a multiple of 8); the
@@ -2642,3 +2653,170 @@ def test_split_and_bulk_plans_at_their_limits():
     room = (kernels.BULK_MAX_SHARED - 16) // 2
     assert kernels.bulk_plan(1, 0, lambda c: room if c == 8 else 1000, 8) == (8, 2, kernels.BULK_MAX_SHARED)
     assert kernels.bulk_plan(1, 0, lambda c: room + 1 if c == 8 else 1000, 8) == (4, 2, 16 + 2 * 1000)
+
+
+def test_timing_replays_at_least_graph_below_in_at_least_five_replays(monkeypatch):
+    """A replay covers at least GRAPH_BELOW of calls (30-us calls: 4, not the 3 that make 90 us), and the replays
+    number iters / 4, at least 5."""
+    from quantkit import kernel_bench as kb
+
+    asked = []
+    monkeypatch.setattr(kb, "graph_time", lambda fn, calls, replays, torch_graph=False:
+                        asked.append((calls, replays)) or 1e-6)
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: 3e-5)
+
+    def call() -> None:
+        """A kernel call of one operand copy."""
+
+    assert kb.timing(call, 1, 8) == (1e-6, 3e-5) and kb.timing(call, 1, 40) == (1e-6, 3e-5)
+    assert asked == [(4, 5), (4, 10)]
+
+
+def test_streamk_tail_splits_a_last_wave_exactly_half_full(monkeypatch):
+    """A last wave exactly half full (66 tiles past 132) is split: its 132 halves fill the wave (198 / 198); one
+    tile more is not."""
+    monkeypatch.setattr(kernels, "WGMMA_STREAMK", True)
+    assert kernels.streamk_from(198, 132, 64) == 132 and kernels.tall_fill(198, 132, 64) == 1.0
+    assert kernels.streamk_from(199, 132, 64) == 199
+
+
+def test_streamk_launch_grid_counts_two_blocks_a_split_tile(monkeypatch):
+    """A stream-K launch (no simulator needed): 12 tiles of 256 tokens on 10 SMs, the 2 past the whole wave split, so a
+    one-dimensional grid of 10 + 2 x 2 blocks, the tail starting at block 10, a workspace for 2 tiles."""
+    monkeypatch.setattr(kernels, "WGMMA_STREAMK", True)
+    monkeypatch.setattr(kernels, "WGMMA_TALL", True)
+    monkeypatch.setattr(kernels, "multiprocessors", lambda: 10)
+    m, n, k = 700, 512, 1024
+    tensors = synthetic("qqq", n, k, seed=0)
+    launch = kernels.qqq_launch(tensors, np.zeros((m, k), np.int8), np.ones(m, np.float32), wgmma=True)
+    start, sums, flags = [a for a in launch.args if not isinstance(a, kernels.TensorMap)][-3:]
+    assert launch.name == "qqq_w4a8_wgmma_tall" and launch.grid == (14,) and start == 10
+    assert sums.shape == (2 * 128 * 256,) and flags.shape == (4,)
+
+
+def test_cluster_inbox_fits_exactly_the_shared_memory(monkeypatch):
+    """SPLITK_CLUSTER: the leader's inbox of (Z - 1) warps' sums after the partial sums may fill SPLITK_MAX_SHARED
+    exactly (12 KiB a copy, 4 blocks: 12 + 3 x 12 = 48 KiB); one byte less and the blocks meet in device memory."""
+    monkeypatch.setattr(kernels, "SPLITK_CLUSTER", True)
+    monkeypatch.setattr(kernels, "SPLITK_RED", True)
+    out = np.zeros((1, 128), np.uint16)
+
+    def launch() -> kernels.Launch:
+        """M = 1, N = 128 in 64-channel tiles of 96 sums a lane, 2 copies a block and 4 blocks a tile."""
+        return kernels.warp_tile_launch("qqq_w4a8", [], out, 1, 128, 64, 96, 256, 2, 4, False, lambda c: 0)
+
+    assert (launch().cluster, launch().shared_mem, launch().args[-2:]) == (4, 48 * 1024, [None, None])
+    monkeypatch.setattr(kernels, "SPLITK_MAX_SHARED", 48 * 1024 - 1)
+    assert launch().cluster == 1 and launch().shared_mem == 12 * 1024 and launch().args[-1] is not None
+
+
+def test_group_division_refuses_k_times_group_of_exactly_2_to_the_32():
+    """check_group_division without the simulator: K * group = 2^32 is past the multiply-high, one group less is
+    not."""
+    kernels.check_group_division(1 << 25, 127)
+    with pytest.raises(ValueError, match="K \\* group < 2\\^32"):
+        kernels.check_group_division(1 << 25, 128)
+
+
+def test_stream_fit_reports_the_largest_residual_not_the_mean():
+    """Three shapes of 1, 2 and 3 MB at 1, 3 and 2 us: the line 1 us + 0.5 us a MB (2 TB/s), residuals -0.5, 1 and
+    -0.5 us, the largest 1 us (their mean of magnitudes would be 0.67)."""
+    from quantkit import kernel_bench as kb
+
+    rows = [{"label": "QQQ", "function": "q", "format": "qqq", "m": 1, "bytes_moved": b * 10**6, "seconds": us * 1e-6}
+            for b, us in ((1, 1), (2, 3), (3, 2))]
+    [fit] = kb.stream_fit({"rows": rows}, 1)
+    assert fit["rate_tbps"] == pytest.approx(2.0) and fit["fixed_us"] == pytest.approx(1.0)
+    assert fit["residual_us"] == pytest.approx(1.0)
+
+
+def test_bench_single_round_holds_no_cases_tensors_past_its_timing(monkeypatch):
+    """With one round, a case's stored tensors are dropped once it is timed: while the second case is timed the
+    first's are gone (with several rounds they are kept, made once)."""
+    import weakref
+
+    from quantkit import kernel_bench as kb
+
+    monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
+    monkeypatch.setattr(kb, "l2_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(kb, "baselines", lambda m, n, k, warmup, iters: [])
+    refs: list[weakref.ref] = []
+    alive: list[list[bool]] = []
+
+    def timing(call, warmup: int, iters: int, torch_graph: bool = False) -> tuple[float, float]:
+        """Record which cases' tensors are alive at each timing."""
+        alive.append([ref() is not None for ref in refs])
+        return 1e-5, 1e-5
+
+    def make(v: kb.Variant) -> dict[str, torch.Tensor]:
+        """The case's tensors, watched."""
+        tensors = kb.synthetic(v.fmt, 256, 640, group=v.group)
+        refs.append(weakref.ref(tensors["qweight"]))
+        return tensors
+
+    monkeypatch.setattr(kb, "timing", timing)
+    cases = [kb.Case(v.label, 256, 640, v, lambda v=v: make(v)) for v in kb.VARIANTS if v.fmt == "qserve"]
+    kb.run_bench(cases, ms=(1,))
+    assert alive == [[True], [False, True]]
+
+
+def test_graph_time_is_the_replays_median_per_captured_call(monkeypatch):
+    """graph_time (CuPy's stream capture faked): `fn` runs once to warm, then `calls` times under capture; the result
+    is the median replay time over the calls (2^-10 s a replay of 16 calls: 2^-14 s a call)."""
+    import sys
+    import types
+
+    from quantkit import kernel_bench as kb
+
+    class Stream:
+        """A stream that records nothing: capture returns a graph whose launch does nothing."""
+
+        def __init__(self, non_blocking: bool = False) -> None:
+            self.captured = types.SimpleNamespace(launch=lambda: None)
+
+        def __enter__(self) -> Stream:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            """Nothing to wait for."""
+
+        def begin_capture(self) -> None:
+            """Capture starts."""
+
+        def end_capture(self) -> types.SimpleNamespace:
+            return self.captured
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=Stream)))
+    asked = []
+    monkeypatch.setattr(kb, "median_time", lambda fn, warmup, iters: asked.append((warmup, iters)) or 2.0 ** -10)
+    calls = []
+    assert kb.graph_time(lambda: calls.append(1), 16, 5) == 2.0 ** -14
+    assert len(calls) == 17 and asked == [(1, 5)]
+
+
+def test_bench_times_any_precision_up_to_16_tokens(monkeypatch):
+    """Any-Precision is timed at decode batches only: M = 16 is one (and takes its 3x bar), M = 17 is not."""
+    from quantkit import kernel_bench as kb
+
+    monkeypatch.setattr(kernels, "upload", lambda launch: lambda: None)
+    monkeypatch.setattr(kb, "l2_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(kb, "timing", lambda call, warmup, iters, torch_graph=False: (1e-5, 1e-5))
+    monkeypatch.setattr(kb, "baselines", lambda m, n, k, warmup, iters: [kb.Row(n, k, m, kb.FP16, 4e-5, 1)])
+    variants = tuple(v for v in kb.VARIANTS if v.fmt == "anyprec")
+    rows = kb.run_bench(kb.shape_cases(((256, 1024),), variants), ms=(16, 17))
+    assert sorted((r.m, r.label) for r in rows if r.variant) == [(16, "Any-Precision 3-bit GEMV")]
+    assert [(c.row.m, c.requirement, c.met) for c in kb.bars(rows, 1.0)] == [(16, ">= 3.0x cuBLAS FP16", True)]
+
+
+def test_decode_launches_at_exactly_decode_max_m_tokens():
+    """At DECODE_MAX_M (8) tokens Any-Precision takes its one-n8-block kernel (tc8), at 9 the two-block one; the
+    LiquidQuant bulk kernel's copies split K's 64-column steps (K = 1024: 16 steps, two copies of 8)."""
+    tensors = synthetic("anyprec", 128, 1024)
+    names = [kernels.anyprec_launch(tensors, np.zeros((m, 1024), np.float32), 3).name for m in (8, 9)]
+    assert names == ["anyprec_gemm_tc8_3_fast_w4", "anyprec_gemm_tc_3_fast_w4"]
+    lqq = synthetic("liquidquant", 256, 1024)
+    launch = kernels.liquidquant_launch(lqq, np.zeros((1, 1024), np.int8), np.ones(1, np.float32), bulk=True)
+    assert (launch.name, launch.grid, launch.block, launch.args[-3]) == ("liquidquant_w4a8_bulk8", (16, 1), 64, 2)
