@@ -363,17 +363,13 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
     column_type = parquet.schema_arrow.field(text_field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise CalibrationError(f"{path}: column {text_field!r} has type {column_type}, not string")
-    batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
-    while True:
-        try:  # a damaged data page fails here, past the footer that ParquetFile read
-            batch = next(batches, None)
-        except (OSError, pa.ArrowException) as exc:
-            raise CalibrationError(f"cannot read {path} as parquet: {exc}") from exc
-        if batch is None:
-            return
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                yield value
+    try:  # a damaged data page fails here, past the footer that ParquetFile read
+        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                if value is not None:
+                    yield value
+    except (OSError, pa.ArrowException) as exc:
+        raise CalibrationError(f"cannot read {path} as parquet: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------------------------- tokenizing
