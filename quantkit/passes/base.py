@@ -59,6 +59,17 @@ class LayerWork:
         """The block's linears of `role` (all of them, quantized or not)."""
         return list(self.adapter.linears[role])
 
+    def group_order(self, role: str) -> torch.Tensor | None:
+        """The column order a weight quantizer forms `role`'s groups along: the outlier_order pass's, else for Atom's
+        outliers the natural order (its INT8 group is the last columns, as the README says), else None (the
+        quantizer's own: GPTQ's act-order, for one)."""
+        order = self.column_order.get(role)
+        members = [name for name, r in self.linears.items() if r == role and name in self.specs]
+        if order is None and any(self.specs[name].outliers for name in members):
+            weight = self.weight(members[0])
+            order = torch.arange(weight.shape[1], device=weight.device)
+        return order
+
     def head_dims(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) of the block's attention."""
         c = self.config

@@ -60,13 +60,8 @@ class GPTQ(Pass):
             by_role.setdefault(work.linears[name], []).append(name)
         for role, members in by_role.items():
             work.hessian(members[0])  # collected on first use
-            hessian = work.hessians.pop(role)
-            order = work.column_order.get(role)
-            if order is None and any(work.specs[name].outliers for name in members):
-                # Atom without an outlier order: groups and INT8 outliers along the natural column order, as RTN
-                # forms them (act-order would put the outliers on the least active columns, visited last)
-                order = torch.arange(hessian.shape[0], device=hessian.device)
-            factor = factor_hessian(hessian, self.config, consume=True, order=order)
+            # Atom's groups along their order (act-order would put the outliers on the least active columns)
+            factor = factor_hessian(work.hessians.pop(role), self.config, consume=True, order=work.group_order(role))
             for name in members:
                 w = work.weight(name).detach().float()
                 result, loss = gptq_with_factor(w, factor, work.specs[name], self.config, work.scale_dtype,

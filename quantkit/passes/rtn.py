@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass, QuantizedLinear
 from quantkit.quantizers import compute_qparams, ordered_quantize, quantize
@@ -27,9 +25,8 @@ class RTN(Pass):
         for name in names:
             spec = work.specs[name]
             w = work.weight(name).detach().float()
-            order = work.column_order.get(work.linears[name])
-            if order is not None or spec.outliers:  # Atom: groups along the layer's column order
-                order = order if order is not None else torch.arange(w.shape[1], device=w.device)
+            order = work.group_order(work.linears[name])
+            if order is not None:  # Atom: groups along the layer's column order
                 codes, qp, g_idx = ordered_quantize(w, spec, order.to(w.device), work.scale_dtype)
                 work.results[name] = QuantizedLinear(codes, qp, spec, g_idx)
                 continue
