@@ -180,7 +180,8 @@ class _RichReporter:
                    "value is read as YAML (--set 'passes.smooth.targets=[o, down]'), a pass is named or numbered "
                    "(passes.0.alpha). Repeatable; the resolved recipe is saved with the output.")
 @click.option("--data-dir", type=click.Path(path_type=Path),
-              help="Where named calibration sets are looked up locally (default: $QUANTKIT_DATA_DIR).")
+              help="Where named calibration sets are looked up locally (default: $QUANTKIT_DATA_DIR). A set missing "
+                   "from a directory given here is an error, not a fallback to self-generated text.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where calibration forwards and GPTQ run; the activation cache stays in CPU memory. "
                    "A --resume must use the device of the interrupted run.")
