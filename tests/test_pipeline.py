@@ -489,9 +489,11 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path, calib_txt):
         if journal.exists() and json.loads(journal.read_text())["layers"]:
             break
         time.sleep(0.01)
+    assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the signal: {proc.stderr.read()}"
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 143, stderr
+    assert len(json.loads(journal.read_text())["layers"]) < 8, "the run finished all its layers despite SIGTERM"
     assert "rerun with --resume to continue" in " ".join(stderr.split()), stderr
     subprocess.run([*args, "--resume"], check=True, capture_output=True)
 
