@@ -135,6 +135,11 @@ void mma_warp_int4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[3
   }
 }
 
+// The host twins of prmt and byte_perm, for tests that hold them to the PTX ISA and CUDA definitions: a selector
+// nibble's bit 3 set is one no kernel uses today, so only such a test shows a twin that ignores it.
+extern "C" uint32_t qk_prmt(uint32_t a, uint32_t b, uint32_t selector) { return qk::prmt(a, b, selector); }
+extern "C" uint32_t qk_byte_perm(uint32_t a, uint32_t b, uint32_t selector) { return qk::byte_perm(a, b, selector); }
+
 // How many of `trials` random INT4 MMAs (fragments from an LCG seeded with `seed`) give other int32 sums through
 // mma_warp_int4, shifted back by int4_sum, than through the PTX ISA's mma.m16n8k64 .s4 (mma_warp_s4), or sums
 // that are not multiples of 2^QK_INT4_SHIFT: 0 when the INT8 rewrite pairs every k of A with the same k of B.
@@ -590,61 +595,68 @@ extern "C" int qserve_bulk_slot_bytes(int chunk, int rows, int grouped) {
   return qk::QServeBulk{chunk, rows, grouped != 0}.slot_bytes();
 }
 
-// The blocks of LiquidQuant's small-M kernels: `splits` copies of `warps` warps (lqq_tile: each warp its 16
-// channels), TB token blocks of 8 a tile, split-K as in qserve_host. walk(block, nt, by, copy, step) calls
-// step(weights, tokens) for each of the copy's K steps in its order: weights(t, r, sa) gives thread t's (of block
-// nt's 128) weight bytes and group parameters, tokens(tb, j, lane, fb) the lane's B fragment of token block tb for
-// MMA j.
-template <int TB, class Walk>
+// The blocks of LiquidQuant's small-M kernels: `splits` copies of `warps` warps (lqq_tile: each warp its SLICES
+// 16-channel slices), TB token blocks of 8 a tile, split-K as in qserve_host over a thread's SLICES x TB x 4
+// accumulators. walk(block, by, copy, step) calls step(weights, tokens) for each of the copy's K steps in its order:
+// weights(nt, t, r, sa) gives thread t's (of 64-channel block nt's 128) weight bytes and group parameters (the
+// warps of a block of several slices a warp span several nt), tokens(tb, j, lane, fb) the lane's B fragment of
+// token block tb for MMA j.
+template <int TB, class Walk, int SLICES = 1>
 void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk walk) {
-  const int threads = 32 * warps;
-  std::vector<int32_t> acc((size_t)splits * threads * TB * 4), partials((size_t)(splits - 1) * 4 * TB * threads);
+  const int threads = 32 * warps, sums = 4 * TB * SLICES;  // a thread's accumulators
+  std::vector<int32_t> acc((size_t)splits * threads * sums), partials((size_t)(splits - 1) * sums * threads);
   uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
-  // accumulators of copy, thread `local` of the copy, token block tb
-  auto at = [&](int copy, int local, int tb) { return &acc[(((size_t)copy * threads + local) * TB + tb) * 4]; };
-  for (int block = 0; block < args.n / (16 * warps); ++block) {
+  // accumulators of copy, thread `local` of the copy, slice s, token block tb (the kernels' acc[SLICES][TB][4])
+  auto at = [&](int copy, int local, int s, int tb) {
+    return &acc[((size_t)copy * threads + local) * sums + 4 * (TB * s + tb)];
+  };
+  for (int block = 0; block < args.n / (16 * warps * SLICES); ++block) {
     int nt, t;
-    qk::lqq_tile(block, 0, warps, nt, t);
     for (int by = 0; by < (args.m + 8 * TB - 1) / (8 * TB); ++by) {
       std::fill(acc.begin(), acc.end(), 0);
       for (int copy = 0; copy < splits; ++copy) {
-        walk(block, nt, by, copy, [&](auto&& weights, auto&& tokens) {
+        walk(block, by, copy, [&](auto&& weights, auto&& tokens) {
           for (int w = 0; w < warps; ++w) {
-            for (int lane = 0; lane < 32; ++lane) {
-              qk::lqq_tile(block, 32 * w + lane, warps, nt, t);
-              weights(t, r, sa);
-              qk::unpack_weights(r, sa, fa[lane]);
-            }
-            for (int tb = 0; tb < TB; ++tb) {
-              for (int j = 0; j < 2; ++j) {
-                int32_t c[32][4];
-                for (int lane = 0; lane < 32; ++lane) {
-                  tokens(TB * by + tb, j, lane, fb[lane]);
-                  std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
-                  std::memcpy(c[lane], at(copy, 32 * w + lane, tb), sizeof(c[lane]));
+            for (int s = 0; s < SLICES; ++s) {
+              for (int lane = 0; lane < 32; ++lane) {
+                qk::lqq_tile(block, 32 * w + lane, warps, nt, t, SLICES, s);
+                weights(nt, t, r, sa);
+                qk::unpack_weights(r, sa, fa[lane]);
+              }
+              for (int tb = 0; tb < TB; ++tb) {
+                for (int j = 0; j < 2; ++j) {
+                  int32_t c[32][4];
+                  for (int lane = 0; lane < 32; ++lane) {
+                    tokens(TB * by + tb, j, lane, fb[lane]);
+                    std::memcpy(aj[lane], fa[lane][j], sizeof(aj[lane]));
+                    std::memcpy(c[lane], at(copy, 32 * w + lane, s, tb), sizeof(c[lane]));
+                  }
+                  mma_warp(c, aj, fb);
+                  for (int lane = 0; lane < 32; ++lane)
+                    std::memcpy(at(copy, 32 * w + lane, s, tb), c[lane], sizeof(c[lane]));
                 }
-                mma_warp(c, aj, fb);
-                for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, 32 * w + lane, tb), c[lane], sizeof(c[lane]));
               }
             }
           }
         });
       }
       for (int local = 0; local < threads; ++local) {
-        int32_t mine[TB][4];
+        int32_t mine[SLICES][TB][4];
         for (int copy = 1; copy < splits; ++copy)
-          for (int tb = 0; tb < TB; ++tb)
-            for (int i = 0; i < 4; ++i)
-              partials[qk::splitk_slot(copy, 4 * tb + i, local, 4 * TB, threads)] = at(copy, local, tb)[i];
-        for (int tb = 0; tb < TB; ++tb) std::memcpy(mine[tb], at(0, local, tb), sizeof(mine[tb]));
-        qk::splitk_add(&mine[0][0], partials.data(), local, 4 * TB, threads, splits);
-        qk::lqq_tile(block, local, warps, nt, t);
-        // the parameters loaded ahead as the kernels build (the same bits either way): the one-token-block kernel's
-        // before the K loop, the others' after it (MID)
-        const bool ahead = (QK_EPILOGUE_EARLY && TB == 1) || QK_EPILOGUE_MID;
-        for (int tb = 0; tb < TB; ++tb) {
-          if (ahead) qk::store_with(args, qk::epilogue_params(args, nt, TB * by + tb, t), nt, TB * by + tb, t, mine[tb]);
-          else qk::store(args, nt, TB * by + tb, t, mine[tb]);
+          for (int i = 0; i < sums; ++i)
+            partials[qk::splitk_slot(copy, i, local, sums, threads)] = at(copy, local, 0, 0)[i];
+        std::memcpy(&mine[0][0][0], at(0, local, 0, 0), sizeof(mine));
+        qk::splitk_add(&mine[0][0][0], partials.data(), local, sums, threads, splits);
+        // the parameters loaded ahead as the kernels build (the same bits either way): the one-token-block,
+        // one-slice kernel's before the K loop, the others' after it (MID)
+        const bool ahead = (QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1) || QK_EPILOGUE_MID;
+        for (int s = 0; s < SLICES; ++s) {
+          qk::lqq_tile(block, local, warps, nt, t, SLICES, s);
+          for (int tb = 0; tb < TB; ++tb) {
+            if (ahead)
+              qk::store_with(args, qk::epilogue_params(args, nt, TB * by + tb, t), nt, TB * by + tb, t, mine[s][tb]);
+            else qk::store(args, nt, TB * by + tb, t, mine[s][tb]);
+          }
         }
       }
     }
@@ -652,20 +664,21 @@ void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk wa
 }
 
 // The host twin of liquidquant_w4a8_gemm (TB = 4 token blocks a tile), liquidquant_w4a8_gemm8 (TB = 1, up to 8
-// tokens) and liquidquant_w4a8_gemm16 (TB = 2): QK_LQQ_TILE_WARPS warps a block, copy c taking K steps c,
-// c + splits, ...
-template <int TB>
+// tokens) and liquidquant_w4a8_gemm16 (TB = 2, QK_LQQ16_SLICES slices a warp): QK_LQQ_TILE_WARPS warps a block,
+// copy c taking K steps c, c + splits, ...
+template <int TB, int SLICES = 1>
 void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  liquidquant_host<TB>(args, splits, QK_LQQ_TILE_WARPS, [&](int, int nt, int, int copy, auto&& step) {
+  auto walk = [&](int, int, int copy, auto&& step) {
     for (int kt = copy; kt < k / 64; kt += splits)
-      step([&](int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
+      step([&](int nt, int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
            [&](int tb, int j, int lane, uint32_t fb[2]) {
              if (TB <= 2) qk::load_tokens(qk::token_row(args, tb, lane), kt, j, fb);
              else qk::load_tokens_checked(args, tb, kt, j, lane, fb);
            });
-  });
+  };
+  liquidquant_host<TB, decltype(walk), SLICES>(args, splits, QK_LQQ_TILE_WARPS, walk);
 }
 
 // The host twin of liquidquant_w4a8_bulk8: a warp a block (16-channel tile `block`) walks copy c's contiguous range
@@ -678,12 +691,12 @@ extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, c
   const qk::LiquidBulk layout{chunk, std::min(8, m)};
   if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  liquidquant_host<1>(args, splits, 1, [&](int n16, int, int, int copy, auto&& step) {
+  liquidquant_host<1>(args, splits, 1, [&](int n16, int, int copy, auto&& step) {
     bulk_walk_host(
         slot, chunk, copy, splits, k / 64,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
         [&](int, int u) {
-          step([&](int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
+          step([&](int, int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
                [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot.data(), u, j, lane, fb); });
         });
   });
@@ -706,7 +719,7 @@ extern "C" void liquidquant_w4a8_gemm8_host(const int8_t* x, const float* s_x, c
 extern "C" void liquidquant_w4a8_gemm16_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                              const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                              int splits) {
-  liquidquant_gemm_host<2>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+  liquidquant_gemm_host<2, QK_LQQ16_SLICES>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
 }
 
 // The host twin of liquidquant_w4a8_tiled.

@@ -86,6 +86,10 @@ QK_FN void load_tokens_checked(const LiquidArgs& a, int tb, int kt, int j, int l
 #ifndef QK_LQQ_TILE_WARPS
 #define QK_LQQ_TILE_WARPS 1
 #endif
+// The 16-channel slices a warp of liquidquant_w4a8_gemm16 computes (below, at that kernel).
+#ifndef QK_LQQ16_SLICES
+#define QK_LQQ16_SLICES 2
+#endif
 QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t, int slices = 1, int s = 0) {
   const int first = slices * (block * warps + local / 32);  // the warp's first slice among the N / 16
   nt = first / 4;
@@ -359,10 +363,8 @@ extern "C" __global__ void __launch_bounds__(512)
 // splitk_slots(splits) * warps * slices * 1 KiB: two token blocks, 3/4 of QK_SMALLM_AHEAD steps a round (125 registers
 // at 6; 8 spill). QK_LQQ16_SLICES = 2, the default since H100 tuning run 6 (0.66-0.91x the time of one slice at
 // M = 16): 32 channels a warp, from one load of the activations, half QK_SMALLM_AHEAD steps a round (the second slice's
-// weights take registers too); 1 is bench/smallm_tune.py's LQQ-S1.
-#ifndef QK_LQQ16_SLICES
-#define QK_LQQ16_SLICES 2
-#endif
+// weights take registers too); 1 is bench/smallm_tune.py's LQQ-S1 (defined beside lqq_tile, where the warp simulator
+// reads it too).
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                             const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {

@@ -34,12 +34,6 @@ QK_FN int channel_scale_slot(int n) {
   return (n - c) + 8 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1);
 }
 
-// Where channel n's group ratio is stored (scale_perm: position 8 i + j holds i + 8 j within each 64).
-QK_FN int group_scale_slot(int n) {
-  const int c = n & 63;
-  return (n - c) + 8 * (c & 7) + (c >> 3);
-}
-
 // Two codes of a per-group word in fp16x2 lanes with exponent 0x6400 (the value 1024 + mantissa), the code at bit
 // 0 (SHIFT 0: 1024 + code) or at bit 4 (SHIFT 4: 1024 + 16 code) of the mantissa -> per lane q = code - 8, exactly:
 // (1024 + code) - 1032, or (1024 + 16 code) / 16 - 72 as one FMA whose product and sum are exact. Taking the odd
@@ -116,8 +110,8 @@ QK_FN const qk_half* ratio_row(const QQQArgs& a, int c, int i) {
 }
 
 // The ratio pair of the lane's columns of tile `tile` (col = 16 tile + g and col + 8 of the chunk whose 64 ratios
-// `ratios` points to; unpack_tile_with's ratio_pair): group_scale_slot puts them at 8 g + 2 tile and 8 g + 2 tile + 1,
-// so they are one 32-bit load, col in the low half.
+// `ratios` points to; unpack_tile_with's ratio_pair): scale_perm stores channel c of each 64 at 8 (c % 8) + c / 8,
+// which puts them at 8 g + 2 tile and 8 g + 2 tile + 1, so they are one 32-bit load, col in the low half.
 QK_FN uint32_t load_ratio_pair(const qk_half* ratios, int lane, int tile) {
   return load_u32(ratios + 8 * frag_group(lane) + 2 * tile);
 }

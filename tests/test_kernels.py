@@ -965,6 +965,18 @@ def test_simulator_fp16_rounding_is_round_to_nearest_even():
 
 
 @needs_compiler
+def test_simulator_fp16_keeps_a_nan_a_nan():
+    """A NaN from the float32 epilogue (here a NaN token scale) comes out of the simulator's float -> fp16
+    conversion as a NaN, as from numpy's and the GPU's __float2half_rn, never as an infinity: the rounding edge cases
+    above never reach the NaN branch, and a NaN read as an overflow would hide where it came from."""
+    tensors = synthetic("qserve", 32, 128, seed=3)
+    x_int8 = np.ones((2, 128), dtype=np.int8)
+    s_x = np.array([np.nan, 0.5], dtype=np.float32)
+    out = kernels.gemm("qserve", tensors, x_int8, s_x, np.zeros(2, dtype=np.float32))
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+@needs_compiler
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (7, 128, 192), (40, 64, 128)])
 def test_liquidquant_kernel_matches_the_emulation(m, n, k):
     tensors = synthetic("liquidquant", n, k, seed=m + n + k)
@@ -1062,6 +1074,41 @@ def test_int4_mma_as_two_int8_mmas_gives_the_same_sums():
     lib = kernels.host_library()
     lib.qk_int4_as_int8_mismatches.restype = ctypes.c_int
     assert lib.qk_int4_as_int8_mismatches(ctypes.c_int(200), ctypes.c_uint(12345)) == 0
+
+
+def _permute_bytes(a: int, b: int, selector: int, sign_mode: bool) -> int:
+    """Byte i of the result is byte (nibble i & 7) of the 8 bytes b:a, a the low four (PTX ISA prmt.b32, default
+    mode; CUDA __byte_perm); in prmt, a nibble's bit 3 set replaces the byte by its sign bit in all 8 bits."""
+    both = (b << 32 | a).to_bytes(8, "little")
+    out = []
+    for i in range(4):
+        nibble = selector >> (4 * i) & 0xF
+        byte = both[nibble & 7]
+        out.append((0xFF if byte & 0x80 else 0x00) if sign_mode and nibble & 8 else byte)
+    return int.from_bytes(bytes(out), "little")
+
+
+@needs_compiler
+def test_simulator_byte_permutes_are_the_ptx_and_cuda_definitions():
+    """The warp simulator's prmt and byte_perm, which every kernel's decode runs through on the CPU, are the PTX ISA's
+    prmt.b32 and CUDA's __byte_perm: hand-worked cases, then random words and selectors with every nibble's bit 3
+    drawn (no kernel sets it today, so no kernel test would show a twin that ignored prmt's sign mode)."""
+    import ctypes
+
+    lib = kernels.host_library()
+    for fn in (lib.qk_prmt, lib.qk_byte_perm):
+        fn.restype = ctypes.c_uint32
+        fn.argtypes = [ctypes.c_uint32] * 3
+    a, b = 0x11223384, 0x55667788
+    assert lib.qk_prmt(a, b, 0x3210) == a and lib.qk_prmt(a, b, 0x7654) == b
+    assert lib.qk_prmt(a, b, 0xFFFF3210) == a  # only the low 16 bits select
+    assert lib.qk_prmt(a, b, 0x0008) == 0x848484FF  # byte 0 (0x84) negative: its sign, 0xFF, then byte 0 three times
+    assert lib.qk_prmt(a, b, 0x000D) == 0x84848400  # byte 5 (0x77, of b) positive: 0x00
+    assert lib.qk_byte_perm(a, b, 0x000D) == 0x84848477  # no sign mode: bit 3 ignored, byte 5 itself
+    rng = np.random.default_rng(3)
+    for a, b, sel in rng.integers(0, 2**32, (2000, 3), dtype=np.uint64).tolist():
+        assert lib.qk_prmt(a, b, sel) == _permute_bytes(a, b, sel, sign_mode=True), (hex(a), hex(b), hex(sel))
+        assert lib.qk_byte_perm(a, b, sel) == _permute_bytes(a, b, sel, sign_mode=False), (hex(a), hex(b), hex(sel))
 
 
 @needs_compiler
@@ -2820,3 +2867,101 @@ def test_decode_launches_at_exactly_decode_max_m_tokens():
     lqq = synthetic("liquidquant", 256, 1024)
     launch = kernels.liquidquant_launch(lqq, np.zeros((1, 1024), np.int8), np.ones(1, np.float32), bulk=True)
     assert (launch.name, launch.grid, launch.block, launch.args[-3]) == ("liquidquant_w4a8_bulk8", (16, 1), 64, 2)
+
+
+def guarded_copy(a: np.ndarray, before: bool = False) -> np.ndarray:
+    """A copy of `a` that ends where a page that can be neither read nor written begins (`before`: that starts where
+    such a page ends): the warp simulator reading or writing one byte past it (before it) faults, where a plain array
+    would lend it the heap's bytes."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    body = -(-a.nbytes // page) * page
+    buf = mmap.mmap(-1, body + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + (0 if before else body)), ctypes.c_size_t(page), 0) == 0  # PROT_NONE
+    copy = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=page if before else body - a.nbytes)
+    copy = copy.reshape(a.shape)
+    copy[...] = a
+    return copy
+
+
+def run_guarded(launch: kernels.Launch, before: bool, expected: np.ndarray | None = None) -> int | None:
+    """Run `launch` in the warp simulator with each of its arrays (inputs and output) a guarded_copy, in a forked
+    child, so that a fault (or a store past an array that corrupts the heap) fails the caller rather than ending the
+    test run: the child's exit code, 0 when its output is `expected` (by default the plain launch's, run in the child
+    after the guarded one), 3 when the bits differ, a negative signal number when it faulted."""
+    import multiprocessing
+
+    copies = {id(a): guarded_copy(a, before) for a in launch.args if isinstance(a, np.ndarray)}
+    guarded = kernels.Launch(**{**launch.__dict__, "args": [copies.get(id(a), a) for a in launch.args],
+                                "out": copies[id(launch.out)]})
+
+    def child() -> None:
+        out = kernels.run(guarded).copy()
+        raise SystemExit(0 if np.array_equal(out, kernels.run(launch) if expected is None else expected) else 3)
+
+    kernels.host_library()  # built (or loaded) before the fork
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(120)
+    return process.exitcode
+
+
+@needs_compiler
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+@pytest.mark.parametrize("path", ["decode", "tiled", "wgmma"])
+@pytest.mark.parametrize(("fmt", "group"), [("qserve", None), ("qserve", 128), ("qqq", None), ("qqq", 128),
+                                            ("liquidquant", 64)])
+def test_w4a8_kernels_touch_no_byte_outside_their_arrays(fmt, group, path, before):
+    """At M = 5 (a 16-token tile, a 128-token stage, mostly past M), with every array of the launch ending where an
+    inaccessible page begins (or beginning where one ends), every W4A8 path (decode, large M, Hopper) gives the
+    emulation's bits and reads or writes no byte outside its arrays. Rows past M are clamped to the last
+    (act_row) or zero-filled (copy_rows) and never stored: a kernel that read or stored row M instead would give the
+    same outputs from the heap's bytes, and on the GPU fault where the array ends its allocation."""
+    m, n, k = 5, 128, 256
+    tensors = synthetic(fmt, n, k, seed=11, group=group)
+    x = activations(m, k, seed=5)
+    reference = emulate(fmt, tensors, x)
+    tiled, wgmma = {"decode": (False, False), "tiled": (True, False), "wgmma": (None, True)}[path]
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   tiled=tiled, wgmma=wgmma)
+    code = run_guarded(launch, before, reference.out.view(np.uint16))
+    assert code == 0, f"{launch.name}: exit code {code} (3: not the emulation's bits; negative: a fault)"
+
+
+@needs_compiler
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+@pytest.mark.parametrize(("m", "tiled", "splits"), [(5, False, 2), (5, False, 5), (19, False, 3), (5, True, None)])
+def test_atom_kernels_touch_no_byte_outside_their_arrays(m, tiled, splits, before):
+    """Atom's small-M kernel (copies taking turns at 6 groups and the two outlier halves, so that copy - groups is
+    negative for every copy) and its large-M kernel, every array guarded as in the W4A8 test above: the emulation's
+    bits, no byte read or written outside the arrays (an outlier half at a negative index would read 64 bytes before
+    the outliers' first row, and give the same outputs from them)."""
+    from quantkit.emulate import emulate_atom
+
+    n, k = 32 if not tiled else 64, 128 * 6 + 128
+    tensors = synthetic("atom", n, k, seed=m)
+    reference = emulate_atom(tensors, activations(m, k, seed=3), 4, 0.9)
+    launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=tiled, splits=splits)
+    code = run_guarded(launch, before, reference.out.view(np.uint16))
+    assert code == 0, f"{launch.name}: exit code {code} (3: not the emulation's bits; negative: a fault)"
+
+
+@needs_compiler
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+@pytest.mark.parametrize(("m", "k", "tc"), [(1, 96, False), (9, 2080, False), (1, 2080, True), (13, 1024, True),
+                                            (17, 2080, True)])
+def test_anyprec_kernels_touch_no_byte_outside_their_arrays(m, k, tc, before):
+    """The Any-Precision GEMV (a last chunk of 96 and of 32 columns: lanes past its width hold no words) and the
+    tensor-core kernels (checked and fast, one and two token blocks) at every width, every array guarded as in the
+    W4A8 test above: the bits of plain arrays, no byte read or written outside the arrays (a lane past the chunk's
+    width that loaded its words would read one word past the last channel's last plane, and use none of them)."""
+    tensors = synthetic("anyprec", 13, k, seed=k)  # 13 channels: a partial block
+    x = activations(m, k, seed=m)
+    for bits in range(3, 9):
+        launch = kernels.anyprec_launch(tensors, x, bits, tc=tc)
+        code = run_guarded(launch, before)
+        assert code == 0, f"{launch.name}: exit code {code} (3: other bits than unguarded; negative: a fault)"
