@@ -110,6 +110,7 @@ class Reporter:
     def layer_done(self, report: LayerReport) -> None: ...
     def phase(self, description: str, done: int, total: int) -> None:
         """Progress of a preparatory phase (e.g. the Fisher pass) before the layer loop."""
+
     def warn(self, message: str) -> None:
         log.warning(message)
 
@@ -586,6 +587,7 @@ def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporte
     if complete():
         reporter.phase("Fisher (cached)", 1, 1)
         return paths
+
     def progress(phase: str, i: int, n: int) -> None:
         reporter.phase(f"Fisher ({phase})", i, n)
         scan.raise_if_bad()

@@ -41,6 +41,8 @@ class SyntheticLlama:
         h, i, hd = self.hidden_size, self.intermediate_size, self.head_width
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+        if self.attention_bias or self.model_type == "qwen2":  # the biases write_synthetic_llama writes
+            per_layer += q + 2 * kv + (h if self.attention_bias and self.model_type == "llama" else 0)
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embeds + h
 

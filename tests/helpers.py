@@ -53,6 +53,18 @@ def record_rewritten_file(artifact: Path, path: Path) -> None:
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
+def rewrite_tensor(artifact: Path, key: str, change) -> None:
+    """Replace tensor `key` of an artifact by `change(tensor)`, in the shard that holds it, and record the shard in
+    the manifest: an artifact whose files are whole but whose tensor is not what its spec reads."""
+    from safetensors.torch import load_file, save_file
+
+    shard_path = artifact / json.loads((artifact / "model.safetensors.index.json").read_text())["weight_map"][key]
+    shard = load_file(str(shard_path))
+    shard[key] = change(shard[key])
+    save_file(shard, str(shard_path))
+    record_rewritten_file(artifact, shard_path)
+
+
 def wikitext_rows(data: Path) -> Path:
     """A data directory whose WikiText-2 test file holds a few rows of text (eval checks its data before it reads
     the model)."""

@@ -127,6 +127,21 @@ def test_pre_rope_kv_quantizes_the_projection_outputs_per_head(tmp_path):
         simulate.attach([block], [], source.config, None, sim)
 
 
+def test_eval_description_names_each_part_of_the_activation_simulation():
+    """eval's description of the simulated activations names the groups and the outliers each on its own: a
+    recipe with activation groups and no outliers, or outliers over whole tokens, reads as what it simulates, not
+    as plain per-token quantization."""
+    from quantkit import simulate
+    from quantkit.eval.loading import _describe_act
+
+    assert _describe_act(None) == ""
+    assert _describe_act(simulate.ActivationSim(8)) == "A8 per-token"
+    assert _describe_act(simulate.ActivationSim(4, group_size=128)) == "A4 per-token groups of 128"
+    assert _describe_act(simulate.ActivationSim(4, outliers=64)) == "A4 per-token + 64 INT8 outliers"
+    assert (_describe_act(simulate.ActivationSim(4, group_size=128, outliers=128))
+            == "A4 per-token groups of 128 + 128 INT8 outliers")
+
+
 def test_atom_recipe_end_to_end(tmp_path, calib_txt):
     """atom-w4a4 on a synthetic Llama (width 256: 128 normal columns and 128 outliers): the artifact records each
     linear's order as g_idx with the largest-input channels in the INT8 group, and eval simulates W4A4 with the

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import cli, cli_ok, record_rewritten_file
+from helpers import cli, cli_ok, record_rewritten_file, rewrite_tensor
 from safetensors.torch import load_file, save_file
 
 from quantkit.emulate import INT32, check_against_reference, emulate, int8_gemm, quantize_tokens
@@ -481,3 +481,159 @@ def test_exact_check_holds_the_weight_scales_to_the_reference_bit_for_bit():
     emulation.s_w[3] = np.nextafter(emulation.s_w[3], np.float32(np.inf))
     check = check_against_reference(emulation, weight, x)
     assert not check.exact and check.rel_error < 1e-3
+
+
+def test_quantize_tokens_divides_by_the_scale_as_the_simulation_does():
+    """The codes are round(x / s), as `fake_quantize_per_token` (eval's simulation) computes them, not
+    round(x * (1 / s)): with max 1 (s = 1/127 in float32), x = 0.043307085 gives x / s = 5.5 exactly, which rounds
+    half to even to 6, where the reciprocal's product 5.4999995 rounds to 5, a code away from what eval
+    simulates."""
+    from quantkit.quantizers import fake_quantize_per_token
+
+    x = np.array([[1.0, 0.043307085, -0.68897635]], dtype=np.float32)
+    q, s = quantize_tokens(x)
+    assert q.tolist() == [[127, 6, -88]]
+    simulated = fake_quantize_per_token(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(q.astype(np.float32) * s[:, None], simulated)
+
+
+def test_int8_gemm_takes_sums_at_the_int32_limits():
+    """An accumulator is refused only past int32: sums of INT8 products equal to -2^31 and to 2^31 - 1 exactly are
+    what the kernel's int32 holds (132104 x (-128 * 127) + (-128 * 8), and 131070 x 128^2 + 2 x 127^2 + 127 * 4 + 1),
+    and one more on either side overflows."""
+    low_x, low_w = np.array([[-128] * 132105]), np.array([[127] * 132104 + [8]])
+    assert int8_gemm(low_x, low_w)[0, 0] == INT32[0]
+    high_x = np.array([[-128] * 131070 + [127, 127, 127, 1]])
+    high_w = np.array([[-128] * 131070 + [127, 127, 4, 1]])
+    assert int8_gemm(high_x, high_w)[0, 0] == INT32[1]
+    with pytest.raises(OverflowError):
+        int8_gemm(np.concatenate([low_x, [[-1]]], axis=1), np.concatenate([low_w, [[1]]], axis=1))
+    with pytest.raises(OverflowError):
+        int8_gemm(np.concatenate([high_x, [[1]]], axis=1), np.concatenate([high_w, [[1]]], axis=1))
+
+
+@pytest.mark.parametrize(("key", "change"), [
+    ("s1_scales", lambda t: t[: t.shape[0] // 2].clone()),  # half the rows: torch's reshape raises a RuntimeError
+    ("qweight", lambda t: t.to(torch.int16)),  # not bytes: the layout raises a TypeError
+], ids=["scales-cut", "qweight-int16"])
+def test_validate_names_a_linear_whose_tensor_its_spec_cannot_read(artifacts, tmp_path, key, change):
+    """A linear whose stored tensor its spec cannot read (QServe's per-channel scales cut to half their rows, its
+    qweight stored as int16) is refused as a damaged artifact (exit 2) naming the layer and the linear, whatever
+    error the layout raises, not with a traceback."""
+    import shutil
+
+    damaged = shutil.copytree(artifacts["qoq"], tmp_path / "damaged")
+    rewrite_tensor(damaged, f"model.layers.0.mlp.down_proj.{key}", change)
+    result = cli("validate", damaged, "--kernel", "none")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "layer 0 mlp.down_proj: its tensors do not fit the manifest's 4-bit spec" in said, result.output
+
+
+def test_the_epilogue_rounds_once_after_float32_products_in_the_kernels_order():
+    """The W4A8 epilogue is the kernel's float32 arithmetic, in its order, rounded to fp16 once; the warp simulator
+    checks it bit for bit, but only where a C++ compiler is found, so here it is by hand:
+    - the int32 sum converts to float32 first: 2^24 + 2^13 + 1 becomes 2^24 + 2^13, times 2^-24 the fp16 tie
+      1 + 2^-11, which rounds to even (1.0), where the exact sum would round up to 1 + 2^-10;
+    - (acc * s_w) * s_x, not acc * (s_w * s_x) nor (acc * s_x) * s_w: 1903 with these scales gives 859.5, the
+      other two orders 860;
+    - QServe per channel subtracts szero * t_x in float32 before the one rounding: 1 + 2^-12 - 1 is 2^-12, where
+      rounding the product to fp16 first would lose it."""
+    from quantkit.emulate import _epilogue
+
+    one = np.ones(1, dtype=np.float32)
+    y = _epilogue(np.array([[2**24 + 2**13 + 1]]), np.array([2.0**-24], dtype=np.float32), one)
+    assert y.dtype == np.float16 and y[0, 0] == 1.0
+    s_w, s_x = np.array([0.62938344], dtype=np.float32), np.array([0.71782416], dtype=np.float32)
+    assert _epilogue(np.array([[1903]]), s_w, s_x)[0, 0] == 859.5
+    y = _epilogue(np.array([[4097]]), np.array([2.0**-12], dtype=np.float32), one, szero=one, t_x=one)
+    assert y[0, 0] == np.float16(2.0**-12)
+
+
+def test_atom_epilogue_accumulates_groups_in_float32_and_rounds_once():
+    """Atom's GEMM adds each group's float(partial) * (s_x * s_w) into a float32 accumulator, groups in order with
+    the outliers last, and rounds to fp16 once; the warp simulator checks the bits only where a C++ compiler is
+    found, so here they are by hand, on hand-made tensors (one INT4 group of 128 columns, 128 outliers):
+    - token 0, row 0: 5356 * (s_x * s_w) gives 2594, where (5356 * s_x) * s_w gives 2596;
+    - token 1, row 1: (1 + 2^-12) from the group, then -1 from the outliers: 2^-12, where rounding the
+      accumulator to fp16 between groups would lose it (0);
+    - token 2, row 2: 1, then 2^-11 + 2^-30 from the outliers: the float32 sum is the fp16 tie 1 + 2^-11, which
+      rounds to even (1.0), where a wider accumulator would round up to 1 + 2^-10."""
+    from quantkit.emulate import emulate_atom_quantized
+    from quantkit.formats.atom import scatter_scales
+
+    n, k = 16, 256
+    w4, w8 = np.zeros((n, 128), dtype=np.int64), np.zeros((n, 128), dtype=np.int64)
+    codes = np.zeros((3, k), dtype=np.int64)
+    w4[0, :109], w4[0, 109], codes[0, :109], codes[0, 109] = 7, 3, 7, 5  # 109 * 49 + 15 = 5356
+    w4[1, :83], w4[1, 83], codes[1, :83], codes[1, 83] = 7, 5, 7, 6  # 83 * 49 + 30 = 4097
+    w8[1, 0], codes[1, 128] = 1, -1
+    w4[2, 0], codes[2, 0], w8[2, 0], codes[2, 128] = 1, 1, 1, 1
+    nibbles = np.where(w4 < 0, w4 + 16, w4)
+    s4, s8 = np.ones(n, dtype=np.float16), np.ones(n, dtype=np.float16)
+    s4[0], s4[1] = 0.5336914, 2.0**-12
+    tensors = {"weight_int4": torch.from_numpy((nibbles[:, 0::2] | nibbles[:, 1::2] << 4).astype(np.uint8)),
+               "weight_int8": torch.from_numpy(w8.astype(np.int8)),
+               "scale_int4": torch.from_numpy(scatter_scales(s4[None])),
+               "scale_int8": torch.from_numpy(scatter_scales(s8)),
+               "reorder_index": torch.arange(k, dtype=torch.int16)}
+    s_x = np.array([[0.90783423, 1], [1, 1], [1, 2.0**-11 + 2.0**-30]], dtype=np.float32)
+    emulation = emulate_atom_quantized(tensors, codes, s_x)
+    assert [emulation.partials[0][0, 0], emulation.partials[0][1, 1], emulation.partials[1][1, 1]] == [5356, 4097, -1]
+    assert emulation.out.dtype == np.float16
+    assert [emulation.out[0, 0], emulation.out[1, 1], emulation.out[2, 2]] == [2594.0, 2.0**-12, 1.0]
+
+
+def test_emulate_quantized_takes_scales_and_sums_in_float32():
+    """The kernels receive the per-token scales s_x and (QServe per channel) the sums t_x of the unquantized
+    activations as float32: the emulation multiplies and subtracts with them as given, not rounded to fp16 first
+    (an fp16 s_x moves outputs by up to 2^-11 of themselves, several fp16 steps of the larger ones)."""
+    from quantkit.emulate import _epilogue, emulate_quantized
+
+    tensors = _edge_tensors("qserve", None)
+    rng = np.random.default_rng(7)
+    codes = rng.integers(-128, 128, (4, 256))
+    s_x = (rng.uniform(0.01, 0.02, 4) * (1 + 2.0**-13)).astype(np.float32)
+    t_x = (rng.uniform(-30, 30, 4) * (1 + 2.0**-13)).astype(np.float32)
+    assert not np.array_equal(s_x.astype(np.float16).astype(np.float32), s_x)
+    emulation = emulate_quantized("qserve", tensors, codes, s_x, t_x)
+    assert np.array_equal(emulation.s_x, s_x)
+    expected = _epilogue(emulation.acc, emulation.s_w, s_x, emulation.szero, t_x)
+    assert np.array_equal(emulation.out.view(np.uint16), expected.view(np.uint16))
+
+
+def test_emulation_takes_the_qserve_group_size_from_the_tensors():
+    """QServe's progressive groups may be 64 wide (the kernels take 64 and 128): the emulation reads the group
+    size from the stored s2 tensors (K over their rows), so a g64 linear's int32 sums equal the reference's, as
+    the g128 ones do."""
+    from dataclasses import replace
+
+    from quantkit.formats import get_packer
+    from quantkit.recipe import load_recipe
+
+    recipe = load_recipe("qoq-g128")
+    spec = replace(recipe.weights.spec(), group_size=64)
+    tensors = _edge_tensors("qserve", 64)
+    assert tensors["s2_scales"].shape[0] == 256 // 64
+    weight = get_packer("qserve")(recipe, torch.float16).unpack(dict(tensors), spec).dequantize()
+    x = np.random.default_rng(8).standard_normal((5, 256)).astype(np.float32)
+    check = check_against_reference(emulate("qserve", tensors, x), weight, x)
+    assert check.exact and check.rel_error < 4e-3
+
+
+def test_anyprec_gemv_adds_its_chunks_in_float32_and_rounds_once():
+    """The LUT GEMV adds the 1024-column chunks' sums in float32 and rounds to fp16 once at the end: with every
+    weight 1, chunk 0 sums to 1 + 2^-12 and chunk 1 to -1, so the output is 2^-12, where rounding after each chunk
+    would give 0. And a token of zeros gives zeros, which the tensor-core kernel's bound (then 0) accepts."""
+    from quantkit.emulate import emulate_anyprec, within_anyprec_tc_bound
+    from quantkit.formats.anyprec_layout import pack_planes
+
+    codes = np.ones((1, 2048), dtype=np.int64)
+    lut = np.zeros((1, 8), dtype=np.float16)
+    lut[0, 1] = 1
+    tensors = {"qweight": torch.from_numpy(pack_planes(codes, 3)), "lut3": torch.from_numpy(lut)}
+    x = np.zeros((2, 2048), dtype=np.float32)
+    x[0, 0], x[0, 1], x[0, 1024] = 1, 2.0**-12, -1
+    _, y = emulate_anyprec(tensors, x, 3)
+    assert y[0, 0] == np.float16(2.0**-12) and y[1, 0] == 0
+    assert within_anyprec_tc_bound(tensors, x[1:], 3, y[1:], y[1:])

@@ -111,3 +111,15 @@ def test_a_directory_of_several_gguf_files_names_them(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"GGUF not read")
     with pytest.raises(ModelError, match="several .gguf files, pass one of model.Q4_1.gguf, model.Q8_0.gguf"):
         open_model(tmp_path, cache_dir=tmp_path / "cache")
+
+
+def test_eval_of_a_gguf_file_says_transformers_dequantized_it(cache, monkeypatch):
+    """`quantkit eval` of a .gguf file evaluates the float16 copy transformers dequantized (the cached conversion),
+    and its description says so, with the file's own name, not "unquantized", which would pass the quantized
+    model's score off as the original's."""
+    from quantkit.eval.loading import load_for_eval
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(cache))
+    loaded = load_for_eval(shared_path(GGUF))
+    assert loaded.description == f"{shared_path(GGUF).resolve()} (GGUF, dequantized by transformers, torch.float16)"
+    assert loaded.recipe is None

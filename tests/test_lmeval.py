@@ -322,6 +322,20 @@ def _lm_eval_task_module(relative: str):
     return module
 
 
+def test_data_path_names_only_its_folders_and_says_when_one_is_missing(tmp_path: Path, monkeypatch) -> None:
+    """`data_path` serves the four bundled folders only: another name (even one beside them in a checkout, such
+    as tests) is a ValueError, not a path into the source tree; and an installation where a folder is neither
+    package data nor in a checkout is a FileNotFoundError naming it, not a path that does not exist."""
+    import quantkit.resources
+
+    with pytest.raises(ValueError, match="unknown data folder 'tests'"):
+        data_path("tests")
+    monkeypatch.setattr(quantkit.data, "__path__", [str(tmp_path / "site")])
+    monkeypatch.setattr(quantkit.resources, "__file__", str(tmp_path / "bare" / "quantkit" / "resources.py"))
+    with pytest.raises(FileNotFoundError, match="quantkit data folder 'eval' is missing from this installation"):
+        data_path("eval")
+
+
 def test_helpers_match_lm_eval(shared_data: Path) -> None:
     """The ported `!function` helpers give exactly what lm-eval's built-in tasks compute."""
     wiki = _lm_eval_task_module("wikitext/preprocess_wikitext.py")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, set_weight, wikitext_rows
+from helpers import artifact_digest, cli, cli_ok, record_rewritten_file, rewrite_tensor, set_weight, wikitext_rows
 
 from quantkit.artifact import read_safetensors
 from quantkit.errors import QuantkitError
@@ -200,6 +200,35 @@ def test_eval_weights_equal_reference_dequant(synthetic, calib_txt, tmp_path):
     recipe = load_recipe("gptq-w4a16-g128")
     q = CompressedTensorsPacker(recipe, torch.float16).unpack(parts, recipe.weights.spec())
     assert torch.equal(model.model.layers[1].mlp.down_proj.weight, q.dequantize().half())
+
+
+def test_an_evaluated_artifact_is_a_plain_floating_point_model(rtn_artifact):
+    """eval dequantizes an artifact itself, so the model it hands on carries no quantization_config: lm-eval's HF
+    wrapper builds a quantizer config from one it finds (AutoQuantizationConfig.from_dict, which fails on a method
+    transformers does not know), and transformers would treat the model as one it quantized."""
+    assert "quantization_config" in json.loads((rtn_artifact / "config.json").read_text())
+    model = load_for_eval(rtn_artifact).model
+    assert getattr(model.config, "quantization_config", None) is None
+
+
+def test_eval_weights_of_a_bfloat16_artifact_are_rounded_to_bfloat16(calib_txt, tmp_path):
+    """An engine reconstructs a bfloat16 model's weights in bfloat16, so eval (in float32) takes each dequantized
+    weight rounded to bfloat16, the manifest's dtype, not to float16, whose other rounding would score weights no
+    engine runs."""
+    from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+
+    model_dir = write_synthetic_llama(tmp_path / "bf16", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                         num_hidden_layers=1, dtype="bfloat16"))
+    out = tmp_path / "out"
+    cli_ok("quantize", model_dir, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    weight = load_for_eval(out).model.model.layers[0].mlp.down_proj.weight
+    shard = read_safetensors(sorted(out.glob("model-*.safetensors"))[0])
+    prefix = "model.layers.0.mlp.down_proj."
+    parts = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)}
+    recipe = load_recipe("rtn-w4a16-g128")
+    exact = CompressedTensorsPacker(recipe, torch.bfloat16).unpack(parts, recipe.weights.spec()).dequantize()
+    assert torch.equal(weight, exact.to(torch.bfloat16).float())
+    assert not torch.equal(weight, exact.half().float())
 
 
 def test_w8a8_simulates_activations(synthetic, calib_txt, tmp_path):
@@ -825,6 +854,18 @@ def test_eval_refuses_bad_options_before_loading_the_model(rtn_artifact, tmp_pat
     assert "evaluating" not in result.output and "Traceback" not in result.output
 
 
+def test_bits_is_refused_where_there_is_no_width_to_choose(synthetic, rtn_artifact, tmp_path):
+    """--bits reads an Any-Precision artifact at one of its widths: given a floating-point checkpoint, or an
+    artifact of one fixed width other than the one asked, it is refused (exit 2, naming why), not ignored, which
+    would report the model's own perplexity as that of the width asked for."""
+    data = wikitext_rows(tmp_path / "data")
+    result = cli("eval", synthetic, "--data-dir", data, "--bits", "3")
+    assert result.exit_code == 2, result.output
+    assert "--bits applies to Any-Precision artifacts" in " ".join(result.output.split())
+    result = cli("eval", rtn_artifact, "--data-dir", data, "--bits", "3")
+    assert result.exit_code == 2 and "serves only its 4 bits" in " ".join(result.output.split()), result.output
+
+
 def test_tied_embeddings_stay_tied_through_quantize_and_eval(tmp_path, calib_txt):
     """A checkpoint that ties lm_head to the embeddings (it stores no lm_head tensor) is read with the embeddings as its
     head, quantized, and evaluated with the head tied again to the unchanged embeddings."""
@@ -1145,6 +1186,37 @@ def test_calibrating_on_the_wikitext_test_split_warns(synthetic, tmp_path):
     result = cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "out", "--calib",
                     data / WIKITEXT_FILE, "--num-samples", "2", "--seq-len", "32")
     assert "calibrating on the WikiText-2 test split" in " ".join(result.output.split()), result.output
+
+
+def test_the_quantization_method_is_read_from_either_form_of_config():
+    """eval names a checkpoint's quantization method (its description, and whether transformers can load it) from
+    config.json's dict or from the loaded transformers config, whose quantization_config is an object holding a
+    QuantizationMethod enum: both read as the plain method name ("gptq"), not as the enum's repr
+    ("QuantizationMethod.GPTQ", a method transformers would then seem not to know)."""
+    from types import SimpleNamespace
+
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from quantkit.eval.loading import _quant_method
+
+    assert _quant_method({"quantization_config": {"quant_method": "awq"}}) == "awq"
+    assert _quant_method({}) is None and _quant_method({"quantization_config": {}}) is None
+    loaded = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=QuantizationMethod.GPTQ))
+    assert _quant_method(loaded) == "gptq"
+    assert _quant_method(SimpleNamespace(quantization_config={"quant_method": QuantizationMethod.AWQ})) == "awq"
+    assert _quant_method(SimpleNamespace()) is None
+
+
+def test_eval_names_a_linear_whose_shape_tensor_is_cut_short(rtn_artifact, tmp_path):
+    """A compressed-tensors linear whose weight_shape holds one value in place of two (indexing it raises an
+    IndexError in the unpack) is refused as a damaged artifact (exit 2) naming the layer and the linear, not with
+    a traceback."""
+    damaged = shutil.copytree(rtn_artifact, tmp_path / "damaged")
+    rewrite_tensor(damaged, "model.layers.0.mlp.down_proj.weight_shape", lambda t: t[:1].clone())
+    result = cli("eval", damaged, "--data-dir", wikitext_rows(tmp_path / "data"), "--limit", "1", "--seq-len", "64")
+    assert result.exit_code == 2, result.output
+    assert "layer 0 mlp.down_proj: its tensors do not fit the manifest's 4-bit spec" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
 
 
 def test_eval_refuses_what_it_would_score_wrong(rtn_artifact, synthetic, tmp_path):

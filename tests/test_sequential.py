@@ -15,6 +15,9 @@ from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 SPECS = {
     "llama": SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1),
     "qwen2": SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1, model_type="qwen2"),
+    # heads x head_dim = 2 x hidden, as in Mistral Nemo: o_proj's inputs are wider than the block's
+    "mistral-head-dim": SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       model_type="mistral", head_dim=32),
 }
 
 
@@ -107,3 +110,78 @@ def test_observe_kv_sees_the_same_keys_without_the_rest_of_the_block(tmp_path):
     assert getattr(work.block.get_submodule(source.adapter.attention), "_quantkit_observer", None) is None
     work.observe_kv(lambda k, v: seen["stopped"].append(k), samples=1)
     assert len(seen["stopped"]) == 3 and seen["stopped"][-1].shape[0] == 1
+
+
+def test_role_by_role_and_attention_alone_keep_a_sliding_window(tmp_path):
+    """On a model whose attention slides (Mistral, window 6 on sequences of 16), the role-by-role run and the
+    attention module run alone (QoQ's clipping objective) mask each query to its window as the whole block does:
+    the outputs equal a plain run of the block, and the window really changes them."""
+    import json
+
+    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
+                                                                 num_hidden_layers=1, model_type="mistral"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
+    source = open_model(path)
+    runner = BlockRunner(source, 16, batch_size=2)
+    assert runner.mask(build_block(source, 0)) is not None
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(3))
+    block = build_block(source, 0)
+    expected = runner.run(block, x)
+    out = run_by_role(runner, block, source.adapter, x, torch.empty_like(x), lambda role, t: None,
+                      lambda role: None)
+    assert torch.equal(out, expected)
+    inside: list[torch.Tensor] = []
+    attn = block.get_submodule(source.adapter.attention)
+    handle = attn.register_forward_hook(lambda m, args, out: inside.append(out[0].clone()))
+    runner.run(block, x)
+    handle.remove()
+    assert torch.equal(runner.run_attention(block, source.adapter, x), torch.cat(inside))
+    unwindowed = BlockRunner(source, 16, batch_size=2)
+    unwindowed._sliding_mask = None
+    assert not torch.equal(unwindowed.run(block, x), expected)
+
+
+def test_a_bfloat16_cache_runs_in_float32(tmp_path):
+    """With engine.cache_dtype bfloat16 the cache between blocks is bfloat16, but each chunk runs the float32
+    block in float32: a run (and the role-by-role run) gives the float32 run on the upcast cache, rounded once into
+    the bfloat16 output, and the attention alone gives float32 outputs, as its docstring says."""
+    source = open_model(write_synthetic_llama(tmp_path / "m", SPECS["llama"]))
+    runner = BlockRunner(source, 16, batch_size=2)
+    block = build_block(source, 0)
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    expected = runner.run(block, x.float())
+    out = runner.run(block, x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
+    by_role = run_by_role(runner, block, source.adapter, x, torch.empty_like(x), lambda role, t: None,
+                          lambda role: None)
+    assert torch.equal(by_role, out)
+    alone = runner.run_attention(block, source.adapter, x)
+    assert alone.dtype == torch.float32
+    assert torch.equal(alone, runner.run_attention(block, source.adapter, x.float()))
+
+
+def test_a_role_input_is_taken_before_the_linears_other_pre_hooks(tmp_path):
+    """The inputs run_by_role hands a role are those its linear receives before any pre-hook of its own (an
+    activation simulation attached earlier, say, which would hand GPTQ quantized inputs in place of the block's
+    own): with a pre-hook that doubles o_proj's and down_proj's inputs, the roles still get what a plain run of the
+    block shows a hook placed first."""
+    source = open_model(write_synthetic_llama(tmp_path / "m", SPECS["llama"]))
+    adapter = source.adapter
+    runner = BlockRunner(source, 16, batch_size=2)
+    block = build_block(source, 0)
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(5))
+    names = {"o": adapter.o_proj, "down": adapter.down_proj}
+    for name in names.values():
+        block.get_submodule(name).register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    replay: dict[str, list[torch.Tensor]] = {role: [] for role in names}
+    handles = [block.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, r=role: replay[r].append(args[0].clone()), prepend=True) for role, name in names.items()]
+    runner.run(block, x)
+    for h in handles:
+        h.remove()
+    seen: dict[str, list[torch.Tensor]] = {role: [] for role in names}
+    run_by_role(runner, block, adapter, x, torch.empty_like(x),
+                lambda role, t: seen[role].append(t.clone()) if role in seen else None, lambda role: None)
+    for role in names:
+        assert torch.equal(torch.cat(seen[role]), torch.cat(replay[role])), role

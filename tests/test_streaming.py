@@ -450,3 +450,75 @@ def test_a_missing_nested_path_is_not_taken_for_a_hub_id(tmp_path: Path, monkeyp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError, match="runs/llama/out: no such model directory or file"):
         open_model("runs/llama/out")
+
+
+@pytest.mark.parametrize("spec", [
+    {},
+    {"tie_word_embeddings": True},
+    {"model_type": "mistral", "head_dim": 32},
+    {"model_type": "qwen2"},
+    {"attention_bias": True},
+], ids=["llama", "tied", "mistral-head-dim", "qwen2-qkv-bias", "llama-attention-bias"])
+def test_a_synthetic_checkpoint_holds_what_its_spec_counts(tmp_path, spec):
+    """`SyntheticLlama.num_parameters` (the bench's model size) is the number of values the written checkpoint
+    holds: per layer two norms, q/o of heads x head_dim, k/v of the KV heads, three MLP matrices; the embedding,
+    and an lm_head only when untied; the final norm. Every tensor is in the shard its index names, one shard per
+    layer plus one for the rest, and the config gives the spec's head width to transformers."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    s = SyntheticLlama(hidden_size=128, intermediate_size=256, num_hidden_layers=2, **spec)
+    path = write_synthetic_llama(tmp_path / "m", s)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    total = 0
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(str(path / shard), "pt") as f:
+            names = f.keys()
+            assert sorted(names) == sorted(k for k, v in weight_map.items() if v == shard)
+            total += sum(f.get_tensor(k).numel() for k in names)
+    assert sorted(set(weight_map.values())) == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert total == s.num_parameters
+    assert ("lm_head.weight" in weight_map) != s.tie_word_embeddings
+    config = AutoConfig.from_pretrained(path)
+    assert (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) == s.head_width
+    assert weight_map["model.layers.1.self_attn.q_proj.weight"] == "model-00002-of-00003.safetensors"
+
+
+def test_a_synthetic_spec_qk_std_draws_the_query_and_key_projections_alone(tmp_path):
+    """`qk_std` (what makes a synthetic model's attention peak, as trained models' does, for the transform
+    tests) is the standard deviation of q_proj's and k_proj's weights, both of them, while v_proj and the
+    other linears keep 0.02; the norms' weights scatter around 1 (std 0.1), so that a transform folding them into
+    the linears has something to fold."""
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    source = open_model(write_synthetic_llama(tmp_path / "m", SyntheticLlama(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=1, qk_std=0.15)))
+    tensors = source.layer_tensors(0)
+    for name, std in (("q_proj", 0.15), ("k_proj", 0.15), ("v_proj", 0.02), ("o_proj", 0.02)):
+        assert tensors[f"self_attn.{name}.weight"].float().std().item() == pytest.approx(std, rel=0.05), name
+    assert tensors["mlp.down_proj.weight"].float().std().item() == pytest.approx(0.02, rel=0.05)
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # around 1, not all 1
+        weight = tensors[f"{norm}.weight"].float()
+        assert weight.mean().item() == pytest.approx(1.0, abs=0.03)
+        assert weight.std().item() == pytest.approx(0.1, rel=0.3)
+
+
+def test_synthetic_tokenizer_config_and_calibration_text_agree_with_their_docstrings(tmp_path):
+    """The synthetic checkpoint's config names the tokenizer's own BOS (256) and EOS (257), which a reader of
+    either takes as the sequence markers, and its calibration text is `lines` samples of `words_per_line` words,
+    one a line, with no empty line between them (an empty sample)."""
+    from transformers import AutoConfig
+
+    from quantkit.models.source import load_tokenizer
+    from quantkit.synthetic import CALIBRATION_WORDS, SyntheticLlama, write_calibration_text, write_synthetic_llama
+
+    path = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                 num_hidden_layers=1))
+    config, tokenizer = AutoConfig.from_pretrained(path), load_tokenizer(path)
+    assert (config.bos_token_id, config.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
+    text = write_calibration_text(tmp_path / "calib.txt", lines=7, words_per_line=5).read_text()
+    rows = text.split("\n")
+    assert len(rows) == 7 and all(len(row.split(" ")) == 5 for row in rows)
+    assert set(text.split()) <= set(CALIBRATION_WORDS.split())

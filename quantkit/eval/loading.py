@@ -128,7 +128,9 @@ def unpack_linear(path: Path, packer: Any, parts: dict[str, torch.Tensor], spec:
     except KeyError as e:  # a tensor the layout needs is not in the shards
         raise ArtifactError(f"{path}: layer {layer} {name} lacks its {e.args[0]} tensor; copy the artifact again, "
                             "or quantize again") from None
-    except (ValueError, RuntimeError) as e:  # shapes or dtypes that the recorded spec does not fit
+    except (ValueError, RuntimeError, TypeError, IndexError) as e:  # shapes or dtypes the recorded spec does not fit
+        # (the layouts raise TypeError for a tensor of another dtype, e.g. QServe's qweight as int16; indexing a
+        # shape tensor cut short raises IndexError)
         raise ArtifactError(f"{path}: layer {layer} {name}: its tensors do not fit the manifest's "
                             f"{spec.bits}-bit spec ({e}); copy the artifact again, or quantize again") from None
 
