@@ -258,14 +258,6 @@ QK_FN float fsub(float a, float b) {
   return r;
 #endif
 }
-QK_FN float fdiv(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  volatile float r = a / b;
-  return r;
-#endif
-}
 
 // fp16 bits -> float (exact) and float -> fp16 bits, round to nearest even (__float2half_rn).
 QK_FN float half_to_float(qk_half h) {
@@ -308,17 +300,6 @@ QK_FN qk_half float_to_half(float f) {
   uint32_t rounded = mant + 0x0FFFu + ((mant >> 13) & 1u);  // round to nearest even at bit 13
   return (qk_half)(sign | (rounded >> 13));
 #endif
-}
-
-// Per-token symmetric INT8 of one activation (vLLM's scaled_int8_quant): round half to even of x / s, clamped.
-QK_FN int8_t quantize_int8(float x, float s) {
-  float q = fdiv(x, s);
-#if defined(__CUDA_ARCH__)
-  int r = __float2int_rn(q);
-#else
-  int r = (int)std::nearbyint(q);
-#endif
-  return (int8_t)(r < -128 ? -128 : (r > 127 ? 127 : r));
 }
 
 // The W4A8 epilogue: fp16((float(acc) * s_w) * s_x), and minus szero * t_x for QServe per channel.
