@@ -166,24 +166,6 @@ def _hub_offline() -> bool:
                for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def find_named_set(name: str, data_dir: str | Path | None = None) -> Path | None:
-    """Local file of a named set (data dir, then the Hugging Face cache), or None; never touches the network.
-
-    Lets a caller decide, before any download is attempted, to fall back to self-generated calibration.
-    """
-    spec = load_named_set(name)
-    local = _find_local(spec, _data_dir(data_dir))
-    if local is not None:
-        return local
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    cached = try_to_load_from_cache(spec.hub_repo_id, spec.hub_filename, repo_type="dataset",
-                                    revision=spec.hub_revision)
-    return Path(cached) if isinstance(cached, str) else None
-
-
 def resolve_named_set(name: str, data_dir: str | Path | None = None) -> Path:
     """Local file of a named set: data dir, else ``hf_hub_download`` (cache only when offline).
 

@@ -921,6 +921,3 @@ def read_safetensors_keys(path: Path) -> list[str]:
     from quantkit.models.source import check_safetensors
 
     return list(check_safetensors(path))
-
-
-ProgressCallback = Callable[[LayerReport], None]

@@ -156,11 +156,6 @@ class QParams:
         return QParams(group_size=self.group_size, protect=self.protect, code_offset=self.code_offset, **values)
 
 
-def group_index(in_features: int, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Group of each input column in natural order: k // group_size."""
-    return torch.arange(in_features, device=device) // group_size
-
-
 @dataclass
 class QuantizedLinear:
     """Integer codes [N, K] (signed int8 domain) with their qparams; `g_idx` maps columns to groups if permuted."""

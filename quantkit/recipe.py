@@ -166,10 +166,6 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
-    @property
-    def needs_calibration(self) -> bool:
-        return any(get_pass(p.name).needs_hessian for p in self.passes)
-
 
 _SECTIONS = {
     "weights": WeightConfig,

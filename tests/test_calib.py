@@ -19,7 +19,6 @@ from conftest import shared_path
 from quantkit.calib import (
     CalibrationError,
     CalibrationSet,
-    find_named_set,
     generate_calibration,
     iter_documents,
     load_calibration,
@@ -311,7 +310,7 @@ def test_c4_found_in_data_dir_matches_whole_file_protocol(shared_data, tokenizer
     monkeypatch.setenv("QUANTKIT_DATA_DIR", str(shared_data))  # the env var stands in for data_dir
     from_env = load_calibration("c4", tokenizer, num_samples=4, seq_len=256, sampling="first")
     assert from_env.sha256 == cal.sha256
-    assert find_named_set("c4") == c4_file
+    assert resolve_named_set("c4") == c4_file
 
 
 def test_random_pool_is_the_first_four_times_the_request(shared_data, tokenizer, monkeypatch):
@@ -340,7 +339,6 @@ def test_offline_missing_named_set_says_what_to_pass(tmp_path, tokenizer, monkey
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     empty = tmp_path / "data"
     empty.mkdir()
-    assert find_named_set("c4", empty) is None
     with pytest.raises(CalibrationError) as info:
         load_calibration("c4", tokenizer, num_samples=1, seq_len=8, data_dir=empty)
     message = str(info.value)
