@@ -2892,7 +2892,8 @@ def run_guarded(launch: kernels.Launch, before: bool, expected: np.ndarray | Non
     """Run `launch` in the warp simulator with each of its arrays (inputs and output) a guarded_copy, in a forked
     child, so that a fault (or a store past an array that corrupts the heap) fails the caller rather than ending the
     test run: the child's exit code, 0 when its output is `expected` (by default the plain launch's, run in the child
-    after the guarded one), 3 when the bits differ, a negative signal number when it faulted."""
+    after the guarded one), 3 when the bits differ, a negative signal number when it faulted, None when it did not
+    end within 2 minutes."""
     import multiprocessing
 
     copies = {id(a): guarded_copy(a, before) for a in launch.args if isinstance(a, np.ndarray)}
@@ -2907,6 +2908,10 @@ def run_guarded(launch: kernels.Launch, before: bool, expected: np.ndarray | Non
     process = multiprocessing.get_context("fork").Process(target=child)
     process.start()
     process.join(120)
+    if process.is_alive():  # hung (a lock held across the fork, say): stop it, and fail with None
+        process.kill()
+        process.join()
+        return None
     return process.exitcode
 
 
