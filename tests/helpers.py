@@ -32,13 +32,26 @@ def artifact_digest(path: Path) -> dict[str, str]:
 def set_weight(model: Path, name: str, value: float, at: tuple[int, int] = (-1, -1)) -> None:
     """Set one value (at row, column `at`) of tensor `name` of a sharded checkpoint, in place: a NaN, or a weight
     past a dtype's range, for the tests of what a run does with it."""
+
+    def change(tensor):
+        tensor[at] = value
+        return tensor
+
+    _rewrite_shard(model, name, change, metadata={"format": "pt"})
+
+
+def _rewrite_shard(directory: Path, key: str, change, metadata: dict[str, str] | None = None) -> Path:
+    """Replace tensor `key` by `change(tensor)` (or drop it where that is None) in the shard the directory's index
+    names for it; returns the shard's path."""
     from safetensors.torch import load_file, save_file
 
-    index = json.loads((model / "model.safetensors.index.json").read_text())
-    shard = model / index["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][at] = value
-    save_file(tensors, shard, metadata={"format": "pt"})
+    shard_path = directory / json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(str(shard_path))
+    changed = change(tensors.pop(key))
+    if changed is not None:
+        tensors[key] = changed
+    save_file(tensors, str(shard_path), metadata=metadata)
+    return shard_path
 
 
 def record_rewritten_file(artifact: Path, path: Path) -> None:
@@ -54,15 +67,10 @@ def record_rewritten_file(artifact: Path, path: Path) -> None:
 
 
 def rewrite_tensor(artifact: Path, key: str, change) -> None:
-    """Replace tensor `key` of an artifact by `change(tensor)`, in the shard that holds it, and record the shard in
-    the manifest: an artifact whose files are whole but whose tensor is not what its spec reads."""
-    from safetensors.torch import load_file, save_file
-
-    shard_path = artifact / json.loads((artifact / "model.safetensors.index.json").read_text())["weight_map"][key]
-    shard = load_file(str(shard_path))
-    shard[key] = change(shard[key])
-    save_file(shard, str(shard_path))
-    record_rewritten_file(artifact, shard_path)
+    """Replace tensor `key` of an artifact by `change(tensor)` (or drop it where that is None), in the shard that
+    holds it, and record the shard in the manifest: an artifact whose files are whole but whose tensors are not
+    what its spec reads."""
+    record_rewritten_file(artifact, _rewrite_shard(artifact, key, change))
 
 
 def wikitext_rows(data: Path) -> Path:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import cli, cli_ok, record_rewritten_file, rewrite_tensor
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from quantkit.emulate import INT32, check_against_reference, emulate, int8_gemm, quantize_tokens
 from quantkit.kernels import compiler_available
@@ -81,15 +81,14 @@ def test_validate_passes_and_catches_a_lane_overflow(artifacts, recipe, tmp_path
 
     broken = tmp_path / "broken"
     shutil.copytree(artifacts[recipe], broken)
-    shard_path = sorted(broken.glob("model-*.safetensors"))[0]
-    shard = load_file(str(shard_path))
-    key = "model.layers.0.mlp.down_proj.s2a"
-    s2a = shard[key].clone()
-    s2a[..., 0] = 16
-    s2a[..., 1] = 250
-    shard[key] = s2a
-    save_file(shard, str(shard_path))
-    record_rewritten_file(broken, shard_path)  # a well-formed artifact with these parameters, not a damaged one
+
+    def wrapping(s2a: torch.Tensor) -> torch.Tensor:
+        s2a[..., 0] = 16
+        s2a[..., 1] = 250
+        return s2a
+
+    # a well-formed artifact with these parameters, not a damaged one
+    rewrite_tensor(broken, "model.layers.0.mlp.down_proj.s2a", wrapping)
     result = cli("validate", broken)
     assert result.exit_code == 1 and "NO" in result.output
     # the verdict names the failing linear and why, in words a log without colours keeps
@@ -113,11 +112,7 @@ def test_validate_refuses_bad_options_and_damaged_linears(artifacts, tmp_path):
     shutil.copytree(artifacts["qqq"], lacking)
     weight_map = json.loads((lacking / "model.safetensors.index.json").read_text())["weight_map"]
     key = next(k for k in weight_map if k.startswith("model.layers.1.mlp.down_proj."))
-    shard_path = lacking / weight_map[key]
-    shard = load_file(str(shard_path))
-    del shard[key]
-    save_file(shard, str(shard_path))
-    record_rewritten_file(lacking, shard_path)
+    rewrite_tensor(lacking, key, lambda tensor: None)
     result = cli("validate", lacking, "--kernel", "none")
     assert result.exit_code == 2 and f"layer 1 mlp.down_proj lacks its {key.rsplit('.', 1)[1]} tensor" in result.output
 
