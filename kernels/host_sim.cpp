@@ -471,89 +471,71 @@ extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s
   wgmma_tall_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, false, QK_STREAMK);
 }
 
-// The host twin of qserve_w4a8_gemm: the same lane functions, warp by warp, each copy of a split-K block on its
-// own K steps, the copies' accumulators then added in the kernel's order.
-// The block of qserve_w4a8_gemm and qserve_w4a8_bulk: for each tile, walk(mt, nt, copy, step) calls step(fragments)
-// for each of the copy's K steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments;
-// then the copies' accumulators meet as splitk_reduce adds them and copy 0 stores.
-template <class Walk>
+// The block of qserve_w4a8_gemm, its two-tile form (SLICES = 2: qserve_w4a8_gemm16) and qserve_w4a8_bulk: one warp a
+// copy, `splits` copies of a block, each warp SLICES 32-channel tiles (slice_tile). For each block, walk(mt, block,
+// copy, step) calls step(fragments) for each of the copy's K steps in its order, fragments(lane, nt, fa, fb) giving the
+// lane's A and unpacked B fragments of tile nt; then the copies' accumulators (a lane's acc[SLICES][4][4], as the
+// kernels hold them) meet as splitk_reduce adds them and copy 0 stores.
+template <int SLICES = 1, class Walk>
 void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
-  std::vector<int32_t> acc((size_t)splits * 4 * 32 * 4), partials((size_t)(splits - 1) * 16 * 32);
+  constexpr int count = 16 * SLICES;  // a lane's accumulators
+  std::vector<int32_t> acc((size_t)splits * count * 32), partials((size_t)(splits - 1) * count * 32);
   uint32_t fa[32][4], fb[32][4][2], bn[32][2];
+  int32_t c[32][4];
+  // accumulator i of slice sl, n8 block nb of a lane of a copy (the kernels' acc[SLICES][4][4])
+  auto at = [&](int copy, int lane, int sl, int nb) {
+    return &acc[((size_t)copy * 32 + lane) * count + 4 * (4 * sl + nb)];
+  };
   for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
-    for (int nt = 0; nt < args.n / 32; ++nt) {
+    for (int block = 0; block < args.n / (32 * SLICES); ++block) {
       std::fill(acc.begin(), acc.end(), 0);
-      auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 4 + nb) * 32 + lane) * 4]; };
       for (int copy = 0; copy < splits; ++copy) {
-        walk(mt, nt, copy, [&](auto&& fragments) {
-          for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
-          for (int nb = 0; nb < 4; ++nb) {
-            for (int lane = 0; lane < 32; ++lane) {
-              bn[lane][0] = fb[lane][nb][0];
-              bn[lane][1] = fb[lane][nb][1];
+        walk(mt, block, copy, [&](auto&& fragments) {
+          for (int sl = 0; sl < SLICES; ++sl) {
+            const int nt = qk::slice_tile(block, SLICES, sl);
+            for (int lane = 0; lane < 32; ++lane) fragments(lane, nt, fa[lane], fb[lane]);
+            for (int nb = 0; nb < 4; ++nb) {
+              for (int lane = 0; lane < 32; ++lane) {
+                bn[lane][0] = fb[lane][nb][0];
+                bn[lane][1] = fb[lane][nb][1];
+                std::memcpy(c[lane], at(copy, lane, sl, nb), sizeof(c[lane]));
+              }
+              mma_warp(c, fa, bn);
+              for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, sl, nb), c[lane], sizeof(c[lane]));
             }
-            mma_warp(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
           }
         });
       }
       for (int lane = 0; lane < 32; ++lane) {
-        int32_t mine[4][4];
+        int32_t mine[SLICES][4][4];
         for (int copy = 1; copy < splits; ++copy)
-          for (int nb = 0; nb < 4; ++nb)
-            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 16, 32)] = at(copy, nb, lane)[i];
-        for (int nb = 0; nb < 4; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
-        qk::splitk_add(&mine[0][0], partials.data(), lane, 16, 32, splits);
-        // the parameters loaded ahead as the kernels build: per channel before the K loop, else after it (MID)
-        const bool ahead = (QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID;
-        const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, nt, lane) : qk::QServeEpilogue{};
-        for (int nb = 0; nb < 4; ++nb) {
-          if (ahead) qk::store_with(args, epi, mt, nt, nb, lane, mine[nb]);
-          else qk::store(args, mt, nt, nb, lane, mine[nb]);
-        }
+          for (int i = 0; i < count; ++i) partials[qk::splitk_slot(copy, i, lane, count, 32)] = at(copy, lane, 0, 0)[i];
+        std::memcpy(&mine[0][0][0], at(0, lane, 0, 0), sizeof(mine));
+        qk::splitk_add(&mine[0][0][0], partials.data(), lane, count, 32, splits);
+        // the parameters loaded ahead as the one-tile kernels build: per channel before the K loop, else after it (MID)
+        const bool ahead = SLICES == 1 && ((QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID);
+        const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, block, lane) : qk::QServeEpilogue{};
+        for (int sl = 0; sl < SLICES; ++sl)
+          for (int nb = 0; nb < 4; ++nb) {
+            if (ahead) qk::store_with(args, epi, mt, block, nb, lane, mine[sl][nb]);
+            else qk::store(args, mt, qk::slice_tile(block, SLICES, sl), nb, lane, mine[sl][nb]);
+          }
       }
     }
   }
 }
 
-// The host twins of qserve_w4a8_gemm (per group) and qserve_w4a8_gemm_pc (per channel), each with the other
-// variant's tensors null as the kernel makes them: copy c of a tile's warps takes K steps c, c + splits, ...
-static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit);
-extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
-                                      const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
-                                      int32_t*) {
-  if (s2 == nullptr || z2 == nullptr) fail("qserve_w4a8_gemm: per group, needs s2 and z2");
-  qserve_gemm_host(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group}, splits, zsplit);
-}
-extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
-                                         const qk_half* s1, const qk_half* szero, const int8_t*, const int8_t*,
-                                         qk_half* out, int m, int n, int k, int, int splits, int zsplit, int32_t*,
-                                         int32_t*) {
-  if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
-  qserve_gemm_host(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0}, splits, zsplit);
-}
-// The two-tile kernels (qserve_w4a8_gemm16, _pc16: a warp's two 32-channel tiles from one load of the activations)
-// compute each tile as these do: the same twins. Only the device runs their mapping of tiles to warps, which
-// bench/smallm_tune.py and a GPU test check.
-extern "C" void qserve_w4a8_gemm16_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
-                                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
-                                        qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
-                                        int32_t* sums, int32_t* arrived) {
-  qserve_w4a8_gemm_host(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums, arrived);
-}
-extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, const float* t_x,
-                                           const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
-                                           const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
-                                           int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  qserve_w4a8_gemm_pc_host(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums,
-                           arrived);
-}
+// The host twins of qserve_w4a8_gemm (per group) and qserve_w4a8_gemm_pc (per channel), and of their two-tile forms
+// (qserve_w4a8_gemm16, _pc16: SLICES = 2), each with the other variant's tensors null as the kernel makes them: copy
+// c of a block's warps takes K steps c, c + splits, ...
+template <int SLICES>
 static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit) {
   const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
-  qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
+  if (args.n % (32 * SLICES) != 0) fail("qserve_w4a8_gemm: N not a multiple of the block's channels");
+  qserve_host<SLICES>(args, copies, [&](int mt, int, int copy, auto&& step) {
     for (int kt = copy; kt < k / 32; kt += copies)
-      step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
+      step([&](int lane, int nt, uint32_t fa[4], uint32_t fb[4][2]) {
         uint32_t w[4], s, z;
         qk::load_a(qk::act_rows(args, mt, lane), kt, fa);
         qk::load_b_raw(args, nt, kt, lane, w);
@@ -561,6 +543,46 @@ static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit)
         qk::unpack_b(args, w, s, z, fb);
       });
   });
+}
+template <int SLICES>
+static void qserve_grouped_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const qk_half* s1,
+                                const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,
+                                int splits, int zsplit) {
+  if (s2 == nullptr || z2 == nullptr) fail("qserve_w4a8_gemm: per group, needs s2 and z2");
+  qserve_gemm_host<SLICES>(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group}, splits,
+                           zsplit);
+}
+template <int SLICES>
+static void qserve_channel_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                const qk_half* s1, const qk_half* szero, qk_half* out, int m, int n, int k, int splits,
+                                int zsplit) {
+  if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
+  qserve_gemm_host<SLICES>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0}, splits,
+                           zsplit);
+}
+extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
+                                      const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
+                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
+                                      int32_t*) {
+  qserve_grouped_host<1>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit);
+}
+extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
+                                         const qk_half* s1, const qk_half* szero, const int8_t*, const int8_t*,
+                                         qk_half* out, int m, int n, int k, int, int splits, int zsplit, int32_t*,
+                                         int32_t*) {
+  qserve_channel_host<1>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit);
+}
+extern "C" void qserve_w4a8_gemm16_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
+                                        const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
+                                        qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
+                                        int32_t*) {
+  qserve_grouped_host<2>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit);
+}
+extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, const float* t_x,
+                                           const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
+                                           const int8_t*, const int8_t*, qk_half* out, int m, int n, int k, int,
+                                           int splits, int zsplit, int32_t*, int32_t*) {
+  qserve_channel_host<2>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit);
 }
 
 // The host twin of qserve_w4a8_bulk: copy c walks its contiguous range chunk by chunk, each chunk's bulk copies
@@ -580,7 +602,7 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
         slot, chunk, copy, copies, steps,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
         [&](int s0, int u) {
-          step([&](int lane, uint32_t fa[4], uint32_t fb[4][2]) {
+          step([&](int lane, int, uint32_t fa[4], uint32_t fb[4][2]) {
             uint32_t w[4], s, z;
             layout.load_a(args, slot.data(), mt, u, lane, fa);
             layout.load_b(args, slot.data(), s0, u, lane, w, s, z);

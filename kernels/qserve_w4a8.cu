@@ -114,6 +114,10 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
   store_by(a, mt, nt, nb, lane, acc, [&](int32_t v, int, int, int row, int col) { return out_value(a, v, row, col); });
 }
 
+// The 32-channel tile of slice sl of small-M block x, `slices` neighbouring tiles a warp (the *16 kernels: two, grid
+// N / 64; they add sl to slice 0's tile). The warp simulator's twin maps its tiles with it. Unsigned, as blockIdx.x.
+QK_FN int slice_tile(unsigned block, int slices, int sl) { return (int)(slices * block) + sl; }
+
 // The epilogue's parameters of a lane of tile (mt, nt), loaded ahead (by the per-channel decode kernel before its K
 // loop under QK_EPILOGUE_EARLY, qk_common.cuh: 12 a lane, 110 -> 126 registers, no spills; the per-group kernel has
 // no registers to spare, and under QK_EPILOGUE_MID loads them after its K loop, before the split-K meeting): s1 (and
@@ -328,7 +332,8 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
   const qk::QServeArgs args{x, s_x, GROUPED ? nullptr : t_x, qweight, s1, GROUPED ? nullptr : szero,
                             GROUPED ? s2 : nullptr, GROUPED ? z2 : nullptr, out, m, n, k, GROUPED ? group : 0};
   if (GROUPED) __builtin_assume(s2 != nullptr);  // the launch's; so no step tests it (load_group_params, unpack_b)
-  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = SLICES * blockIdx.x, mt = blockIdx.y;
+  const int lane = threadIdx.x % 32, copy = threadIdx.x / 32, nt = qk::slice_tile(blockIdx.x, SLICES, 0);
+  const int mt = blockIdx.y;
   const int copies = splits * zsplit, first = blockIdx.z * splits + copy;
   constexpr int COUNT = 16 * SLICES;  // int32 sums a lane
   struct Stage { uint32_t w[SLICES][4], s[SLICES], z[SLICES], a[4]; };

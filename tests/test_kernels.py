@@ -199,9 +199,9 @@ QSERVE16_CASES = [(None, 9, 512, None), (128, 16, 1024, None), (None, 13, 768, 3
 @pytest.mark.parametrize(("group", "m", "k", "splits"), QSERVE16_CASES)
 def test_qserve_two_tile_launch(group, m, k, splits, monkeypatch):
     """QSERVE_GEMM16: from 9 tokens on, QServe's decode kernels with two 32-channel tiles a warp (*16: grid N / 64,
-    32 sums a lane, 4 KiB of partial sums a copy), the emulation's bits in the simulator (whose twin is the
-    one-tile kernel's: only the device runs the two-tile mapping, test_qserve_two_tile_gpu_kernel); up to 8 tokens,
-    an N that 64 does not divide, or the bulk kernel, the one-tile launch."""
+    32 sums a lane, 4 KiB of partial sums a copy), the emulation's bits in the simulator (whose twin maps a warp's
+    two tiles with the kernels' slice_tile; test_qserve_two_tile_gpu_kernel runs them on the device); up to 8
+    tokens, an N that 64 does not divide, or the bulk kernel, the one-tile launch."""
     monkeypatch.setattr(kernels, "QSERVE_GEMM16", True)
     n = 192
     tensors = synthetic("qserve", n, k, seed=m + k, group=group)
@@ -2917,22 +2917,27 @@ def run_guarded(launch: kernels.Launch, before: bool, expected: np.ndarray | Non
 
 @needs_compiler
 @pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
-@pytest.mark.parametrize("path", ["decode", "tiled", "wgmma"])
+@pytest.mark.parametrize("path", ["decode", "decode16", "tiled", "wgmma"])
 @pytest.mark.parametrize(("fmt", "group"), [("qserve", None), ("qserve", 128), ("qqq", None), ("qqq", 128),
                                             ("liquidquant", 64)])
-def test_w4a8_kernels_touch_no_byte_outside_their_arrays(fmt, group, path, before):
+def test_w4a8_kernels_touch_no_byte_outside_their_arrays(fmt, group, path, before, monkeypatch):
     """At M = 5 (a 16-token tile, a 128-token stage, mostly past M), with every array of the launch ending where an
     inaccessible page begins (or beginning where one ends), every W4A8 path (decode, large M, Hopper) gives the
     emulation's bits and reads or writes no byte outside its arrays. Rows past M are clamped to the last
     (act_row) or zero-filled (copy_rows) and never stored: a kernel that read or stored row M instead would give the
-    same outputs from the heap's bytes, and on the GPU fault where the array ends its allocation."""
-    m, n, k = 5, 128, 256
+    same outputs from the heap's bytes, and on the GPU fault where the array ends its allocation. decode16: M = 13,
+    QServe's and LiquidQuant's kernels of 9 to 16 tokens (two tiles or slices a warp)."""
+    m, n, k = 13 if path == "decode16" else 5, 128, 256
+    monkeypatch.setattr(kernels, "QSERVE_GEMM16", True)
     tensors = synthetic(fmt, n, k, seed=11, group=group)
     x = activations(m, k, seed=5)
     reference = emulate(fmt, tensors, x)
-    tiled, wgmma = {"decode": (False, False), "tiled": (True, False), "wgmma": (None, True)}[path]
+    tiled, wgmma = {"decode": (False, False), "decode16": (False, False), "tiled": (True, False),
+                    "wgmma": (None, True)}[path]
     launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
                                    tiled=tiled, wgmma=wgmma)
+    if path == "decode16" and fmt != "qqq":
+        assert launch.name.endswith("16"), launch.name
     code = run_guarded(launch, before, reference.out.view(np.uint16))
     assert code == 0, f"{launch.name}: exit code {code} (3: not the emulation's bits; negative: a fault)"
 
