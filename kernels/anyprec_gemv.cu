@@ -123,6 +123,9 @@ QK_FN int chunk_width(const AnyPrecArgs& a, int c) {
   const int full = a.k / AP_CHUNK;
   return c < full ? AP_CHUNK : a.k - full * AP_CHUNK;
 }
+// The GEMV's chunks in flight (pipelined_steps, after the first ones loaded ahead of the table): the words of 4 chunks
+// up to 4 bits, 2 above. The warp simulator's twin walks the chunks in the same rounds.
+QK_FN constexpr int ap_ahead(int bits) { return bits <= 4 ? 4 : 2; }
 
 // Thread `lane`'s word of each of the first BITS planes of channel n in chunk c (zeros for idle threads of a narrow
 // last chunk): the loads, apart from the arithmetic, so that a warp can have several chunks' loads in flight.
@@ -668,7 +671,7 @@ __device__ __forceinline__ void anyprec_gemv_at(const qk::AnyPrecArgs& args, flo
   // overlap. The chunks are still summed in order, and only the tokens below M are reduced across the warp (a
   // decode call has one of the warp's eight): the bits do not change.
   struct Words { uint32_t w[BITS]; };
-  constexpr int AP_AHEAD = BITS <= 4 ? 4 : 2;
+  constexpr int AP_AHEAD = qk::ap_ahead(BITS);
   const int chunks = qk::chunk_count(args), tokens = args.m - m0;
   float sum[qk::AP_TOKENS] = {};
   auto load = [&](int c, Words& st) { qk::chunk_words<BITS>(args, channel, c, lane, st.w); };

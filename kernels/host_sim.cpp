@@ -48,6 +48,23 @@ void bulk_walk_host(std::vector<uint8_t>& slot, int chunk, int i, int n_copies, 
   }
 }
 
+// A copy's K steps first, first + stride, ... < steps through the kernels' own pipelined_steps<U>, in its rounds and
+// order: run(step) for each. Each step's "loads" (its index) are checked to be of a step that exists (the kernel's
+// would read past its arrays) and to be the ones its computation reads.
+template <int U, class Run>
+void walk_steps(int first, int stride, int steps, Run run) {
+  ::pipelined_steps<U, int>(
+      first, stride, steps,
+      [&](int step, int& loaded) {
+        if (step < 0 || step >= steps) fail("pipelined_steps: loads of a step past the last");
+        loaded = step;
+      },
+      [&](int step, const int& loaded) {
+        if (loaded != step) fail("pipelined_steps: a step computed from another step's loads");
+        run(step);
+      });
+}
+
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
 // D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
@@ -528,13 +545,14 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
 // The host twins of qserve_w4a8_gemm (per group) and qserve_w4a8_gemm_pc (per channel), and of their two-tile forms
 // (qserve_w4a8_gemm16, _pc16: SLICES = 2), each with the other variant's tensors null as the kernel makes them: copy
 // c of a block's warps takes K steps c, c + splits, ...
-template <int SLICES>
+template <bool GROUPED, int SLICES>
 static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit) {
   const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
   if (args.n % (32 * SLICES) != 0) fail("qserve_w4a8_gemm: N not a multiple of the block's channels");
+  constexpr int ahead = qk::qserve_ahead(GROUPED, SLICES);
   qserve_host<SLICES>(args, copies, [&](int mt, int, int copy, auto&& step) {
-    for (int kt = copy; kt < k / 32; kt += copies)
+    walk_steps<ahead>(copy, copies, k / 32, [&](int kt) {
       step([&](int lane, int nt, uint32_t fa[4], uint32_t fb[4][2]) {
         uint32_t w[4], s, z;
         qk::load_a(qk::act_rows(args, mt, lane), kt, fa);
@@ -542,6 +560,7 @@ static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit)
         qk::load_group_params(args, nt, kt, lane, s, z);
         qk::unpack_b(args, w, s, z, fb);
       });
+    });
   });
 }
 template <int SLICES>
@@ -549,16 +568,16 @@ static void qserve_grouped_host(const int8_t* x, const float* s_x, const uint8_t
                                 const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,
                                 int splits, int zsplit) {
   if (s2 == nullptr || z2 == nullptr) fail("qserve_w4a8_gemm: per group, needs s2 and z2");
-  qserve_gemm_host<SLICES>(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group}, splits,
-                           zsplit);
+  qserve_gemm_host<true, SLICES>(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group},
+                                 splits, zsplit);
 }
 template <int SLICES>
 static void qserve_channel_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                 const qk_half* s1, const qk_half* szero, qk_half* out, int m, int n, int k, int splits,
                                 int zsplit) {
   if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
-  qserve_gemm_host<SLICES>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0}, splits,
-                           zsplit);
+  qserve_gemm_host<false, SLICES>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0},
+                                  splits, zsplit);
 }
 extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
@@ -693,12 +712,13 @@ void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qwe
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
   const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
   auto walk = [&](int, int, int copy, auto&& step) {
-    for (int kt = copy; kt < k / 64; kt += splits)
+    walk_steps<qk::lqq_ahead(TB, SLICES)>(copy, splits, k / 64, [&](int kt) {
       step([&](int nt, int t, uint32_t r[4], uint32_t sa[2]) { qk::load_weights_raw(args, nt, kt, t, r, sa); },
            [&](int tb, int j, int lane, uint32_t fb[2]) {
              if (TB <= 2) qk::load_tokens(qk::token_row(args, tb, lane), kt, j, fb);
              else qk::load_tokens_checked(args, tb, kt, j, lane, fb);
            });
+    });
   };
   liquidquant_host<TB, decltype(walk), SLICES>(args, splits, QK_LQQ_TILE_WARPS, walk);
 }
@@ -824,15 +844,19 @@ extern "C" void qqq_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const u
 static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
   const int k = args.k;
   const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
-  qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
-    for (int i = copy; i < k / 16; i += copies)
+  const auto walk = [&](int mt, int c, int copy, auto&& step) {
+    const auto run = [&](int i) {
       step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
         uint32_t w[4];
         qk::load_a16(qk::act_rows(args, mt, lane), i, fa);
         qk::load_b_raw(args, c, i, lane, w);
         qk::unpack_b(args.s_group != nullptr, qk::ratio_row(args, c, i), lane, w, fb);
       });
-  });
+    };
+    if (args.s_group != nullptr) walk_steps<qk::qqq_ahead(true)>(copy, copies, k / 16, run);
+    else walk_steps<qk::qqq_ahead(false)>(copy, copies, k / 16, run);
+  };
+  qqq_host(args, copies, walk);
 }
 
 // The host twin of qqq_w4a8_bulk: copy c walks its contiguous range chunk by chunk, the chunk's bulk copies
@@ -942,24 +966,25 @@ extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const f
       for (int lane = 0; lane < 32; ++lane) lane_rows[lane] = qk::atom_rows(args, mt, nt, lane);
       std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
       for (int copy = 0; copy < splits; ++copy)
-        for (int half = qk::atom_first_half(copy, groups, splits); half < 2; half += splits)
+        walk_steps<2>(qk::atom_first_half(copy, groups, splits), splits, 2, [&](int half) {
           step(
               false, [&](int lane, qk::AtomStep& r) { qk::atom_load_outliers(args, mt, nt, half, lane, r); },
               [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
                 qk::atom_put_outliers(r, half, rows, per_round, lane, mine, smem.data());
               });
+        });
       for (int s0 = 0;; s0 += per_round) {
         const int end = std::min(s0 + per_round, groups);
         std::fill(smem.begin(), smem.begin() + qk::atom_slot(per_round, 0, 0, rows),
                   std::numeric_limits<float>::quiet_NaN());
         for (int copy = 0; copy < splits; ++copy)
-          for (int s = s0 + copy; s < end; s += splits)
+          walk_steps<QK_ATOM_AHEAD>(s0 + copy, splits, end, [&](int s) {
             step(
-                true,
-                [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, lane_rows[lane], s, r); },
+                true, [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, lane_rows[lane], s, r); },
                 [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
                   qk::atom_put_terms(r, s, s0, rows, lane, mine, smem.data());
                 });
+          });
         for (int t = 0; t < 32 * splits; ++t)
           qk::atom_sum(args, mt, nt, smem.data(), end - s0, rows, per_round, s0 == 0, end == groups, t, 32 * splits,
                        sums);
@@ -994,16 +1019,19 @@ extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const 
 }
 
 // The host twin of anyprec_gemv at width BITS: each warp's table, then its chunks with the xor-shuffle tree
-// included (each lane adds its partner's value).
+// included (each lane adds its partner's value): the first ap_ahead(BITS), loaded before the table, then the rest
+// through pipelined_steps, as the kernel walks them.
 template <int BITS>
 void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
   std::vector<float> table(qk::AP_TABLE_WORDS);
   float v[32][qk::AP_TOKENS], next[32][qk::AP_TOKENS];
+  constexpr int ahead = qk::ap_ahead(BITS);
+  const int chunks = qk::chunk_count(args);
   for (int channel = 0; channel < args.n; ++channel) {
     for (int lane = 0; lane < 32; ++lane) qk::fill_table<BITS>(args, channel, lane, table.data());
     for (int m0 = 0; m0 < args.m; m0 += qk::AP_TOKENS) {
       float sum[qk::AP_TOKENS] = {};
-      for (int c = 0; c < qk::chunk_count(args); ++c) {
+      auto add = [&](int c) {
         for (int lane = 0; lane < 32; ++lane) qk::thread_partials_at<BITS>(args, table.data(), channel, c, m0, lane, v[lane]);
         for (int offset = 16; offset > 0; offset >>= 1) {
           for (int lane = 0; lane < 32; ++lane)
@@ -1011,7 +1039,9 @@ void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
           std::memcpy(v, next, sizeof(v));
         }
         for (int i = 0; i < qk::AP_TOKENS; ++i) sum[i] = qk::fadd(sum[i], v[0][i]);
-      }
+      };
+      for (int c = 0; c < std::min(ahead, chunks); ++c) add(c);
+      walk_steps<ahead>(ahead, 1, chunks, add);
       for (int i = 0; i < qk::AP_TOKENS && m0 + i < args.m; ++i)
         args.out[(size_t)(m0 + i) * args.n + channel] = qk::float_to_half(sum[i]);
     }

@@ -95,6 +95,17 @@ QK_FN void lqq_tile(int block, int local, int warps, int& nt, int& t, int slices
   nt = first / 4;
   t = 32 * (first % 4 + s) + local % 32;  // slices divides 4: the warp's slices share block nt
 }
+// The small-M kernels' K steps a round (pipelined_steps) for TB token blocks a tile and `slices` slices a warp: up to
+// 8 tokens QK_LQQ_AHEAD (by default QK_SMALLM_AHEAD; bench/smallm_tune.py's LQQ-A10 takes 10), two blocks 3/4 of
+// QK_SMALLM_AHEAD with one slice and half with two, four blocks half (their activations take registers too; the
+// kernels below say what each costs). The warp simulator's twins walk their steps in the same rounds.
+#ifndef QK_LQQ_AHEAD
+#define QK_LQQ_AHEAD QK_SMALLM_AHEAD
+#endif
+QK_FN constexpr int lqq_ahead(int tb, int slices) {
+  return tb == 1 ? QK_LQQ_AHEAD : tb == 2 ? (slices == 1 ? 3 * QK_SMALLM_AHEAD / 4 : QK_SMALLM_AHEAD / 2)
+                                          : (QK_SMALLM_AHEAD + 1) / 2;
+}
 
 // The lane's accumulators of token block tb: c0, c1 at channel g, tokens 2q, 2q + 1; c2, c3 at channel g + 8, each
 // output value(acc, i, token, channel) for its accumulator i.
@@ -272,7 +283,7 @@ struct LiquidWgmma {
 // are a QServe thread's of a 32-column step. With SLICES = 2 a warp computes 32 channels, two 16-channel slices of
 // one 64-channel block, from one load of the activations (grid N / (32 warps)): the activations a warp re-reads per
 // weight byte halve (a 16-channel warp at 16 tokens loads 1 KiB of them a step beside its 512 bytes of weights).
-template <int TB, int AHEAD, int SLICES = 1>
+template <int TB, int SLICES = 1>
 __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, int splits) {
   static_assert(SLICES == 1 || SLICES == 2, "one or two 16-channel slices a warp");
   constexpr int warps = QK_LQQ_TILE_WARPS;
@@ -294,7 +305,7 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
 #pragma unroll
   for (int tb = 0; tb < TB; ++tb) rows[tb] = TB <= 2 ? qk::token_row(args, tb0 + tb, t[0] % 32) : nullptr;
   splitk_begin<4 * TB * SLICES, QK_SPLITK_RED>(local, copy, 32 * warps, splits);
-  pipelined_steps<AHEAD, Stage>(
+  pipelined_steps<qk::lqq_ahead(TB, SLICES), Stage>(
       copy, splits, args.k / 64,
       [&](int kt, Stage& st) {
 #pragma unroll
@@ -342,20 +353,17 @@ __device__ __forceinline__ void liquidquant_gemm_at(const qk::LiquidArgs& args, 
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                           const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  liquidquant_gemm_at<4, (QK_SMALLM_AHEAD + 1) / 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+  liquidquant_gemm_at<4>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 // Up to 8 tokens (decode): grid (N / (16 warps), 1), block 32 warps splits, dynamic shared memory
 // splitk_slots(splits) * warps * 512 bytes: one token block, QK_LQQ_AHEAD steps a round (by default QK_SMALLM_AHEAD,
 // the loads in flight of the other layouts' small-M kernels). It needs 110 registers at 8 steps, so 10 fit in 128
 // with no spill (12 spill).
-#ifndef QK_LQQ_AHEAD
-#define QK_LQQ_AHEAD QK_SMALLM_AHEAD
-#endif
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm8(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                            const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  liquidquant_gemm_at<1, QK_LQQ_AHEAD>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+  liquidquant_gemm_at<1>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 // Up to 16 tokens, where quantkit.kernels.LIQUIDQUANT_GEMM16 takes it (the default: 0.79-0.99x the four-block kernel's
@@ -368,8 +376,7 @@ extern "C" __global__ void __launch_bounds__(512)
 extern "C" __global__ void __launch_bounds__(512)
     liquidquant_w4a8_gemm16(const int8_t* x, const float* s_x, const uint8_t* qweight, const uint8_t* s2a,
                             const qk_half* s1, qk_half* out, int m, int n, int k, int splits) {
-  constexpr int ahead = QK_LQQ16_SLICES == 1 ? 3 * QK_SMALLM_AHEAD / 4 : QK_SMALLM_AHEAD / 2;
-  liquidquant_gemm_at<2, ahead, QK_LQQ16_SLICES>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
+  liquidquant_gemm_at<2, QK_LQQ16_SLICES>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, splits);
 }
 
 #if defined(QK_WGMMA)

@@ -711,6 +711,50 @@ QK_FN BlockWork streamk_work(int b, int from, int steps) {
 
 }  // namespace qk
 
+// The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
+// a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); it changes no bit of any output. On an H200, 8 a round was
+// the fastest of what was tried (README, "CUDA kernels"): 4 and 6 a round, the next round's loads issued before
+// this round's MMAs (two register sets), cp.async into per-thread shared-memory slots (4 or 6 steps ahead), the
+// activations loaded at their step's MMAs rather than with the weights (8, 12 or 16 steps a round), and a warp's
+// steps in rounds of equal size (28 in 4 of 7, not 8, 8, 8 and 4: 12% slower in total).
+#ifndef QK_SMALLM_AHEAD
+#define QK_SMALLM_AHEAD 8
+#endif
+
+// Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
+// loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
+// needs), the last round's too when fewer than U steps are left. The warp simulator's twins walk their copies' steps
+// through it as well (host_sim.cpp walk_steps).
+#pragma nv_exec_check_disable
+template <int U, typename Stage, typename Load, typename Compute>
+QK_FN void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
+  QK_STAMP(QK_T_START);
+  int step = first;
+  for (; step + (U - 1) * stride < steps; step += U * stride) {
+    Stage stage[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(step + u * stride, stage[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      compute(step + u * stride, stage[u]);
+      if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
+    }
+  }
+  if (step < steps) {  // the rest, fewer than U steps, still all in flight together
+    Stage stage[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (step + u * stride < steps) load(step + u * stride, stage[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (step + u * stride < steps) {
+        compute(step + u * stride, stage[u]);
+        if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
+      }
+  }
+  QK_STAMP(QK_T_LOOP);
+}
+
 #ifndef QK_HOST
 // How the copies of a block meet (the register kernels; the bulk ones always store): QK_SPLITK_RED = 1 has each copy
 // s > 0 add its sums into copy 0's slot (COUNT * threads int32, zeroed before the K loop: splitk_begin) by
@@ -869,48 +913,6 @@ __device__ __forceinline__ bool splitk_meet(int32_t* acc, int lane, int splits, 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
-// a GPU (QUANTKIT_NVRTC_DEFINES, bench/smallm_tune.py); it changes no bit of any output. On an H200, 8 a round was
-// the fastest of what was tried (README, "CUDA kernels"): 4 and 6 a round, the next round's loads issued before
-// this round's MMAs (two register sets), cp.async into per-thread shared-memory slots (4 or 6 steps ahead), the
-// activations loaded at their step's MMAs rather than with the weights (8, 12 or 16 steps a round), and a warp's
-// steps in rounds of equal size (28 in 4 of 7, not 8, 8, 8 and 4: 12% slower in total).
-#ifndef QK_SMALLM_AHEAD
-#define QK_SMALLM_AHEAD 8
-#endif
-
-// Steps first, first + stride, ... < steps, computed in that order, their loads issued in rounds of U: a round's U
-// loads go out before the first of its computations (the loads per thread in flight that a memory-bound small M
-// needs), the last round's too when fewer than U steps are left.
-template <int U, typename Stage, typename Load, typename Compute>
-__device__ __forceinline__ void pipelined_steps(int first, int stride, int steps, Load load, Compute compute) {
-  QK_STAMP(QK_T_START);
-  int step = first;
-  for (; step + (U - 1) * stride < steps; step += U * stride) {
-    Stage stage[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) load(step + u * stride, stage[u]);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      compute(step + u * stride, stage[u]);
-      if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
-    }
-  }
-  if (step < steps) {  // the rest, fewer than U steps, still all in flight together
-    Stage stage[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (step + u * stride < steps) load(step + u * stride, stage[u]);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (step + u * stride < steps) {
-        compute(step + u * stride, stage[u]);
-        if (u == 0 && step == first) QK_STAMP(QK_T_FIRST);
-      }
-  }
-  QK_STAMP(QK_T_LOOP);
-}
 
 // ldmatrix.x4 of b16 8 x 8 matrices: lane l gives the address of row l % 8 of matrix l / 8 and receives, of each
 // matrix j, the 4 bytes 4 (l % 4) .. of its row l / 4 in d[j] (PTX ISA, "ldmatrix").

@@ -187,6 +187,9 @@ struct QQQEpilogue {
 QK_FN constexpr bool qqq_epilogue_mid(bool grouped) {
   return QK_EPILOGUE_MID && (!grouped || QK_EPILOGUE_MID_QQQ_GROUP);
 }
+// The decode kernels' K steps a round (pipelined_steps): per group, whose stages are larger and their unpacking
+// longer, half the look-ahead (measured faster). The warp simulator's twin walks its steps in the same rounds.
+QK_FN constexpr int qqq_ahead(bool grouped) { return grouped ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD; }
 QK_FN QQQEpilogue epilogue_params(const QQQArgs& a, int mt, int c, int lane) {
   QQQEpilogue e{};
   const int g = frag_group(lane), q = frag_quad(lane);
@@ -371,9 +374,8 @@ __device__ __forceinline__ void qqq_gemm_at(const int8_t* x, const float* s_x, c
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) mma_s8_k16(acc[nb], st.a, fb[nb]);
   };
-  // per group the stages are larger and their unpacking longer: half the look-ahead (measured faster)
   splitk_begin<32, QK_SPLITK_RED>(lane, copy, 32, splits);
-  pipelined_steps<GROUPED ? (QK_SMALLM_AHEAD + 1) / 2 : QK_SMALLM_AHEAD, Stage>(first, copies, k / 16, load, compute);
+  pipelined_steps<qk::qqq_ahead(GROUPED), Stage>(first, copies, k / 16, load, compute);
   constexpr bool mid = qk::qqq_epilogue_mid(GROUPED);
   qk::QQQEpilogue epi{};
   if (mid && copy == 0) epi = qk::epilogue_params(args, mt, c, lane);  // in flight while the copies meet

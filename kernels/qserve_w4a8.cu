@@ -303,6 +303,20 @@ struct QServeWgmma {
   }
 };
 
+// The small-M kernels' K steps a round (pipelined_steps): per group QK_SMALLM_AHEAD; per channel QK_QSERVE_PC_AHEAD,
+// by default the same (the per-channel kernel has registers to spare for more: bench/smallm_tune.py's QS-PC10,
+// QS-PC12); two tiles a warp half the look-ahead (QK_QSERVE16_AHEAD): the same bytes of weights in flight. The warp
+// simulator's twins walk their steps in the same rounds.
+#ifndef QK_QSERVE_PC_AHEAD
+#define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
+#endif
+#ifndef QK_QSERVE16_AHEAD
+#define QK_QSERVE16_AHEAD 4
+#endif
+QK_FN constexpr int qserve_ahead(bool grouped, int slices) {
+  return slices == 2 ? QK_QSERVE16_AHEAD : grouped ? QK_SMALLM_AHEAD : QK_QSERVE_PC_AHEAD;
+}
+
 }  // namespace qk
 
 #ifndef QK_HOST
@@ -311,20 +325,14 @@ struct QServeWgmma {
 // of the tile (its copies are blockIdx.z splits + copy of splits zsplit, meeting in `sums` and `arrived`:
 // splitk_blocks; null when zsplit is 1). One kernel per layout variant, with the other variant's tensors null at
 // compile time, so that neither carries the other's code or registers: per channel the kernel needs 98 registers at 8
-// steps a round where one kernel for both took 124, which leaves room for more steps in flight (QK_QSERVE_PC_AHEAD) or
-// more warps an SM.
-#ifndef QK_QSERVE_PC_AHEAD
-#define QK_QSERVE_PC_AHEAD QK_SMALLM_AHEAD
-#endif
+// steps a round where one kernel for both took 124, which leaves room for more steps in flight (qserve_ahead) or more
+// warps an SM.
 // SLICES = 2 (the *16 kernels, 9 to 16 tokens, quantkit.kernels.QSERVE_GEMM16): a warp computes two neighbouring
-// 32-channel tiles (block x: tiles 2x and 2x + 1) from one load of the activations a step. A 32-channel warp at 16
-// tokens loads 512 bytes of activations a step beside its 512 bytes of weights, and only where an SM holds several
-// tiles does L1 share them (M = 16 took 1.08x M = 1's time at 28672 x 4096 on an H100, 1.29x at 4096 x 14336, one
-// tile a block). Half the look-ahead (QK_QSERVE16_AHEAD): the same bytes of weights in flight.
-#ifndef QK_QSERVE16_AHEAD
-#define QK_QSERVE16_AHEAD 4
-#endif
-template <bool GROUPED, int AHEAD, int Z = 1, int SLICES = 1>
+// 32-channel tiles (block x: tiles 2x and 2x + 1, slice_tile) from one load of the activations a step. A 32-channel
+// warp at 16 tokens loads 512 bytes of activations a step beside its 512 bytes of weights, and only where an SM holds
+// several tiles does L1 share them (M = 16 took 1.08x M = 1's time at 28672 x 4096 on an H100, 1.29x at 4096 x
+// 14336, one tile a block). Steps a round: qserve_ahead.
+template <bool GROUPED, int Z = 1, int SLICES = 1>
 __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x, const float* t_x,
                                                const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                                const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
@@ -360,7 +368,7 @@ __device__ __forceinline__ void qserve_gemm_at(const int8_t* x, const float* s_x
     }
   };
   splitk_begin<COUNT, QK_SPLITK_RED>(lane, copy, 32, splits);
-  pipelined_steps<AHEAD, Stage>(first, copies, k / 32, load, compute);
+  pipelined_steps<qk::qserve_ahead(GROUPED, SLICES), Stage>(first, copies, k / 32, load, compute);
   if (mid && copy == 0) epi = qk::epilogue_params(args, mt, nt, lane);  // in flight while the copies meet
   if (!splitk_reduce<COUNT, QK_SPLITK_RED>(&acc[0][0][0], lane, copy, 32, splits)) return;
   if (!splitk_meet<COUNT, Z>(&acc[0][0][0], lane, splits, zsplit, sums, arrived)) return;
@@ -378,16 +386,14 @@ extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
                      const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
                      int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  qserve_gemm_at<true, QK_SMALLM_AHEAD>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit,
-                                        sums, arrived);
+  qserve_gemm_at<true>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums, arrived);
 }
 // Per channel (s1_szeros and t_x given; s2, z2 unused).
 extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm_pc(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                         const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out,
                         int m, int n, int k, int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  qserve_gemm_at<false, QK_QSERVE_PC_AHEAD>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits,
-                                            zsplit, sums, arrived);
+  qserve_gemm_at<false>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums, arrived);
 }
 
 // Two tiles a warp, 9 to 16 tokens (SLICES above): grid (N / 64, ceil(M / 16), zsplit), block 32 * splits, dynamic
@@ -396,32 +402,32 @@ extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm16(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,
                        const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
                        int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  qserve_gemm_at<true, QK_QSERVE16_AHEAD, 1, 2>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits,
-                                                zsplit, sums, arrived);
+  qserve_gemm_at<true, 1, 2>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums,
+                             arrived);
 }
 extern "C" __global__ void __launch_bounds__(512)
     qserve_w4a8_gemm_pc16(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                           const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out,
                           int m, int n, int k, int group, int splits, int zsplit, int32_t* sums, int32_t* arrived) {
-  qserve_gemm_at<false, QK_QSERVE16_AHEAD, 1, 2>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits,
-                                                 zsplit, sums, arrived);
+  qserve_gemm_at<false, 1, 2>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums,
+                              arrived);
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // The same with the tile's zsplit = Z blocks one thread-block cluster, meeting in the leader's shared memory
 // (splitk_cluster; `sums` and `arrived` unused), dynamic shared memory (splitk_slots(splits) + Z - 1) * 2 KiB.
-#define QK_QSERVE_CLUSTER(NAME, GROUPED, AHEAD, Z)                                                                     \
+#define QK_QSERVE_CLUSTER(NAME, GROUPED, Z)                                                                            \
   extern "C" __global__ void __launch_bounds__(512) __cluster_dims__(1, 1, Z)                                          \
       NAME(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight, const qk_half* s1,             \
            const qk_half* szero, const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,     \
            int splits, int zsplit, int32_t* sums, int32_t* arrived) {                                                  \
-    qserve_gemm_at<GROUPED, AHEAD, Z>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit,    \
-                                      sums, arrived);                                                                  \
+    qserve_gemm_at<GROUPED, Z>(x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group, splits, zsplit, sums,     \
+                               arrived);                                                                               \
   }
-QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z2, true, QK_SMALLM_AHEAD, 2)
-QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z4, true, QK_SMALLM_AHEAD, 4)
-QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z2, false, QK_QSERVE_PC_AHEAD, 2)
-QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z4, false, QK_QSERVE_PC_AHEAD, 4)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z2, true, 2)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_z4, true, 4)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z2, false, 2)
+QK_QSERVE_CLUSTER(qserve_w4a8_gemm_pc_z4, false, 4)
 #endif
 
 #if defined(QK_WGMMA)

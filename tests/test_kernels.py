@@ -1808,8 +1808,12 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
     ("QK_EPILOGUE_MID=0", "split_k_matches or kernel_matches_the_emulation or block_split or two_block"),
     ("QK_EPILOGUE_MID_QQQ_GROUP=1", "qqq and (split_k_matches or kernel_matches_the_emulation or block_split)"),
     ("QK_WGMMA_STREAMK=1", "hopper_path_matches or streamk_tail or mirror_the_kernels"),  # TALL-SK
+    # other look-aheads of the decode kernels (bench/smallm_tune.py's QS-PC10, LQQ-A10 and the like), whose rounds
+    # divide few step counts: the twins walk their steps through the kernels' pipelined_steps in those rounds
+    ("QK_SMALLM_AHEAD=6 QK_QSERVE_PC_AHEAD=10 QK_QSERVE16_AHEAD=3 QK_LQQ_AHEAD=10 QK_ATOM_AHEAD=2",
+     "(split_k_matches or kernel_matches_the_emulation or two_block or two_tile_launch or block_split) and not bulk"),
 ], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-after",
-        "epilogue-mid-qqq-group", "streamk-tail"])
+        "epilogue-mid-qqq-group", "streamk-tail", "look-ahead"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
