@@ -193,7 +193,7 @@ def test_attention_clip_ratio_minimizes_the_attention_output_error(block_work):
                                                                clip_ratio=ratio), torch.float16)
         errors[ratio] = float((work.attention_output(4) - reference).pow(2).sum())
     module.weight.data = original.clone()
-    chosen = Clip(ClipConfig())._attention_ratio(work, name)
+    chosen = Clip(ClipConfig())._attention_ratio(work, name, reference)
     assert torch.equal(module.weight.data, original)
     assert chosen == pytest.approx(min(errors, key=errors.get))
     assert max(errors.values()) > 1.01 * min(errors.values())  # not vacuous: the ratios differ
@@ -210,7 +210,8 @@ def test_clip_grid_count_survives_float_error() -> None:
 
 def test_clip_pass_gives_q_and_k_one_attention_ratio_and_the_rest_hessian_ratios(
         block_work: Callable[..., LayerWork]) -> None:
-    """The clip pass gives q_proj and k_proj the attention objective's one ratio, other linears the Hessian search's."""
+    """The clip pass gives q_proj and k_proj the attention objective's one ratio, other linears the Hessian search's;
+    the two attention searches share one reference output (one attention forward a candidate, and one more)."""
     from quantkit.passes.clip import Clip, ClipConfig, _grid, hessian_clip_search
     from quantkit.quantizers import QuantSpec
 
@@ -218,11 +219,16 @@ def test_clip_pass_gives_q_and_k_one_attention_ratio_and_the_rest_hessian_ratios
     spec = QuantSpec(bits=3, symmetric=True, granularity="group", group_size=32)
     work.specs = dict.fromkeys(work.linears, spec)
     clip = Clip(ClipConfig())
+    forwards = []
+    attention_output = work.attention_output
+    work.attention_output = lambda samples=None: forwards.append(samples) or attention_output(samples)
     clip.run(work)
+    del work.attention_output  # the method again
+    assert forwards == [4] * (1 + 2 * len(_grid(0.6, 0.05)))
     a = work.adapter
     for name in (a.q_proj, a.k_proj):
         assert isinstance(work.clip[name], float), name
-        assert work.clip[name] == clip._attention_ratio(work, name)
+        assert work.clip[name] == clip._attention_ratio(work, name, work.attention_output(4))
     for name in set(work.linears) - {a.q_proj, a.k_proj}:
         w = work.weight(name).detach().float()
         expected, _ = hessian_clip_search(w, work.hessian(name), spec, work.scale_dtype, _grid(0.5, 0.02))

@@ -85,15 +85,17 @@ class Clip(Pass):
             best, _ = hessian_clip_search(w, work.hessian(name), spec, work.scale_dtype, ratios)
             work.clip[name] = best
             work.metrics[f"{name}.clip_mean"] = float(best.mean())
-        for name in sorted(attention & set(work.specs)):
-            work.clip[name] = self._attention_ratio(work, name)
+        searched = sorted(attention & set(work.specs))
+        if searched:  # both searches leave the weights as they found them: one reference serves both
+            reference = work.attention_output(self.config.attention_samples)
+        for name in searched:
+            work.clip[name] = self._attention_ratio(work, name, reference)
             work.metrics[f"{name}.clip"] = float(work.clip[name])
 
-    def _attention_ratio(self, work: LayerWork, name: str) -> float:
-        """Per-tensor ratio of q_proj or k_proj minimizing the attention module's output MSE (other weights in FP;
-        the module with softmax and o_proj, as QServe's code reads Eq. 10's "block")."""
+    def _attention_ratio(self, work: LayerWork, name: str, reference: torch.Tensor) -> float:
+        """Per-tensor ratio of q_proj or k_proj minimizing the attention module's output MSE against `reference`
+        (other weights in FP; the module with softmax and o_proj, as QServe's code reads Eq. 10's "block")."""
         samples = self.config.attention_samples
-        reference = work.attention_output(samples)
         module = work.module(name)
         original = module.weight.data.clone()
         spec = work.specs[name]
