@@ -119,7 +119,7 @@ QK_FN void store(const QServeArgs& a, int mt, int nt, int nb, int lane, const in
 QK_FN int slice_tile(unsigned block, int slices, int sl) { return (int)(slices * block) + sl; }
 
 // The epilogue's parameters of a lane of tile (mt, nt), loaded ahead (by the per-channel decode kernel before its K
-// loop under QK_EPILOGUE_EARLY, qk_common.cuh: 12 a lane, 110 -> 126 registers, no spills; the per-group kernel has
+// loop under QK_EPILOGUE_EARLY, qk_common.cuh: 12 a lane, 112 -> 120 registers, no spills; the per-group kernel has
 // no registers to spare, and under QK_EPILOGUE_MID loads them after its K loop, before the split-K meeting): s1 (and
 // s1_szeros per channel) of columns 2q, 2q + 1 of n8 block nb as one word each, s_x (and t_x) of rows g and g + 8
 // (past M, the last row's: never stored).
@@ -324,9 +324,9 @@ QK_FN constexpr int qserve_ahead(bool grouped, int slices) {
 // splitk_slots(splits) * 2 KiB: the warps of a block split K over one 16 x 32 output tile, and so do the zsplit blocks
 // of the tile (its copies are blockIdx.z splits + copy of splits zsplit, meeting in `sums` and `arrived`:
 // splitk_blocks; null when zsplit is 1). One kernel per layout variant, with the other variant's tensors null at
-// compile time, so that neither carries the other's code or registers: per channel the kernel needs 98 registers at 8
-// steps a round where one kernel for both took 124, which leaves room for more steps in flight (qserve_ahead) or more
-// warps an SM.
+// compile time, so that neither carries the other's code or registers: per channel the kernel needed 98 registers at 8
+// steps a round where one kernel for both took 124 (112 now, 120 with its epilogue's parameters held across the K
+// loop; ptxas 13.0, sm_90), which leaves room for more steps in flight (qserve_ahead) or more warps an SM.
 // SLICES = 2 (the *16 kernels, 9 to 16 tokens, quantkit.kernels.QSERVE_GEMM16): a warp computes two neighbouring
 // 32-channel tiles (block x: tiles 2x and 2x + 1, slice_tile) from one load of the activations a step. A 32-channel
 // warp at 16 tokens loads 512 bytes of activations a step beside its 512 bytes of weights, and only where an SM holds

@@ -1650,8 +1650,8 @@ def kernel_resources(log: str, kernel: str) -> tuple[tuple[str, str, str], int]:
                                               ("qserve_w4a8_gemm_pc", "QK_QSERVE_PC_AHEAD=12 QK_EPILOGUE_EARLY=0"),
                                               ("liquidquant_w4a8_gemm8", "QK_LQQ_AHEAD=10")])
 def test_decode_kernels_take_more_steps_without_spilling(kernel, knob, tmp_path):
-    """The decode kernels with registers to spare (qserve_w4a8_gemm_pc, which carries no group code: 98 registers at
-    8 steps a round; liquidquant_w4a8_gemm8: 110) put more steps' loads in flight under their own knob
+    """The decode kernels with registers to spare (qserve_w4a8_gemm_pc, which carries no group code: 120 registers at
+    8 steps a round; liquidquant_w4a8_gemm8: 114) put more steps' loads in flight under their own knob
     (bench/smallm_tune.py's QS-PC10, QS-PC12 and LQQ-A10) within 128 registers and no stack. At 12 steps the
     epilogue's parameters are loaded after the K loop (QK_EPILOGUE_EARLY = 0): held from before it, they spill."""
     module = "_".join(kernel.split("_")[:2])  # qserve_w4a8, liquidquant_w4a8
