@@ -65,6 +65,27 @@ void walk_steps(int first, int stride, int steps, Run run) {
       });
 }
 
+// The meeting of a block's `splits` copies as splitk_begin and splitk_reduce hold it (RED: QK_SPLITK_RED for the
+// register kernels; the bulk ones store), through the kernels' own phases on slots of the size a launch gives them
+// (splitk_slots): mine(copy, t) points at thread t's COUNT sums in a copy, and copy 0's become the block's. The slots
+// start as garbage (a slot RED did not clear shows), with the words up to a copy's slot for every copy after them
+// kept as a canary (a post outside the slots shows).
+template <int COUNT, bool RED, class Mine>
+void splitk_meet_host(int threads, int splits, Mine mine) {
+  if (splits == 1) return;
+  constexpr int32_t garbage = (int32_t)0xA5A5A5A5u, canary = 0x5A5A5A5A;
+  const size_t words = (size_t)(RED ? 1 : splits - 1) * COUNT * threads;
+  std::vector<int32_t> partials((size_t)splits * COUNT * threads, canary);
+  std::fill(partials.begin(), partials.begin() + (std::ptrdiff_t)words, garbage);
+  if (RED)
+    for (int t = 0; t < threads; ++t) qk::splitk_clear<COUNT>(partials.data(), t, threads);
+  for (int copy = 1; copy < splits; ++copy)
+    for (int t = 0; t < threads; ++t) qk::splitk_post<COUNT, RED>(partials.data(), mine(copy, t), t, copy, threads);
+  if (std::any_of(partials.begin() + (std::ptrdiff_t)words, partials.end(), [&](int32_t w) { return w != canary; }))
+    fail("split-K: a copy's sums posted outside the block's slots");
+  for (int t = 0; t < threads; ++t) qk::splitk_collect<COUNT, RED>(mine(0, t), partials.data(), t, threads, splits);
+}
+
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
 // D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
@@ -493,10 +514,10 @@ extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s
 // copy, step) calls step(fragments) for each of the copy's K steps in its order, fragments(lane, nt, fa, fb) giving the
 // lane's A and unpacked B fragments of tile nt; then the copies' accumulators (a lane's acc[SLICES][4][4], as the
 // kernels hold them) meet as splitk_reduce adds them and copy 0 stores.
-template <int SLICES = 1, class Walk>
+template <int SLICES = 1, bool RED = QK_SPLITK_RED, class Walk>
 void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
   constexpr int count = 16 * SLICES;  // a lane's accumulators
-  std::vector<int32_t> acc((size_t)splits * count * 32), partials((size_t)(splits - 1) * count * 32);
+  std::vector<int32_t> acc((size_t)splits * count * 32);
   uint32_t fa[32][4], fb[32][4][2], bn[32][2];
   int32_t c[32][4];
   // accumulator i of slice sl, n8 block nb of a lane of a copy (the kernels' acc[SLICES][4][4])
@@ -523,12 +544,10 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
           }
         });
       }
+      splitk_meet_host<count, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0, 0); });
       for (int lane = 0; lane < 32; ++lane) {
         int32_t mine[SLICES][4][4];
-        for (int copy = 1; copy < splits; ++copy)
-          for (int i = 0; i < count; ++i) partials[qk::splitk_slot(copy, i, lane, count, 32)] = at(copy, lane, 0, 0)[i];
         std::memcpy(&mine[0][0][0], at(0, lane, 0, 0), sizeof(mine));
-        qk::splitk_add(&mine[0][0][0], partials.data(), lane, count, 32, splits);
         // the parameters loaded ahead as the one-tile kernels build: per channel before the K loop, else after it (MID)
         const bool ahead = SLICES == 1 && ((QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID);
         const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, block, lane) : qk::QServeEpilogue{};
@@ -616,7 +635,7 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
   if (slots < 1 || chunk < 1) fail("bulk: no slot");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 32, copies = splits * zsplit;
-  qserve_host(args, copies, [&](int mt, int nt, int copy, auto&& step) {
+  qserve_host<1, false>(args, copies, [&](int mt, int nt, int copy, auto&& step) {
     bulk_walk_host(
         slot, chunk, copy, copies, steps,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
@@ -642,10 +661,11 @@ extern "C" int qserve_bulk_slot_bytes(int chunk, int rows, int grouped) {
 // weights(nt, t, r, sa) gives thread t's (of 64-channel block nt's 128) weight bytes and group parameters (the
 // warps of a block of several slices a warp span several nt), tokens(tb, j, lane, fb) the lane's B fragment of
 // token block tb for MMA j.
-template <int TB, class Walk, int SLICES = 1>
+template <int TB, int SLICES = 1, bool RED = QK_SPLITK_RED, class Walk>
 void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk walk) {
-  const int threads = 32 * warps, sums = 4 * TB * SLICES;  // a thread's accumulators
-  std::vector<int32_t> acc((size_t)splits * threads * sums), partials((size_t)(splits - 1) * sums * threads);
+  const int threads = 32 * warps;
+  constexpr int sums = 4 * TB * SLICES;  // a thread's accumulators
+  std::vector<int32_t> acc((size_t)splits * threads * sums);
   uint32_t fa[32][2][4], fb[32][2], aj[32][4], r[4], sa[2];
   // accumulators of copy, thread `local` of the copy, slice s, token block tb (the kernels' acc[SLICES][TB][4])
   auto at = [&](int copy, int local, int s, int tb) {
@@ -681,13 +701,10 @@ void liquidquant_host(const qk::LiquidArgs& args, int splits, int warps, Walk wa
           }
         });
       }
+      splitk_meet_host<sums, RED>(threads, splits, [&](int copy, int local) { return at(copy, local, 0, 0); });
       for (int local = 0; local < threads; ++local) {
         int32_t mine[SLICES][TB][4];
-        for (int copy = 1; copy < splits; ++copy)
-          for (int i = 0; i < sums; ++i)
-            partials[qk::splitk_slot(copy, i, local, sums, threads)] = at(copy, local, 0, 0)[i];
         std::memcpy(&mine[0][0][0], at(0, local, 0, 0), sizeof(mine));
-        qk::splitk_add(&mine[0][0][0], partials.data(), local, sums, threads, splits);
         // the parameters loaded ahead as the kernels build (the same bits either way): the one-token-block,
         // one-slice kernel's before the K loop, the others' after it (MID)
         const bool ahead = (QK_EPILOGUE_EARLY && TB == 1 && SLICES == 1) || QK_EPILOGUE_MID;
@@ -720,7 +737,7 @@ void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qwe
            });
     });
   };
-  liquidquant_host<TB, decltype(walk), SLICES>(args, splits, QK_LQQ_TILE_WARPS, walk);
+  liquidquant_host<TB, SLICES>(args, splits, QK_LQQ_TILE_WARPS, walk);
 }
 
 // The host twin of liquidquant_w4a8_bulk8: a warp a block (16-channel tile `block`) walks copy c's contiguous range
@@ -733,7 +750,7 @@ extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, c
   const qk::LiquidBulk layout{chunk, std::min(8, m)};
   if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  liquidquant_host<1>(args, splits, 1, [&](int n16, int, int copy, auto&& step) {
+  liquidquant_host<1, 1, false>(args, splits, 1, [&](int n16, int, int copy, auto&& step) {
     bulk_walk_host(
         slot, chunk, copy, splits, k / 64,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
@@ -792,9 +809,9 @@ extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, c
 // The block of qqq_w4a8_gemm and qqq_w4a8_bulk: walk(mt, c, copy, step) calls step(fragments) for each of the copy's
 // k16 steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments; then split-K as in
 // qserve_host.
-template <class Walk>
+template <bool RED = QK_SPLITK_RED, class Walk>
 void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
-  std::vector<int32_t> acc((size_t)splits * 8 * 32 * 4), partials((size_t)(splits - 1) * 32 * 32);
+  std::vector<int32_t> acc((size_t)splits * 8 * 32 * 4), lanes((size_t)splits * 32 * 32);
   uint32_t fa[32][2], fb[32][8], bn[32];
   auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 8 + nb) * 32 + lane) * 4]; };
   for (int c = 0; c < args.n / 64; ++c) {
@@ -809,13 +826,16 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
           }
         });
       }
+      // each lane's 32 sums of a copy side by side (the kernels' acc[8][4]), to meet
+      auto mine_of = [&](int copy, int lane) { return &lanes[((size_t)copy * 32 + lane) * 32]; };
+      for (int copy = 0; copy < splits; ++copy)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int nb = 0; nb < 8; ++nb)
+            std::memcpy(mine_of(copy, lane) + 4 * nb, at(copy, nb, lane), 4 * sizeof(int32_t));
+      splitk_meet_host<32, RED>(32, splits, mine_of);
       for (int lane = 0; lane < 32; ++lane) {
         int32_t mine[8][4];
-        for (int copy = 1; copy < splits; ++copy)
-          for (int nb = 0; nb < 8; ++nb)
-            for (int i = 0; i < 4; ++i) partials[qk::splitk_slot(copy, 4 * nb + i, lane, 32, 32)] = at(copy, nb, lane)[i];
-        for (int nb = 0; nb < 8; ++nb) std::memcpy(mine[nb], at(0, nb, lane), sizeof(mine[nb]));
-        qk::splitk_add(&mine[0][0], partials.data(), lane, 32, 32, splits);
+        std::memcpy(&mine[0][0], mine_of(0, lane), sizeof(mine));
         const bool mid = qk::qqq_epilogue_mid(args.s_group != nullptr);
         const qk::QQQEpilogue epi = mid ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
         for (int nb = 0; nb < 8; ++nb) {
@@ -871,7 +891,7 @@ extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint
   std::vector<uint8_t> slot((size_t)layout.slot_bytes());
   const int steps = k / 16;
   const int copies = splits * zsplit;
-  qqq_host(args, copies, [&](int mt, int c, int copy, auto&& step) {
+  qqq_host<false>(args, copies, [&](int mt, int c, int copy, auto&& step) {
     bulk_walk_host(
         slot, chunk, copy, copies, steps,
         [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
@@ -1032,7 +1052,8 @@ void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
     for (int m0 = 0; m0 < args.m; m0 += qk::AP_TOKENS) {
       float sum[qk::AP_TOKENS] = {};
       auto add = [&](int c) {
-        for (int lane = 0; lane < 32; ++lane) qk::thread_partials_at<BITS>(args, table.data(), channel, c, m0, lane, v[lane]);
+        for (int lane = 0; lane < 32; ++lane)
+          qk::thread_partials_at<BITS>(args, table.data(), channel, c, m0, lane, v[lane]);
         for (int offset = 16; offset > 0; offset >>= 1) {
           for (int lane = 0; lane < 32; ++lane)
             for (int i = 0; i < qk::AP_TOKENS; ++i) next[lane][i] = qk::fadd(v[lane][i], v[lane ^ offset][i]);

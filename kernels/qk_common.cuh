@@ -709,6 +709,58 @@ QK_FN BlockWork streamk_work(int b, int from, int steps) {
   return {from + split, second ? mid : 0, second ? steps : mid, split};
 }
 
+// How the copies of a block meet (the register kernels; the bulk ones always store): QK_SPLITK_RED = 1 has each copy
+// s > 0 add its sums into copy 0's slot (COUNT * threads int32, zeroed before the K loop: splitk_begin) by
+// shared-memory atomics as soon as it is done, so that after the block's barrier copy 0 reads COUNT words, where
+// with 0 the copies store theirs and copy 0 alone then adds (splits - 1) * COUNT of them one after another (240
+// shared loads a lane for QServe's 16 copies, 224 for QQQ's 8) while the rest of the block waits. Integer sums, in
+// any order: the same bits. The default since H100 tuning run 6 (0.91-1.03x the time of 0, faster on 31 of 40
+// rows; QServe's and QQQ's totals 0.98x); 0 is bench/smallm_tune.py's NO-RED.
+#ifndef QK_SPLITK_RED
+#define QK_SPLITK_RED 1
+#endif
+
+// The slots of COUNT * threads int32 a block's split-K meeting takes at the start of its dynamic shared memory
+// (quantkit.kernels splitk_shared mirrors it): under RED the one slot every copy adds into, else one a copy but the
+// first.
+QK_FN int splitk_slots(int splits) { return QK_SPLITK_RED ? (splits > 1 ? 1 : 0) : splits - 1; }
+
+// The three phases of the meeting, between the block's barriers (splitk_begin, splitk_reduce; the warp simulator's
+// twins run them copy by copy, on the same slots): copy 0 clears the one slot RED adds into; each copy s > 0 posts
+// its sums, added into that slot (shared-memory atomics on the device, plain adds in the simulator: integer sums in
+// any order) or stored in its own slot s; then copy 0 collects them into its own.
+template <int COUNT>
+QK_FN void splitk_clear(int32_t* partials, int t, int threads) {
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) partials[splitk_slot(1, j, t, COUNT, threads)] = 0;
+}
+template <int COUNT, bool RED>
+QK_FN void splitk_post(int32_t* partials, const int32_t* acc, int t, int copy, int threads) {
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) {
+    if constexpr (RED) {
+#if defined(__CUDA_ARCH__)
+      atomicAdd(&partials[splitk_slot(1, j, t, COUNT, threads)], acc[j]);
+#else
+      int32_t& slot = partials[splitk_slot(1, j, t, COUNT, threads)];
+      slot = (int32_t)((uint32_t)slot + (uint32_t)acc[j]);
+#endif
+    } else {
+      partials[splitk_slot(copy, j, t, COUNT, threads)] = acc[j];
+    }
+  }
+}
+template <int COUNT, bool RED>
+QK_FN void splitk_collect(int32_t* acc, const int32_t* partials, int t, int threads, int splits) {
+  if constexpr (RED) {
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j)
+      acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)partials[splitk_slot(1, j, t, COUNT, threads)]);
+  } else {
+    splitk_add(acc, partials, t, COUNT, threads, splits);
+  }
+}
+
 }  // namespace qk
 
 // The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
@@ -756,32 +808,13 @@ QK_FN void pipelined_steps(int first, int stride, int steps, Load load, Compute 
 }
 
 #ifndef QK_HOST
-// How the copies of a block meet (the register kernels; the bulk ones always store): QK_SPLITK_RED = 1 has each copy
-// s > 0 add its sums into copy 0's slot (COUNT * threads int32, zeroed before the K loop: splitk_begin) by
-// shared-memory atomics as soon as it is done, so that after the block's barrier copy 0 reads COUNT words, where
-// with 0 the copies store theirs and copy 0 alone then adds (splits - 1) * COUNT of them one after another (240
-// shared loads a lane for QServe's 16 copies, 224 for QQQ's 8) while the rest of the block waits. Integer sums, in
-// any order: the same bits. The default since H100 tuning run 6 (0.91-1.03x the time of 0, faster on 31 of 40
-// rows; QServe's and QQQ's totals 0.98x); 0 is bench/smallm_tune.py's NO-RED.
-#ifndef QK_SPLITK_RED
-#define QK_SPLITK_RED 1
-#endif
-
-// The slots of COUNT * threads int32 a block's split-K meeting takes at the start of its dynamic shared memory
-// (quantkit.kernels splitk_shared mirrors it): under RED the one slot every copy adds into, else one a copy but the
-// first.
-__device__ __forceinline__ int splitk_slots(int splits) { return QK_SPLITK_RED ? (splits > 1 ? 1 : 0) : splits - 1; }
-
 // Before the K loop, every thread of the block: under RED, copy 0 zeroes the slot the others will add into, and a
 // barrier orders the zeros before any add.
 template <int COUNT, bool RED>
 __device__ __forceinline__ void splitk_begin(int t, int copy, int threads, int splits) {
   if (!RED || splits == 1) return;
   extern __shared__ int32_t qk_partials[];
-  if (copy == 0) {
-#pragma unroll
-    for (int j = 0; j < COUNT; ++j) qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)] = 0;
-  }
+  if (copy == 0) qk::splitk_clear<COUNT>(qk_partials, t, threads);
   __syncthreads();
 }
 
@@ -795,26 +828,10 @@ __device__ __forceinline__ bool splitk_reduce(int32_t* acc, int t, int copy, int
     return true;
   }
   extern __shared__ int32_t qk_partials[];
-  if (RED) {
-    if (copy > 0) {
-#pragma unroll
-      for (int j = 0; j < COUNT; ++j) atomicAdd(&qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)], acc[j]);
-    }
-    __syncthreads();
-    if (copy > 0) return false;
-#pragma unroll
-    for (int j = 0; j < COUNT; ++j)
-      acc[j] = (int32_t)((uint32_t)acc[j] + (uint32_t)qk_partials[qk::splitk_slot(1, j, t, COUNT, threads)]);
-    QK_STAMP(QK_T_REDUCED);
-    return true;
-  }
-  if (copy > 0) {
-#pragma unroll
-    for (int j = 0; j < COUNT; ++j) qk_partials[qk::splitk_slot(copy, j, t, COUNT, threads)] = acc[j];
-  }
+  if (copy > 0) qk::splitk_post<COUNT, RED>(qk_partials, acc, t, copy, threads);
   __syncthreads();
   if (copy > 0) return false;
-  qk::splitk_add(acc, qk_partials, t, COUNT, threads, splits);
+  qk::splitk_collect<COUNT, RED>(acc, qk_partials, t, threads, splits);
   QK_STAMP(QK_T_REDUCED);
   return true;
 }
@@ -906,7 +923,7 @@ __device__ __forceinline__ bool splitk_cluster(int32_t* acc, int lane, int offse
 template <int COUNT, int Z>
 __device__ __forceinline__ bool splitk_meet(int32_t* acc, int lane, int splits, int zsplit, int32_t* sums,
                                             int32_t* arrived) {
-  if constexpr (Z > 1) return splitk_cluster<COUNT, Z>(acc, lane, splitk_slots(splits) * COUNT * 32);
+  if constexpr (Z > 1) return splitk_cluster<COUNT, Z>(acc, lane, qk::splitk_slots(splits) * COUNT * 32);
   return splitk_blocks<COUNT>(acc, lane, zsplit, sums, arrived);
 }
 

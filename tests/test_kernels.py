@@ -1812,8 +1812,11 @@ RING_KNOBS = ["QK_WGMMA_STAGES=8 QK_WGMMA_LEAD=7", "QK_WGMMA_STAGES=4 QK_WGMMA_L
     # divide few step counts: the twins walk their steps through the kernels' pipelined_steps in those rounds
     ("QK_SMALLM_AHEAD=6 QK_QSERVE_PC_AHEAD=10 QK_QSERVE16_AHEAD=3 QK_LQQ_AHEAD=10 QK_ATOM_AHEAD=2",
      "(split_k_matches or kernel_matches_the_emulation or two_block or two_tile_launch or block_split) and not bulk"),
+    # the register kernels' copies storing their sums for copy 0 to add (smallm_tune's NO-RED), as before RED: the
+    # twins meet through the kernels' splitk_post and splitk_collect either way
+    ("QK_SPLITK_RED=0", "split_k or kernel_matches_the_emulation or two_block or two_tile_launch or block_split"),
 ], ids=["ring-8-7", "ring-4-1", "lqq-four-warps", "epilogue-late", "lqq-one-slice", "epilogue-after",
-        "epilogue-mid-qqq-group", "streamk-tail", "look-ahead"])
+        "epilogue-mid-qqq-group", "streamk-tail", "look-ahead", "no-red"])
 def test_compile_time_knobs_keep_the_bits(defines, tests):
     """Under each tuning knob (a warp simulator built with the same defines, in a process of its own), the kernels
     still give the emulation's bits and quantkit.kernels sizes their launches from the compiled policies. The
