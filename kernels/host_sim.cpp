@@ -66,10 +66,10 @@ void walk_steps(int first, int stride, int steps, Run run) {
 }
 
 // The meeting of a block's `splits` copies as splitk_begin and splitk_reduce hold it (RED: QK_SPLITK_RED for the
-// register kernels; the bulk ones store), through the kernels' own phases on slots of the size a launch gives them
-// (splitk_slots): mine(copy, t) points at thread t's COUNT sums in a copy, and copy 0's become the block's. The slots
-// start as garbage (a slot RED did not clear shows), with the words up to a copy's slot for every copy after them
-// kept as a canary (a post outside the slots shows).
+// register kernels; the bulk ones store), through the kernels' own phases on as many slots as they meet in (one under
+// RED, else one a copy but the first: splitk_slots): mine(copy, t) points at thread t's COUNT sums in a copy, and
+// copy 0's become the block's. The slots start as garbage (a slot RED did not clear shows), with the words up to a
+// copy's slot for every copy after them kept as a canary (a post outside the slots shows).
 template <int COUNT, bool RED, class Mine>
 void splitk_meet_host(int threads, int splits, Mine mine) {
   if (splits == 1) return;
