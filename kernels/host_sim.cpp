@@ -74,7 +74,7 @@ template <int COUNT, bool RED, class Mine>
 void splitk_meet_host(int threads, int splits, Mine mine) {
   if (splits == 1) return;
   constexpr int32_t garbage = (int32_t)0xA5A5A5A5u, canary = 0x5A5A5A5A;
-  const size_t words = (size_t)(RED ? 1 : splits - 1) * COUNT * threads;
+  const size_t words = (size_t)qk::splitk_slots(splits, RED) * COUNT * threads;
   std::vector<int32_t> partials((size_t)splits * COUNT * threads, canary);
   std::fill(partials.begin(), partials.begin() + (std::ptrdiff_t)words, garbage);
   if (RED)
@@ -811,9 +811,11 @@ extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, c
 // qserve_host.
 template <bool RED = QK_SPLITK_RED, class Walk>
 void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
-  std::vector<int32_t> acc((size_t)splits * 8 * 32 * 4), lanes((size_t)splits * 32 * 32);
+  std::vector<int32_t> acc((size_t)splits * 32 * 32);
   uint32_t fa[32][2], fb[32][8], bn[32];
-  auto at = [&](int copy, int nb, int lane) { return &acc[(((size_t)copy * 8 + nb) * 32 + lane) * 4]; };
+  int32_t sums[32][4];
+  // accumulators of n8 block nb of a lane of a copy (the kernels' acc[8][4])
+  auto at = [&](int copy, int lane, int nb) { return &acc[(((size_t)copy * 32 + lane) * 8 + nb) * 4]; };
   for (int c = 0; c < args.n / 64; ++c) {
     for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
       std::fill(acc.begin(), acc.end(), 0);
@@ -821,21 +823,19 @@ void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
         walk(mt, c, copy, [&](auto&& fragments) {
           for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
           for (int nb = 0; nb < 8; ++nb) {
-            for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
-            mma_warp_k16(reinterpret_cast<int32_t(*)[4]>(at(copy, nb, 0)), fa, bn);
+            for (int lane = 0; lane < 32; ++lane) {
+              bn[lane] = fb[lane][nb];
+              std::memcpy(sums[lane], at(copy, lane, nb), sizeof(sums[lane]));
+            }
+            mma_warp_k16(sums, fa, bn);
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, nb), sums[lane], sizeof(sums[lane]));
           }
         });
       }
-      // each lane's 32 sums of a copy side by side (the kernels' acc[8][4]), to meet
-      auto mine_of = [&](int copy, int lane) { return &lanes[((size_t)copy * 32 + lane) * 32]; };
-      for (int copy = 0; copy < splits; ++copy)
-        for (int lane = 0; lane < 32; ++lane)
-          for (int nb = 0; nb < 8; ++nb)
-            std::memcpy(mine_of(copy, lane) + 4 * nb, at(copy, nb, lane), 4 * sizeof(int32_t));
-      splitk_meet_host<32, RED>(32, splits, mine_of);
+      splitk_meet_host<32, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0); });
       for (int lane = 0; lane < 32; ++lane) {
         int32_t mine[8][4];
-        std::memcpy(&mine[0][0], mine_of(0, lane), sizeof(mine));
+        std::memcpy(&mine[0][0], at(0, lane, 0), sizeof(mine));
         const bool mid = qk::qqq_epilogue_mid(args.s_group != nullptr);
         const qk::QQQEpilogue epi = mid ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
         for (int nb = 0; nb < 8; ++nb) {

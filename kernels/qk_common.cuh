@@ -722,8 +722,8 @@ QK_FN BlockWork streamk_work(int b, int from, int steps) {
 
 // The slots of COUNT * threads int32 a block's split-K meeting takes at the start of its dynamic shared memory
 // (quantkit.kernels splitk_shared mirrors it): under RED the one slot every copy adds into, else one a copy but the
-// first.
-QK_FN int splitk_slots(int splits) { return QK_SPLITK_RED ? (splits > 1 ? 1 : 0) : splits - 1; }
+// first (the bulk kernels' copies always store).
+QK_FN int splitk_slots(int splits, bool red = QK_SPLITK_RED) { return red ? (splits > 1 ? 1 : 0) : splits - 1; }
 
 // The three phases of the meeting, between the block's barriers (splitk_begin, splitk_reduce; the warp simulator's
 // twins run them copy by copy, on the same slots): copy 0 clears the one slot RED adds into; each copy s > 0 posts
