@@ -14,14 +14,34 @@
 #include <limits>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <string>
 #include <vector>
 
 namespace {
 
-// A kernel doing what the simulator cannot model is a bug in the kernel source: stop loudly.
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "quantkit warp simulator: %s\n", what);
-  std::abort();
+// A kernel doing what the simulator cannot model is a bug in the kernel source: the twin stops, and its entry point
+// (guarded) hands `what` to quantkit.kernels, which raises it, so that one launch fails and not the whole process.
+struct SimFailure {
+  const char* what;
+};
+[[noreturn]] void fail(const char* what) { throw SimFailure{what}; }
+
+// Why the last twin stopped (qk_sim_failure), empty when it ran to the end.
+std::string last_failure;
+
+// Runs a twin's body, catching what stops it (fail, or the allocator) into last_failure: a C++ exception must not
+// cross the extern "C" boundary into ctypes.
+template <class Body>
+void guarded(Body body) noexcept {
+  last_failure.clear();
+  try {
+    body();
+  } catch (const SimFailure& failure) {
+    last_failure = failure.what;
+  } catch (const std::exception& error) {
+    last_failure = error.what();
+  }
 }
 
 // Copies into a slot of a bulk kernel's host twin: each checked to stay inside the slot in 16-byte units from a
@@ -172,6 +192,9 @@ void mma_warp_int4(int32_t c[32][4], const uint32_t a[32][4], const uint32_t b[3
     mma_warp(c, a8, b8);
   }
 }
+
+// Why the last twin called stopped, or "" when it ran to the end: quantkit.kernels.run raises it.
+extern "C" const char* qk_sim_failure() { return last_failure.c_str(); }
 
 // The host twins of prmt and byte_perm, for tests that hold them to the PTX ISA and CUDA definitions: a selector
 // nibble's bit 3 set is one no kernel uses today, so only such a test shows a twin that ignores it.
@@ -439,18 +462,20 @@ extern "C" bool qk_tiles(const char* fmt, int out[6]) {
 extern "C" void qserve_w4a8_tiled_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
                                        qk_half* out, int m, int n, int k, int group) {
-  using T = qk::QServeTiled;
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
-    for (int kk = 0; kk < T::BK / 32; ++kk) {
-      uint32_t fa[4][32][4], fb[32][4][2], bn[32][2];
-      for (int i = 0; i < 4; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
-      for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, kk, lane, fb[lane]);
-      for (int nb = 0; nb < 4; ++nb) {
-        for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], fb[lane][nb], sizeof(bn[lane]));
-        for (int i = 0; i < 4; ++i) mma_into(mma_warp, acc, i, nb, fa[i], bn);
+  guarded([&] {
+    using T = qk::QServeTiled;
+    const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+    tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
+      for (int kk = 0; kk < T::BK / 32; ++kk) {
+        uint32_t fa[4][32][4], fb[32][4][2], bn[32][2];
+        for (int i = 0; i < 4; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+        for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, kk, lane, fb[lane]);
+        for (int nb = 0; nb < 4; ++nb) {
+          for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], fb[lane][nb], sizeof(bn[lane]));
+          for (int i = 0; i < 4; ++i) mma_into(mma_warp, acc, i, nb, fa[i], bn);
+        }
       }
-    }
+    });
   });
 }
 
@@ -458,29 +483,33 @@ extern "C" void qserve_w4a8_tiled_host(const int8_t* x, const float* s_x, const 
 extern "C" void qserve_w4a8_wgmma_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                        const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
                                        qk_half* out, int m, int n, int k, int group) {
-  wgmma_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  guarded([&] {
+    wgmma_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  });
 }
 extern "C" void qqq_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                     const qk_half* s_group, qk_half* out, int m, int n, int k) {
-  wgmma_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+  guarded([&] { wgmma_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}); });
 }
 extern "C" void liquidquant_w4a8_wgmma_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
-  wgmma_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+  guarded([&] { wgmma_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}); });
 }
 extern "C" void qserve_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                         const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
                                         qk_half* out, int m, int n, int k, int group) {
-  wgmma_host<qk::QServeWgmma, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  guarded([&] {
+    wgmma_host<qk::QServeWgmma, 2>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group});
+  });
 }
 extern "C" void qqq_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                      const qk_half* s_group, qk_half* out, int m, int n, int k) {
-  wgmma_host<qk::QQQWgmma, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k});
+  guarded([&] { wgmma_host<qk::QQQWgmma, 2>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}); });
 }
 extern "C" void liquidquant_w4a8_wgmma2_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                              const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
                                              int k) {
-  wgmma_host<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k});
+  guarded([&] { wgmma_host<qk::LiquidWgmma, 2>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}); });
 }
 // The 256-token kernels' twins, per group on their own ring; under QK_WGMMA_STREAMK with the tail's arguments and
 // its blocks (wgmma_tall_gemm).
@@ -494,19 +523,25 @@ extern "C" void qserve_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, c
                                             const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                             const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k,
                                             int group QK_STREAMK_PARAMS) {
-  wgmma_tall_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group},
-                                   s2 != nullptr, QK_STREAMK);
+  guarded([&] {
+    wgmma_tall_host<qk::QServeWgmma>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group},
+                                     s2 != nullptr, QK_STREAMK);
+  });
 }
 extern "C" void qqq_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                          const qk_half* s_group, qk_half* out, int m, int n,
                                          int k QK_STREAMK_PARAMS) {
-  wgmma_tall_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, s_group != nullptr,
-                                QK_STREAMK);
+  guarded([&] {
+    wgmma_tall_host<qk::QQQWgmma>(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, s_group != nullptr,
+                                  QK_STREAMK);
+  });
 }
 extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                                  const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n,
                                                  int k QK_STREAMK_PARAMS) {
-  wgmma_tall_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, false, QK_STREAMK);
+  guarded([&] {
+    wgmma_tall_host<qk::LiquidWgmma>(qk::LiquidArgs{x, s_x, qweight, s2a, s1, out, m, n, k}, false, QK_STREAMK);
+  });
 }
 
 // The block of qserve_w4a8_gemm, its two-tile form (SLICES = 2: qserve_w4a8_gemm16) and qserve_w4a8_bulk: one warp a
@@ -602,25 +637,25 @@ extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const f
                                       const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
                                       qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
                                       int32_t*) {
-  qserve_grouped_host<1>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit);
+  guarded([&] { qserve_grouped_host<1>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit); });
 }
 extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                          const qk_half* s1, const qk_half* szero, const int8_t*, const int8_t*,
                                          qk_half* out, int m, int n, int k, int, int splits, int zsplit, int32_t*,
                                          int32_t*) {
-  qserve_channel_host<1>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit);
+  guarded([&] { qserve_channel_host<1>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit); });
 }
 extern "C" void qserve_w4a8_gemm16_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
                                         const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
                                         qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
                                         int32_t*) {
-  qserve_grouped_host<2>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit);
+  guarded([&] { qserve_grouped_host<2>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit); });
 }
 extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, const float* t_x,
                                            const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                            const int8_t*, const int8_t*, qk_half* out, int m, int n, int k, int,
                                            int splits, int zsplit, int32_t*, int32_t*) {
-  qserve_channel_host<2>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit);
+  guarded([&] { qserve_channel_host<2>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit); });
 }
 
 // The host twin of qserve_w4a8_bulk: copy c walks its contiguous range chunk by chunk, each chunk's bulk copies
@@ -630,23 +665,25 @@ extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const f
                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
                                       qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
                                       int32_t*, int32_t*, int chunk, int slots) {
-  const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
-  const qk::QServeBulk layout{chunk, std::min(16, m), s2 != nullptr};
-  if (slots < 1 || chunk < 1) fail("bulk: no slot");
-  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  const int steps = k / 32, copies = splits * zsplit;
-  qserve_host<1, false>(args, copies, [&](int mt, int nt, int copy, auto&& step) {
-    bulk_walk_host(
-        slot, chunk, copy, copies, steps,
-        [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
-        [&](int s0, int u) {
-          step([&](int lane, int, uint32_t fa[4], uint32_t fb[4][2]) {
-            uint32_t w[4], s, z;
-            layout.load_a(args, slot.data(), mt, u, lane, fa);
-            layout.load_b(args, slot.data(), s0, u, lane, w, s, z);
-            qk::unpack_b(args, w, s, z, fb);
+  guarded([&] {
+    const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
+    const qk::QServeBulk layout{chunk, std::min(16, m), s2 != nullptr};
+    if (slots < 1 || chunk < 1) fail("bulk: no slot");
+    std::vector<uint8_t> slot((size_t)layout.slot_bytes());
+    const int steps = k / 32, copies = splits * zsplit;
+    qserve_host<1, false>(args, copies, [&](int mt, int nt, int copy, auto&& step) {
+      bulk_walk_host(
+          slot, chunk, copy, copies, steps,
+          [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
+          [&](int s0, int u) {
+            step([&](int lane, int, uint32_t fa[4], uint32_t fb[4][2]) {
+              uint32_t w[4], s, z;
+              layout.load_a(args, slot.data(), mt, u, lane, fa);
+              layout.load_b(args, slot.data(), s0, u, lane, w, s, z);
+              qk::unpack_b(args, w, s, z, fb);
+            });
           });
-        });
+    });
   });
 }
 
@@ -746,18 +783,20 @@ void liquidquant_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qwe
 extern "C" void liquidquant_w4a8_bulk8_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                             int splits, int chunk, int slots) {
-  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  const qk::LiquidBulk layout{chunk, std::min(8, m)};
-  if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
-  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  liquidquant_host<1, 1, false>(args, splits, 1, [&](int n16, int, int copy, auto&& step) {
-    bulk_walk_host(
-        slot, chunk, copy, splits, k / 64,
-        [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
-        [&](int, int u) {
-          step([&](int, int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
-               [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot.data(), u, j, lane, fb); });
-        });
+  guarded([&] {
+    const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+    const qk::LiquidBulk layout{chunk, std::min(8, m)};
+    if (slots < 1 || chunk < 1 || m > 8) fail("bulk8: no slot, or more than 8 tokens");
+    std::vector<uint8_t> slot((size_t)layout.slot_bytes());
+    liquidquant_host<1, 1, false>(args, splits, 1, [&](int n16, int, int copy, auto&& step) {
+      bulk_walk_host(
+          slot, chunk, copy, splits, k / 64,
+          [&](int s0, int cnt, auto&& emit) { layout.copies(args, n16, s0, cnt, emit); },
+          [&](int, int u) {
+            step([&](int, int t, uint32_t r[4], uint32_t sa[2]) { layout.load_weights(slot.data(), u, t % 32, r, sa); },
+                 [&](int, int j, int lane, uint32_t fb[2]) { layout.load_tokens(args, slot.data(), u, j, lane, fb); });
+          });
+    });
   });
 }
 
@@ -766,43 +805,45 @@ extern "C" int liquidquant_bulk_slot_bytes(int chunk, int rows) { return qk::Liq
 extern "C" void liquidquant_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                            const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                            int splits) {
-  liquidquant_gemm_host<4>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+  guarded([&] { liquidquant_gemm_host<4>(x, s_x, qweight, s2a, s1, out, m, n, k, splits); });
 }
 
 extern "C" void liquidquant_w4a8_gemm8_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                             int splits) {
-  liquidquant_gemm_host<1>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+  guarded([&] { liquidquant_gemm_host<1>(x, s_x, qweight, s2a, s1, out, m, n, k, splits); });
 }
 
 extern "C" void liquidquant_w4a8_gemm16_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                              const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k,
                                              int splits) {
-  liquidquant_gemm_host<2, QK_LQQ16_SLICES>(x, s_x, qweight, s2a, s1, out, m, n, k, splits);
+  guarded([&] { liquidquant_gemm_host<2, QK_LQQ16_SLICES>(x, s_x, qweight, s2a, s1, out, m, n, k, splits); });
 }
 
 // The host twin of liquidquant_w4a8_tiled.
 extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, const uint8_t* qweight,
                                             const uint8_t* s2a, const qk_half* s1, qk_half* out, int m, int n, int k) {
-  using T = qk::LiquidTiled;
-  const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
-  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
-    uint32_t fa[2][2][32][4], mine[2][4], b[4][32][4], bn[32][2];
-    for (int s = 0; s < 2; ++s) {
-      for (int lane = 0; lane < 32; ++lane) {
-        T::load_a(stage, warp, s, lane, mine);
-        for (int j = 0; j < 2; ++j) std::memcpy(fa[s][j][lane], mine[j], sizeof(mine[j]));
-      }
-    }
-    for (int j = 0; j < 2; ++j) {
-      for (int p = 0; p < 4; ++p) {
-        ldsm_x4_lanes(b[p], stage, [&](int lane) { return T::b_row(warp, p, j, lane); });
-        for (int half = 0; half < 2; ++half) {
-          for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[p][lane][2 * half], sizeof(bn[lane]));
-          for (int s = 0; s < 2; ++s) mma_into(mma_warp, acc, s, 2 * p + half, fa[s][j], bn);
+  guarded([&] {
+    using T = qk::LiquidTiled;
+    const qk::LiquidArgs args{x, s_x, qweight, s2a, s1, out, m, n, k};
+    tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
+      uint32_t fa[2][2][32][4], mine[2][4], b[4][32][4], bn[32][2];
+      for (int s = 0; s < 2; ++s) {
+        for (int lane = 0; lane < 32; ++lane) {
+          T::load_a(stage, warp, s, lane, mine);
+          for (int j = 0; j < 2; ++j) std::memcpy(fa[s][j][lane], mine[j], sizeof(mine[j]));
         }
       }
-    }
+      for (int j = 0; j < 2; ++j) {
+        for (int p = 0; p < 4; ++p) {
+          ldsm_x4_lanes(b[p], stage, [&](int lane) { return T::b_row(warp, p, j, lane); });
+          for (int half = 0; half < 2; ++half) {
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[p][lane][2 * half], sizeof(bn[lane]));
+            for (int s = 0; s < 2; ++s) mma_into(mma_warp, acc, s, 2 * p + half, fa[s][j], bn);
+          }
+        }
+      }
+    });
   });
 }
 
@@ -853,13 +894,15 @@ static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit);
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
                                    int32_t*, int32_t*) {
-  if (s_group == nullptr) fail("qqq_w4a8_gemm: per group, needs s_group");
-  qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, splits, zsplit);
+  guarded([&] {
+    if (s_group == nullptr) fail("qqq_w4a8_gemm: per group, needs s_group");
+    qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, splits, zsplit);
+  });
 }
 extern "C" void qqq_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                       const qk_half*, qk_half* out, int m, int n, int k, int splits, int zsplit,
                                       int32_t*, int32_t*) {
-  qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, nullptr, out, m, n, k}, splits, zsplit);
+  guarded([&] { qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, nullptr, out, m, n, k}, splits, zsplit); });
 }
 static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
   const int k = args.k;
@@ -884,25 +927,27 @@ static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
 extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
                                    int32_t*, int32_t*, int chunk, int slots) {
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  const bool grouped = s_group != nullptr;
-  const qk::QQQBulk layout{chunk, std::min(16, m), grouped};
-  if (slots < 1 || chunk < 1) fail("bulk: no slot");
-  std::vector<uint8_t> slot((size_t)layout.slot_bytes());
-  const int steps = k / 16;
-  const int copies = splits * zsplit;
-  qqq_host<false>(args, copies, [&](int mt, int c, int copy, auto&& step) {
-    bulk_walk_host(
-        slot, chunk, copy, copies, steps,
-        [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
-        [&](int s0, int u) {
-          step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
-            uint32_t w[4], r[4] = {};
-            layout.load_a(args, slot.data(), mt, u, lane, fa);
-            layout.load_b(slot.data(), s0, u, lane, w, r);
-            qk::unpack_words(grouped, r, w, fb);
+  guarded([&] {
+    const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+    const bool grouped = s_group != nullptr;
+    const qk::QQQBulk layout{chunk, std::min(16, m), grouped};
+    if (slots < 1 || chunk < 1) fail("bulk: no slot");
+    std::vector<uint8_t> slot((size_t)layout.slot_bytes());
+    const int steps = k / 16;
+    const int copies = splits * zsplit;
+    qqq_host<false>(args, copies, [&](int mt, int c, int copy, auto&& step) {
+      bulk_walk_host(
+          slot, chunk, copy, copies, steps,
+          [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },
+          [&](int s0, int u) {
+            step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
+              uint32_t w[4], r[4] = {};
+              layout.load_a(args, slot.data(), mt, u, lane, fa);
+              layout.load_b(slot.data(), s0, u, lane, w, r);
+              qk::unpack_words(grouped, r, w, fb);
+            });
           });
-        });
+    });
   });
 }
 
@@ -914,26 +959,28 @@ extern "C" int qqq_bulk_slot_bytes(int chunk, int rows, int grouped) {
 // The host twin of qqq_w4a8_tiled.
 extern "C" void qqq_w4a8_tiled_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                     const qk_half* s_group, qk_half* out, int m, int n, int k) {
-  using T = qk::QQQTiled;
-  const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
-  tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
-    for (int kk = 0; kk < T::BK / 32; ++kk) {
-      uint32_t fa[2][32][4], fb[32][8], ai[32][2], bn[32];
-      for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
-      for (int h = 0; h < 2; ++h) {
-        for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, 2 * kk + h, lane, fb[lane]);
-        for (int i = 0; i < 2; ++i) {
-          for (int lane = 0; lane < 32; ++lane) {
-            ai[lane][0] = fa[i][lane][2 * h];
-            ai[lane][1] = fa[i][lane][2 * h + 1];
-          }
-          for (int nb = 0; nb < 8; ++nb) {
-            for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
-            mma_into(mma_warp_k16, acc, i, nb, ai, bn);
+  guarded([&] {
+    using T = qk::QQQTiled;
+    const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
+    tiled_host<T>(args, [&](const uint8_t* stage, int, int warp, T::Acc* acc) {
+      for (int kk = 0; kk < T::BK / 32; ++kk) {
+        uint32_t fa[2][32][4], fb[32][8], ai[32][2], bn[32];
+        for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+        for (int h = 0; h < 2; ++h) {
+          for (int lane = 0; lane < 32; ++lane) T::load_b(args, stage, warp, 2 * kk + h, lane, fb[lane]);
+          for (int i = 0; i < 2; ++i) {
+            for (int lane = 0; lane < 32; ++lane) {
+              ai[lane][0] = fa[i][lane][2 * h];
+              ai[lane][1] = fa[i][lane][2 * h + 1];
+            }
+            for (int nb = 0; nb < 8; ++nb) {
+              for (int lane = 0; lane < 32; ++lane) bn[lane] = fb[lane][nb];
+              mma_into(mma_warp_k16, acc, i, nb, ai, bn);
+            }
           }
         }
       }
-    }
+    });
   });
 }
 
@@ -962,79 +1009,83 @@ static void atom_step_products_host(const qk::AtomStep st[32], bool int4, int32_
 extern "C" void atom_w4a4_gemm_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
                                     const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
                                     qk_half* out, int m, int n, int k, int splits, int per_round) {
-  const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
-  const int groups = qk::atom_groups(args);
-  std::vector<float> smem((size_t)(per_round + qk::ATOM_EXTRA_SLOTS) * std::min(m, 16) * 16);
-  static thread_local qk::AtomStep st[32];
-  // One step of one copy: every lane's loads, the warp's MMAs, every lane's put of its products.
-  auto step = [&](bool int4, auto load, auto put) {
-    static thread_local int32_t partial[2][32][4];
-    for (int lane = 0; lane < 32; ++lane) load(lane, st[lane]);
-    std::memset(partial, 0, sizeof(partial));
-    atom_step_products_host(st, int4, partial);
-    for (int lane = 0; lane < 32; ++lane) {
-      int32_t mine[2][4];
-      for (int nb = 0; nb < 2; ++nb) std::memcpy(mine[nb], partial[nb][lane], sizeof(mine[nb]));
-      put(lane, st[lane], mine);
-    }
-  };
-  for (int nt = 0; nt < n / 16; ++nt) {
-    for (int mt = 0; mt < (m + 15) / 16; ++mt) {
-      const int rows = std::min(16, m - 16 * mt);
-      float* sums = smem.data() + qk::atom_slot(per_round + qk::ATOM_SUM, 0, 0, rows);
-      qk::AtomRows lane_rows[32];  // made once a tile, as the kernel makes them once a thread
-      for (int lane = 0; lane < 32; ++lane) lane_rows[lane] = qk::atom_rows(args, mt, nt, lane);
-      std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
-      for (int copy = 0; copy < splits; ++copy)
-        walk_steps<2>(qk::atom_first_half(copy, groups, splits), splits, 2, [&](int half) {
-          step(
-              false, [&](int lane, qk::AtomStep& r) { qk::atom_load_outliers(args, mt, nt, half, lane, r); },
-              [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
-                qk::atom_put_outliers(r, half, rows, per_round, lane, mine, smem.data());
-              });
-        });
-      for (int s0 = 0;; s0 += per_round) {
-        const int end = std::min(s0 + per_round, groups);
-        std::fill(smem.begin(), smem.begin() + qk::atom_slot(per_round, 0, 0, rows),
-                  std::numeric_limits<float>::quiet_NaN());
+  guarded([&] {
+    const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
+    const int groups = qk::atom_groups(args);
+    std::vector<float> smem((size_t)(per_round + qk::ATOM_EXTRA_SLOTS) * std::min(m, 16) * 16);
+    static thread_local qk::AtomStep st[32];
+    // One step of one copy: every lane's loads, the warp's MMAs, every lane's put of its products.
+    auto step = [&](bool int4, auto load, auto put) {
+      static thread_local int32_t partial[2][32][4];
+      for (int lane = 0; lane < 32; ++lane) load(lane, st[lane]);
+      std::memset(partial, 0, sizeof(partial));
+      atom_step_products_host(st, int4, partial);
+      for (int lane = 0; lane < 32; ++lane) {
+        int32_t mine[2][4];
+        for (int nb = 0; nb < 2; ++nb) std::memcpy(mine[nb], partial[nb][lane], sizeof(mine[nb]));
+        put(lane, st[lane], mine);
+      }
+    };
+    for (int nt = 0; nt < n / 16; ++nt) {
+      for (int mt = 0; mt < (m + 15) / 16; ++mt) {
+        const int rows = std::min(16, m - 16 * mt);
+        float* sums = smem.data() + qk::atom_slot(per_round + qk::ATOM_SUM, 0, 0, rows);
+        qk::AtomRows lane_rows[32];  // made once a tile, as the kernel makes them once a thread
+        for (int lane = 0; lane < 32; ++lane) lane_rows[lane] = qk::atom_rows(args, mt, nt, lane);
+        std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
         for (int copy = 0; copy < splits; ++copy)
-          walk_steps<QK_ATOM_AHEAD>(s0 + copy, splits, end, [&](int s) {
+          walk_steps<2>(qk::atom_first_half(copy, groups, splits), splits, 2, [&](int half) {
             step(
-                true, [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, lane_rows[lane], s, r); },
+                false, [&](int lane, qk::AtomStep& r) { qk::atom_load_outliers(args, mt, nt, half, lane, r); },
                 [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
-                  qk::atom_put_terms(r, s, s0, rows, lane, mine, smem.data());
+                  qk::atom_put_outliers(r, half, rows, per_round, lane, mine, smem.data());
                 });
           });
-        for (int t = 0; t < 32 * splits; ++t)
-          qk::atom_sum(args, mt, nt, smem.data(), end - s0, rows, per_round, s0 == 0, end == groups, t, 32 * splits,
-                       sums);
-        if (end == groups) break;
+        for (int s0 = 0;; s0 += per_round) {
+          const int end = std::min(s0 + per_round, groups);
+          std::fill(smem.begin(), smem.begin() + qk::atom_slot(per_round, 0, 0, rows),
+                    std::numeric_limits<float>::quiet_NaN());
+          for (int copy = 0; copy < splits; ++copy)
+            walk_steps<QK_ATOM_AHEAD>(s0 + copy, splits, end, [&](int s) {
+              step(
+                  true, [&](int lane, qk::AtomStep& r) { qk::atom_load_group(args, lane_rows[lane], s, r); },
+                  [&](int lane, const qk::AtomStep& r, const int32_t mine[2][4]) {
+                    qk::atom_put_terms(r, s, s0, rows, lane, mine, smem.data());
+                  });
+            });
+          for (int t = 0; t < 32 * splits; ++t)
+            qk::atom_sum(args, mt, nt, smem.data(), end - s0, rows, per_round, s0 == 0, end == groups, t, 32 * splits,
+                         sums);
+          if (end == groups) break;
+        }
       }
     }
-  }
+  });
 }
 
 // The host twin of atom_w4a4_tiled.
 extern "C" void atom_w4a4_tiled_host(const uint8_t* x4, const int8_t* x8, const float* s_x, const uint8_t* w4,
                                      const int8_t* w8, const qk_half* scale_int4, const qk_half* scale_int8,
                                      qk_half* out, int m, int n, int k) {
-  using T = qk::AtomTiled;
-  const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
-  tiled_host<T>(args, [&](const uint8_t* stage, int kt, int warp, T::Acc* acc) {
-    const bool int4 = kt < T::groups(args);
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t fa[2][32][4], b[32][4], bn[32][2];
-      for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
-      for (int p = 0; p < 2; ++p) {
-        ldsm_x4_lanes(b, stage, [&](int lane) { return T::b_row(warp, p, kk, lane); });
-        for (int half = 0; half < 2; ++half) {
-          for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[lane][2 * half], sizeof(bn[lane]));
-          for (int i = 0; i < 2; ++i) mma_into(int4 ? mma_warp_int4 : mma_warp, acc, i, 2 * p + half, fa[i], bn);
+  guarded([&] {
+    using T = qk::AtomTiled;
+    const qk::AtomArgs args{x4, x8, s_x, w4, w8, scale_int4, scale_int8, out, m, n, k};
+    tiled_host<T>(args, [&](const uint8_t* stage, int kt, int warp, T::Acc* acc) {
+      const bool int4 = kt < T::groups(args);
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t fa[2][32][4], b[32][4], bn[32][2];
+        for (int i = 0; i < 2; ++i) ldsm_x4_lanes(fa[i], stage, [&](int lane) { return T::a_row(warp, i, kk, lane); });
+        for (int p = 0; p < 2; ++p) {
+          ldsm_x4_lanes(b, stage, [&](int lane) { return T::b_row(warp, p, kk, lane); });
+          for (int half = 0; half < 2; ++half) {
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(bn[lane], &b[lane][2 * half], sizeof(bn[lane]));
+            for (int i = 0; i < 2; ++i) mma_into(int4 ? mma_warp_int4 : mma_warp, acc, i, 2 * p + half, fa[i], bn);
+          }
         }
       }
-    }
-    if (T::folds_after(args, kt))
-      for (int lane = 0; lane < 32; ++lane) T::fold(args, kt, stage, warp, lane, acc[lane]);
+      if (T::folds_after(args, kt))
+        for (int lane = 0; lane < 32; ++lane) T::fold(args, kt, stage, warp, lane, acc[lane]);
+    });
   });
 }
 
@@ -1071,8 +1122,10 @@ void anyprec_gemv_host_at(const qk::AnyPrecArgs& args) {
 
 extern "C" void anyprec_gemv_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,
                                   int n, int k, int bits) {
-  const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
-  qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
+  guarded([&] {
+    const qk::AnyPrecArgs args{x, planes, lut, out, m, n, k, bits};
+    qk::with_width(bits, [&](auto width) { anyprec_gemv_host_at<decltype(width)::value>(args); });
+  });
 }
 
 // The host twin of anyprec_gemm_tc at width BITS and NB token blocks a tile (FAST: of the *_fast kernel, whose
@@ -1151,6 +1204,6 @@ extern "C" int anyprec_tc_fast(int bits, int m, int n, int k) {
 #define QK_AP_TC_HOST_ONE(NAME, B, NB, FAST, WARPS)                                                                \
   extern "C" void NAME##_host(const qk_half* x, const uint32_t* planes, const qk_half* lut, qk_half* out, int m,   \
                               int n, int k) {                                                                       \
-    anyprec_gemm_tc_host_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B});                  \
+    guarded([&] { anyprec_gemm_tc_host_at<B, NB, FAST, WARPS>(qk::AnyPrecArgs{x, planes, lut, out, m, n, k, B}); }); \
   }
 QK_AP_TC_ALL(QK_AP_TC_HOST_ONE)

@@ -38,6 +38,11 @@ class KernelUnavailable(QuantkitError):
     """The kernels cannot run here (no CUDA device or CuPy; no host C++ compiler for the simulator)."""
 
 
+class SimulatorFailure(QuantkitError):
+    """A kernel did what the warp simulator cannot model (a load past its arrays, a copy outside its slot, a missing
+    argument): a bug in the kernel source or its launch, raised for that launch alone."""
+
+
 def source_dir() -> Path:
     """Where the kernel sources are: quantkit/data/kernels when installed, the repository's kernels/ in a checkout."""
     return data_path("kernels")
@@ -67,6 +72,7 @@ def host_library() -> ctypes.CDLL:
 
         atomic_write_with(lib, build)
     _HOST = ctypes.CDLL(str(lib))
+    _HOST.qk_sim_failure.restype = ctypes.c_char_p
     return _HOST
 
 
@@ -133,7 +139,10 @@ def run(launch: Launch, device: str = "cpu") -> np.ndarray:
             return ctypes.c_int(a)
 
         twin_args = (c_arg(a) for a in launch.args if not isinstance(a, TensorMap))
-        getattr(host_library(), launch.name + "_host")(*twin_args)
+        host = host_library()
+        getattr(host, launch.name + "_host")(*twin_args)
+        if failure := host.qk_sim_failure():
+            raise SimulatorFailure(f"warp simulator, {launch.name}: {failure.decode()}")
         return launch.out
     call = upload(launch)
     call()

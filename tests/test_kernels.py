@@ -94,6 +94,28 @@ def test_qserve_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, sl
 
 
 @needs_compiler
+def test_simulator_failure_is_raised_for_its_launch_alone():
+    """A twin that stops (fail(): here a bulk launch with no slot, a per-group launch without its s2 and z2) raises
+    SimulatorFailure with the simulator's reason, rather than aborting the process; the next launch runs clean."""
+    tensors = synthetic("qserve", 64, 256, seed=3, group=128)
+    x = activations(3, 256, seed=3)
+    reference = emulate("qserve", tensors, x)
+
+    def launch(**kw):
+        return kernels.qserve_launch(tensors, reference.x_int8, reference.s_x, splits=2, **kw)
+
+    bulk = launch(bulk=True)
+    bulk.args[-1] = 0
+    with pytest.raises(kernels.SimulatorFailure, match="qserve_w4a8_bulk: bulk: no slot"):
+        kernels.run(bulk, "cpu")
+    grouped = launch(bulk=False)
+    grouped.args[6] = None
+    with pytest.raises(kernels.SimulatorFailure, match="per group, needs s2 and z2"):
+        kernels.run(grouped, "cpu")
+    np.testing.assert_array_equal(kernels.run(launch(bulk=False), "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
 @pytest.mark.parametrize(("m", "k", "splits", "chunk", "slots"), [
     (1, 512, 1, 8, 2),  # 8 steps of 64: one chunk
     (1, 1344, 1, 8, 2),  # 21 steps: three chunks in two slots, the last partial
