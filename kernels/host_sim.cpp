@@ -106,6 +106,52 @@ void splitk_meet_host(int threads, int splits, Mine mine) {
   for (int t = 0; t < threads; ++t) qk::splitk_collect<COUNT, RED>(mine(0, t), partials.data(), t, threads, splits);
 }
 
+// How a small-M launch splits K over a tile's blocks: `zsplit` blocks (blockIdx.z), meeting in `sums` and `arrived`
+// (quantkit.kernels.meeting_point; null when zsplit is 1, and for a cluster build, whose blocks meet in the leader's
+// shared memory: the simulator meets those through a workspace of its own).
+struct BlockSplit {
+  int zsplit;
+  int32_t* sums;
+  int32_t* arrived;
+};
+
+// The blocks of a small-M launch of gx x gy tiles, each tile split over split.zsplit blocks, run in the order z, then
+// tile, so that every tile's first blocks have met in the workspace before any tile's last: block(bx, by, z) computes
+// block z of tile (bx, by), meets its copies and returns lane(l), where copy 0's lane l holds its COUNT sums; those
+// meet through splitk_blocks's own phases (slots and count by splitk_tile, the last block takes the totals), and
+// store(bx, by) runs in the tile's last block. The workspace must be zero before the launch and is checked to be left
+// zero for the next.
+template <int COUNT, class Block, class Store>
+void block_split_host(int gx, int gy, BlockSplit split, Block block, Store store) {
+  const size_t words = (size_t)gx * gy * COUNT * 32, counts = (size_t)gx * gy;
+  std::vector<int32_t> own;
+  if (split.zsplit > 1 && split.sums == nullptr) {
+    own.assign(words + counts, 0);
+    split.sums = own.data();
+    split.arrived = own.data() + words;
+  }
+  const auto zero = [&]() {
+    return split.zsplit == 1 || (std::all_of(split.sums, split.sums + words, [](int32_t w) { return w == 0; }) &&
+                                 std::all_of(split.arrived, split.arrived + counts, [](int32_t c) { return c == 0; }));
+  };
+  if (!zero()) fail("split-K across blocks: the launch's workspace is not zero");
+  for (int z = 0; z < split.zsplit; ++z)
+    for (int by = 0; by < gy; ++by)
+      for (int bx = 0; bx < gx; ++bx) {
+        const auto lane = block(bx, by, z);
+        if (split.zsplit > 1) {
+          const int tile = qk::splitk_tile((unsigned)bx, (unsigned)by, (unsigned)gx);
+          if (tile < 0 || tile >= gx * gy) fail("split-K across blocks: a tile's slots outside the workspace");
+          int32_t* mine = qk::splitk_tile_sums<COUNT>(split.sums, tile);
+          for (int l = 0; l < 32; ++l) qk::splitk_blocks_post<COUNT>(mine, lane(l), l);
+          if (!qk::splitk_blocks_arrive(split.arrived, tile, split.zsplit)) continue;
+          for (int l = 0; l < 32; ++l) qk::splitk_blocks_take<COUNT>(lane(l), mine, split.arrived, tile, l);
+        }
+        store(bx, by);
+      }
+  if (!zero()) fail("split-K across blocks: the workspace is not left zero for the next launch");
+}
+
 int8_t byte_of(uint32_t word, int e) { return (int8_t)((word >> (8 * e)) & 0xFFu); }
 
 // D = A B + C for one warp's mma.m16n8k32.row.col.s32.s8.s8.s32, from the fragment definitions of the PTX ISA:
@@ -544,13 +590,14 @@ extern "C" void liquidquant_w4a8_wgmma_tall_host(const int8_t* x, const float* s
   });
 }
 
-// The block of qserve_w4a8_gemm, its two-tile form (SLICES = 2: qserve_w4a8_gemm16) and qserve_w4a8_bulk: one warp a
-// copy, `splits` copies of a block, each warp SLICES 32-channel tiles (slice_tile). For each block, walk(mt, block,
-// copy, step) calls step(fragments) for each of the copy's K steps in its order, fragments(lane, nt, fa, fb) giving the
-// lane's A and unpacked B fragments of tile nt; then the copies' accumulators (a lane's acc[SLICES][4][4], as the
-// kernels hold them) meet as splitk_reduce adds them and copy 0 stores.
+// The blocks of qserve_w4a8_gemm, its two-tile form (SLICES = 2: qserve_w4a8_gemm16) and qserve_w4a8_bulk: one warp
+// a copy, `splits` copies a block and split.zsplit blocks a tile (block z's copies are z splits + copy), each warp
+// SLICES 32-channel tiles (slice_tile). For each block, walk(mt, block, copy, step) calls step(fragments) for each of
+// the copy's K steps in its order, fragments(lane, nt, fa, fb) giving the lane's A and unpacked B fragments of tile nt;
+// then the copies' accumulators (a lane's acc[SLICES][4][4], as the kernels hold them) meet as splitk_reduce adds
+// them, the tile's blocks as splitk_blocks does (block_split_host), and copy 0 of the last block stores.
 template <int SLICES = 1, bool RED = QK_SPLITK_RED, class Walk>
-void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
+void qserve_host(const qk::QServeArgs& args, int splits, BlockSplit split, Walk walk) {
   constexpr int count = 16 * SLICES;  // a lane's accumulators
   std::vector<int32_t> acc((size_t)splits * count * 32);
   uint32_t fa[32][4], fb[32][4][2], bn[32][2];
@@ -559,53 +606,54 @@ void qserve_host(const qk::QServeArgs& args, int splits, Walk walk) {
   auto at = [&](int copy, int lane, int sl, int nb) {
     return &acc[((size_t)copy * 32 + lane) * count + 4 * (4 * sl + nb)];
   };
-  for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
-    for (int block = 0; block < args.n / (32 * SLICES); ++block) {
-      std::fill(acc.begin(), acc.end(), 0);
-      for (int copy = 0; copy < splits; ++copy) {
-        walk(mt, block, copy, [&](auto&& fragments) {
-          for (int sl = 0; sl < SLICES; ++sl) {
-            const int nt = qk::slice_tile(block, SLICES, sl);
-            for (int lane = 0; lane < 32; ++lane) fragments(lane, nt, fa[lane], fb[lane]);
-            for (int nb = 0; nb < 4; ++nb) {
-              for (int lane = 0; lane < 32; ++lane) {
-                bn[lane][0] = fb[lane][nb][0];
-                bn[lane][1] = fb[lane][nb][1];
-                std::memcpy(c[lane], at(copy, lane, sl, nb), sizeof(c[lane]));
-              }
-              mma_warp(c, fa, bn);
-              for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, sl, nb), c[lane], sizeof(c[lane]));
-            }
-          }
-        });
-      }
-      splitk_meet_host<count, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0, 0); });
-      for (int lane = 0; lane < 32; ++lane) {
-        int32_t mine[SLICES][4][4];
-        std::memcpy(&mine[0][0][0], at(0, lane, 0, 0), sizeof(mine));
-        // the parameters loaded ahead as the one-tile kernels build: per channel before the K loop, else after it (MID)
-        const bool ahead = SLICES == 1 && ((QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID);
-        const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, block, lane) : qk::QServeEpilogue{};
-        for (int sl = 0; sl < SLICES; ++sl)
+  auto block_sums = [&](int block, int mt, int z) {
+    std::fill(acc.begin(), acc.end(), 0);
+    for (int copy = 0; copy < splits; ++copy) {
+      walk(mt, block, z * splits + copy, [&](auto&& fragments) {
+        for (int sl = 0; sl < SLICES; ++sl) {
+          const int nt = qk::slice_tile(block, SLICES, sl);
+          for (int lane = 0; lane < 32; ++lane) fragments(lane, nt, fa[lane], fb[lane]);
           for (int nb = 0; nb < 4; ++nb) {
-            if (ahead) qk::store_with(args, epi, mt, block, nb, lane, mine[sl][nb]);
-            else qk::store(args, mt, qk::slice_tile(block, SLICES, sl), nb, lane, mine[sl][nb]);
+            for (int lane = 0; lane < 32; ++lane) {
+              bn[lane][0] = fb[lane][nb][0];
+              bn[lane][1] = fb[lane][nb][1];
+              std::memcpy(c[lane], at(copy, lane, sl, nb), sizeof(c[lane]));
+            }
+            mma_warp(c, fa, bn);
+            for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, sl, nb), c[lane], sizeof(c[lane]));
           }
-      }
+        }
+      });
     }
-  }
+    splitk_meet_host<count, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0, 0); });
+    return [&](int lane) { return at(0, lane, 0, 0); };
+  };
+  auto store = [&](int block, int mt) {
+    for (int lane = 0; lane < 32; ++lane) {
+      int32_t mine[SLICES][4][4];
+      std::memcpy(&mine[0][0][0], at(0, lane, 0, 0), sizeof(mine));
+      // the parameters loaded ahead as the one-tile kernels build: per channel before the K loop, else after it (MID)
+      const bool ahead = SLICES == 1 && ((QK_EPILOGUE_EARLY && args.szero != nullptr) || QK_EPILOGUE_MID);
+      const qk::QServeEpilogue epi = ahead ? qk::epilogue_params(args, mt, block, lane) : qk::QServeEpilogue{};
+      for (int sl = 0; sl < SLICES; ++sl)
+        for (int nb = 0; nb < 4; ++nb) {
+          if (ahead) qk::store_with(args, epi, mt, block, nb, lane, mine[sl][nb]);
+          else qk::store(args, mt, qk::slice_tile(block, SLICES, sl), nb, lane, mine[sl][nb]);
+        }
+    }
+  };
+  block_split_host<count>(args.n / (32 * SLICES), (args.m + 15) / 16, split, block_sums, store);
 }
 
 // The host twins of qserve_w4a8_gemm (per group) and qserve_w4a8_gemm_pc (per channel), and of their two-tile forms
 // (qserve_w4a8_gemm16, _pc16: SLICES = 2), each with the other variant's tensors null as the kernel makes them: copy
-// c of a block's warps takes K steps c, c + splits, ...
+// c of a tile's copies takes K steps c, c + copies, ...
 template <bool GROUPED, int SLICES>
-static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit) {
-  const int k = args.k;
-  const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
+static void qserve_gemm_host(const qk::QServeArgs& args, int splits, BlockSplit split) {
+  const int k = args.k, copies = splits * split.zsplit;
   if (args.n % (32 * SLICES) != 0) fail("qserve_w4a8_gemm: N not a multiple of the block's channels");
   constexpr int ahead = qk::qserve_ahead(GROUPED, SLICES);
-  qserve_host<SLICES>(args, copies, [&](int mt, int, int copy, auto&& step) {
+  qserve_host<SLICES>(args, splits, split, [&](int mt, int, int copy, auto&& step) {
     walk_steps<ahead>(copy, copies, k / 32, [&](int kt) {
       step([&](int lane, int nt, uint32_t fa[4], uint32_t fb[4][2]) {
         uint32_t w[4], s, z;
@@ -620,42 +668,50 @@ static void qserve_gemm_host(const qk::QServeArgs& args, int splits, int zsplit)
 template <int SLICES>
 static void qserve_grouped_host(const int8_t* x, const float* s_x, const uint8_t* qweight, const qk_half* s1,
                                 const int8_t* s2, const int8_t* z2, qk_half* out, int m, int n, int k, int group,
-                                int splits, int zsplit) {
+                                int splits, BlockSplit split) {
   if (s2 == nullptr || z2 == nullptr) fail("qserve_w4a8_gemm: per group, needs s2 and z2");
   qserve_gemm_host<true, SLICES>(qk::QServeArgs{x, s_x, nullptr, qweight, s1, nullptr, s2, z2, out, m, n, k, group},
-                                 splits, zsplit);
+                                 splits, split);
 }
 template <int SLICES>
 static void qserve_channel_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                 const qk_half* s1, const qk_half* szero, qk_half* out, int m, int n, int k, int splits,
-                                int zsplit) {
+                                BlockSplit split) {
   if (szero == nullptr || t_x == nullptr) fail("qserve_w4a8_gemm_pc: per channel, needs s1_szeros and t_x");
   qserve_gemm_host<false, SLICES>(qk::QServeArgs{x, s_x, t_x, qweight, s1, szero, nullptr, nullptr, out, m, n, k, 0},
-                                  splits, zsplit);
+                                  splits, split);
 }
 extern "C" void qserve_w4a8_gemm_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
-                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
-                                      int32_t*) {
-  guarded([&] { qserve_grouped_host<1>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit); });
+                                      qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
+                                      int32_t* sums, int32_t* arrived) {
+  guarded([&] {
+    qserve_grouped_host<1>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, {zsplit, sums, arrived});
+  });
 }
 extern "C" void qserve_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                          const qk_half* s1, const qk_half* szero, const int8_t*, const int8_t*,
-                                         qk_half* out, int m, int n, int k, int, int splits, int zsplit, int32_t*,
-                                         int32_t*) {
-  guarded([&] { qserve_channel_host<1>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit); });
+                                         qk_half* out, int m, int n, int k, int, int splits, int zsplit,
+                                         int32_t* sums, int32_t* arrived) {
+  guarded([&] {
+    qserve_channel_host<1>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, {zsplit, sums, arrived});
+  });
 }
 extern "C" void qserve_w4a8_gemm16_host(const int8_t* x, const float* s_x, const float*, const uint8_t* qweight,
                                         const qk_half* s1, const qk_half*, const int8_t* s2, const int8_t* z2,
-                                        qk_half* out, int m, int n, int k, int group, int splits, int zsplit, int32_t*,
-                                        int32_t*) {
-  guarded([&] { qserve_grouped_host<2>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, zsplit); });
+                                        qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
+                                        int32_t* sums, int32_t* arrived) {
+  guarded([&] {
+    qserve_grouped_host<2>(x, s_x, qweight, s1, s2, z2, out, m, n, k, group, splits, {zsplit, sums, arrived});
+  });
 }
 extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, const float* t_x,
                                            const uint8_t* qweight, const qk_half* s1, const qk_half* szero,
                                            const int8_t*, const int8_t*, qk_half* out, int m, int n, int k, int,
-                                           int splits, int zsplit, int32_t*, int32_t*) {
-  guarded([&] { qserve_channel_host<2>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, zsplit); });
+                                           int splits, int zsplit, int32_t* sums, int32_t* arrived) {
+  guarded([&] {
+    qserve_channel_host<2>(x, s_x, t_x, qweight, s1, szero, out, m, n, k, splits, {zsplit, sums, arrived});
+  });
 }
 
 // The host twin of qserve_w4a8_bulk: copy c walks its contiguous range chunk by chunk, each chunk's bulk copies
@@ -664,14 +720,14 @@ extern "C" void qserve_w4a8_gemm_pc16_host(const int8_t* x, const float* s_x, co
 extern "C" void qserve_w4a8_bulk_host(const int8_t* x, const float* s_x, const float* t_x, const uint8_t* qweight,
                                       const qk_half* s1, const qk_half* szero, const int8_t* s2, const int8_t* z2,
                                       qk_half* out, int m, int n, int k, int group, int splits, int zsplit,
-                                      int32_t*, int32_t*, int chunk, int slots) {
+                                      int32_t* sums, int32_t* arrived, int chunk, int slots) {
   guarded([&] {
     const qk::QServeArgs args{x, s_x, t_x, qweight, s1, szero, s2, z2, out, m, n, k, group};
     const qk::QServeBulk layout{chunk, std::min(16, m), s2 != nullptr};
     if (slots < 1 || chunk < 1) fail("bulk: no slot");
     std::vector<uint8_t> slot((size_t)layout.slot_bytes());
     const int steps = k / 32, copies = splits * zsplit;
-    qserve_host<1, false>(args, copies, [&](int mt, int nt, int copy, auto&& step) {
+    qserve_host<1, false>(args, splits, {zsplit, sums, arrived}, [&](int mt, int nt, int copy, auto&& step) {
       bulk_walk_host(
           slot, chunk, copy, copies, steps,
           [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, nt, s0, cnt, emit); },
@@ -847,66 +903,69 @@ extern "C" void liquidquant_w4a8_tiled_host(const int8_t* x, const float* s_x, c
   });
 }
 
-// The block of qqq_w4a8_gemm and qqq_w4a8_bulk: walk(mt, c, copy, step) calls step(fragments) for each of the copy's
-// k16 steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments; then split-K as in
-// qserve_host.
+// The blocks of qqq_w4a8_gemm and qqq_w4a8_bulk: walk(mt, c, copy, step) calls step(fragments) for each of the copy's
+// k16 steps in its order, fragments(lane, fa, fb) giving the lane's A and unpacked B fragments; then split-K over a
+// block's `splits` copies and a tile's split.zsplit blocks as in qserve_host.
 template <bool RED = QK_SPLITK_RED, class Walk>
-void qqq_host(const qk::QQQArgs& args, int splits, Walk walk) {
+void qqq_host(const qk::QQQArgs& args, int splits, BlockSplit split, Walk walk) {
   std::vector<int32_t> acc((size_t)splits * 32 * 32);
   uint32_t fa[32][2], fb[32][8], bn[32];
   int32_t sums[32][4];
   // accumulators of n8 block nb of a lane of a copy (the kernels' acc[8][4])
   auto at = [&](int copy, int lane, int nb) { return &acc[(((size_t)copy * 32 + lane) * 8 + nb) * 4]; };
-  for (int c = 0; c < args.n / 64; ++c) {
-    for (int mt = 0; mt < (args.m + 15) / 16; ++mt) {
-      std::fill(acc.begin(), acc.end(), 0);
-      for (int copy = 0; copy < splits; ++copy) {
-        walk(mt, c, copy, [&](auto&& fragments) {
-          for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
-          for (int nb = 0; nb < 8; ++nb) {
-            for (int lane = 0; lane < 32; ++lane) {
-              bn[lane] = fb[lane][nb];
-              std::memcpy(sums[lane], at(copy, lane, nb), sizeof(sums[lane]));
-            }
-            mma_warp_k16(sums, fa, bn);
-            for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, nb), sums[lane], sizeof(sums[lane]));
-          }
-        });
-      }
-      splitk_meet_host<32, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0); });
-      for (int lane = 0; lane < 32; ++lane) {
-        int32_t mine[8][4];
-        std::memcpy(&mine[0][0], at(0, lane, 0), sizeof(mine));
-        const bool mid = qk::qqq_epilogue_mid(args.s_group != nullptr);
-        const qk::QQQEpilogue epi = mid ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
+  auto block_sums = [&](int c, int mt, int z) {
+    std::fill(acc.begin(), acc.end(), 0);
+    for (int copy = 0; copy < splits; ++copy) {
+      walk(mt, c, z * splits + copy, [&](auto&& fragments) {
+        for (int lane = 0; lane < 32; ++lane) fragments(lane, fa[lane], fb[lane]);
         for (int nb = 0; nb < 8; ++nb) {
-          if (mid) qk::store_with(args, epi, mt, c, nb, lane, mine[nb]);  // as the kernels build
-          else qk::store(args, mt, c, nb, lane, mine[nb]);
+          for (int lane = 0; lane < 32; ++lane) {
+            bn[lane] = fb[lane][nb];
+            std::memcpy(sums[lane], at(copy, lane, nb), sizeof(sums[lane]));
+          }
+          mma_warp_k16(sums, fa, bn);
+          for (int lane = 0; lane < 32; ++lane) std::memcpy(at(copy, lane, nb), sums[lane], sizeof(sums[lane]));
         }
+      });
+    }
+    splitk_meet_host<32, RED>(32, splits, [&](int copy, int lane) { return at(copy, lane, 0); });
+    return [&](int lane) { return at(0, lane, 0); };
+  };
+  auto store = [&](int c, int mt) {
+    for (int lane = 0; lane < 32; ++lane) {
+      int32_t mine[8][4];
+      std::memcpy(&mine[0][0], at(0, lane, 0), sizeof(mine));
+      const bool mid = qk::qqq_epilogue_mid(args.s_group != nullptr);
+      const qk::QQQEpilogue epi = mid ? qk::epilogue_params(args, mt, c, lane) : qk::QQQEpilogue{};
+      for (int nb = 0; nb < 8; ++nb) {
+        if (mid) qk::store_with(args, epi, mt, c, nb, lane, mine[nb]);  // as the kernels build
+        else qk::store(args, mt, c, nb, lane, mine[nb]);
       }
     }
-  }
+  };
+  block_split_host<32>(args.n / 64, (args.m + 15) / 16, split, block_sums, store);
 }
 
 // The host twins of qqq_w4a8_gemm (per group) and qqq_w4a8_gemm_pc (per channel, s_group null as the kernel makes
-// it): copy c takes k16 steps c, c + splits, ...
-static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit);
+// it): copy c of a tile's copies takes k16 steps c, c + copies, ...
+static void qqq_gemm_host(const qk::QQQArgs& args, int splits, BlockSplit split);
 extern "C" void qqq_w4a8_gemm_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
-                                   int32_t*, int32_t*) {
+                                   int32_t* sums, int32_t* arrived) {
   guarded([&] {
     if (s_group == nullptr) fail("qqq_w4a8_gemm: per group, needs s_group");
-    qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, splits, zsplit);
+    qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, s_group, out, m, n, k}, splits, {zsplit, sums, arrived});
   });
 }
 extern "C" void qqq_w4a8_gemm_pc_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                       const qk_half*, qk_half* out, int m, int n, int k, int splits, int zsplit,
-                                      int32_t*, int32_t*) {
-  guarded([&] { qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, nullptr, out, m, n, k}, splits, zsplit); });
+                                      int32_t* sums, int32_t* arrived) {
+  guarded([&] {
+    qqq_gemm_host(qk::QQQArgs{x, s_x, b, s_channel, nullptr, out, m, n, k}, splits, {zsplit, sums, arrived});
+  });
 }
-static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
-  const int k = args.k;
-  const int copies = splits * zsplit;  // the blocks' copies in order; integer sums, so meeting in any order
+static void qqq_gemm_host(const qk::QQQArgs& args, int splits, BlockSplit split) {
+  const int k = args.k, copies = splits * split.zsplit;
   const auto walk = [&](int mt, int c, int copy, auto&& step) {
     const auto run = [&](int i) {
       step([&](int lane, uint32_t fa[2], uint32_t fb[8]) {
@@ -919,14 +978,14 @@ static void qqq_gemm_host(const qk::QQQArgs& args, int splits, int zsplit) {
     if (args.s_group != nullptr) walk_steps<qk::qqq_ahead(true)>(copy, copies, k / 16, run);
     else walk_steps<qk::qqq_ahead(false)>(copy, copies, k / 16, run);
   };
-  qqq_host(args, copies, walk);
+  qqq_host(args, splits, split, walk);
 }
 
 // The host twin of qqq_w4a8_bulk: copy c walks its contiguous range chunk by chunk, the chunk's bulk copies
 // (QQQBulk::copies) done into a slot first filled with garbage, then its steps read from the slot.
 extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint32_t* b, const float* s_channel,
                                    const qk_half* s_group, qk_half* out, int m, int n, int k, int splits, int zsplit,
-                                   int32_t*, int32_t*, int chunk, int slots) {
+                                   int32_t* sums, int32_t* arrived, int chunk, int slots) {
   guarded([&] {
     const qk::QQQArgs args{x, s_x, b, s_channel, s_group, out, m, n, k};
     const bool grouped = s_group != nullptr;
@@ -935,7 +994,7 @@ extern "C" void qqq_w4a8_bulk_host(const int8_t* x, const float* s_x, const uint
     std::vector<uint8_t> slot((size_t)layout.slot_bytes());
     const int steps = k / 16;
     const int copies = splits * zsplit;
-    qqq_host<false>(args, copies, [&](int mt, int c, int copy, auto&& step) {
+    qqq_host<false>(args, splits, {zsplit, sums, arrived}, [&](int mt, int c, int copy, auto&& step) {
       bulk_walk_host(
           slot, chunk, copy, copies, steps,
           [&](int s0, int cnt, auto&& emit) { layout.copies(args, mt, c, s0, cnt, emit); },

@@ -761,6 +761,47 @@ QK_FN void splitk_collect(int32_t* acc, const int32_t* partials, int t, int thre
   }
 }
 
+// The meeting of a tile's zsplit blocks in device memory (splitk_blocks), in phases the warp simulator's twins run
+// block by block on the launch's own workspace: tile (bx, by) of a grid gx tiles wide owns COUNT x 32 int32 of `sums`
+// (splitk_tile_sums) and one count of `arrived`; each block's copy 0 adds its lanes' sums into the tile's
+// (splitk_blocks_post: atomics on the device, plain wrapping adds on the host), counts itself in (splitk_blocks_arrive,
+// lane 0: true in the last of the zsplit), and the last takes the totals, leaving slots and count zero for the next
+// launch (splitk_blocks_take).
+QK_FN int splitk_tile(unsigned bx, unsigned by, unsigned gx) { return by * gx + bx; }
+template <int COUNT>
+QK_FN int32_t* splitk_tile_sums(int32_t* sums, int tile) { return sums + (size_t)tile * COUNT * 32; }
+template <int COUNT>
+QK_FN void splitk_blocks_post(int32_t* mine, const int32_t* acc, int lane) {
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) {
+#if defined(__CUDA_ARCH__)
+    atomicAdd(&mine[j * 32 + lane], acc[j]);
+#else
+    mine[j * 32 + lane] = (int32_t)((uint32_t)mine[j * 32 + lane] + (uint32_t)acc[j]);
+#endif
+  }
+}
+QK_FN bool splitk_blocks_arrive(int32_t* arrived, int tile, int zsplit) {
+#if defined(__CUDA_ARCH__)
+  return atomicAdd(&arrived[tile], 1) == zsplit - 1;
+#else
+  return arrived[tile]++ == zsplit - 1;
+#endif
+}
+template <int COUNT>
+QK_FN void splitk_blocks_take(int32_t* acc, int32_t* mine, int32_t* arrived, int tile, int lane) {
+#pragma unroll
+  for (int j = 0; j < COUNT; ++j) {
+#if defined(__CUDA_ARCH__)
+    acc[j] = atomicExch(&mine[j * 32 + lane], 0);
+#else
+    acc[j] = mine[j * 32 + lane];
+    mine[j * 32 + lane] = 0;
+#endif
+  }
+  if (lane == 0) arrived[tile] = 0;
+}
+
 }  // namespace qk
 
 // The small-M kernels' look-ahead: U K steps' loads per round (QK_SMALLM_AHEAD). A compile-time knob for tuning on
@@ -853,27 +894,25 @@ __device__ __forceinline__ void splitk_fence() {
 // Split-K across the `zsplit` blocks (blockIdx.z) of one output tile, after each block's own splitk_reduce: copy 0's
 // warp adds its COUNT sums a lane into the tile's int32 slots of `sums` (COUNT x 32 a tile; atomics, since integer
 // sums do not depend on their order), and the last block to count itself in `arrived` takes the totals, zeroing the
-// slots and the count for the next launch. Returns true in that block, whose acc then holds the tile's sums; call
-// with copy 0's warp only.
+// slots and the count for the next launch (the phases above, which the warp simulator runs too; the fences, lane 0's
+// count broadcast by shuffle and the atomics are the device's alone). Returns true in that block, whose acc then holds
+// the tile's sums; call with copy 0's warp only.
 template <int COUNT>
 __device__ __forceinline__ bool splitk_blocks(int32_t* acc, int lane, int zsplit, int32_t* sums, int32_t* arrived) {
   if (zsplit == 1) {
     QK_STAMP(QK_T_MET);
     return true;
   }
-  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  int32_t* mine = sums + (size_t)tile * COUNT * 32;
-#pragma unroll
-  for (int j = 0; j < COUNT; ++j) atomicAdd(&mine[j * 32 + lane], acc[j]);
+  const int tile = qk::splitk_tile(blockIdx.x, blockIdx.y, gridDim.x);
+  int32_t* mine = qk::splitk_tile_sums<COUNT>(sums, tile);
+  qk::splitk_blocks_post<COUNT>(mine, acc, lane);
   splitk_fence();  // this block's sums before its count: every lane's, once the warp has met
   __syncwarp();
   int last = 0;
-  if (lane == 0) last = atomicAdd(&arrived[tile], 1) == zsplit - 1;
+  if (lane == 0) last = qk::splitk_blocks_arrive(arrived, tile, zsplit);
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
   splitk_fence();  // the others' sums after their counts
-#pragma unroll
-  for (int j = 0; j < COUNT; ++j) acc[j] = atomicExch(&mine[j * 32 + lane], 0);
-  if (lane == 0) arrived[tile] = 0;
+  qk::splitk_blocks_take<COUNT>(acc, mine, arrived, tile, lane);
   QK_STAMP(QK_T_MET);
   return true;
 }

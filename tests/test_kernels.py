@@ -166,8 +166,10 @@ def test_qqq_bulk_kernel_matches_the_emulation(group, m, k, splits, chunk, slots
 ])
 def test_block_split_matches_the_emulation(fmt, group, m, k, splits, zsplit, bulk):
     """QServe's and QQQ's small-M kernels with K split across `zsplit` blocks of a tile as well (their copies
-    interleaved, or contiguous ranges for the bulk kernels): the emulation's bits, whatever order the blocks'
-    integer sums meet in."""
+    interleaved, or contiguous ranges for the bulk kernels): the emulation's bits. The simulator meets the blocks
+    through splitk_blocks's own phases in the launch's workspace, every tile's first blocks before any tile's last (so
+    tiles that shared slots or a count would mix), and the workspace is left zero: a second launch on it gives the
+    same bits."""
     n = 128
     tensors = synthetic(fmt, n, k, seed=m + k + zsplit, group=group)
     x = activations(m, k, seed=zsplit)
@@ -180,6 +182,24 @@ def test_block_split_matches_the_emulation(fmt, group, m, k, splits, zsplit, bul
     sums, arrived = launch.args[-4:-2] if bulk else launch.args[-2:]
     assert sums.shape == (tiles * count * 32,) and arrived.shape == (tiles,)
     np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+    assert not sums.any() and not arrived.any()
+    launch.out[:] = 0
+    np.testing.assert_array_equal(kernels.run(launch, "cpu"), reference.out.view(np.uint16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dirty", ["sums", "arrived"])
+def test_block_split_refuses_a_workspace_not_zero(dirty):
+    """splitk_blocks needs its workspace zero at launch (each tile's last block leaves it so): the simulator stops a
+    launch given one that is not, naming it."""
+    tensors = synthetic("qqq", 64, 512, seed=1)
+    x = activations(1, 512, seed=1)
+    reference = emulate("qqq", tensors, x)
+    launch = kernels.qqq_launch(tensors, reference.x_int8, reference.s_x, splits=2, zsplit=2, bulk=False)
+    sums, arrived = launch.args[-2:]
+    {"sums": sums, "arrived": arrived}[dirty][-1] = 1
+    with pytest.raises(kernels.SimulatorFailure, match="workspace is not zero"):
+        kernels.run(launch, "cpu")
 
 
 CLUSTER_CASES = [("qqq", None, 1, 512, 3, 2), ("qqq", 128, 5, 768, 2, 4), ("qqq", None, 20, 1024, 4, 4),
