@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from quantkit.files import atomic_write
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("QUANTKIT_SHARED", REPO.parent / "shared"))
 
@@ -140,25 +142,29 @@ def quantize_cached(model: Path, out: Path, *args: str, reuse: bool = True) -> f
         earlier = sum(layer["seconds"] for layer in json.loads(journal.read_text())["layers"].values())
         cmd = [a for a in cmd if a != "--overwrite"] + ["--resume"]
     started.parent.mkdir(parents=True, exist_ok=True)  # a first run of a row: its folder under --work is new
-    started.write_text(json.dumps(key))
+    atomic_write(started, json.dumps(key))
     wall = earlier + quantkit(*cmd)
-    stamp.write_text(json.dumps({**key, "wall": wall, "resumed": earlier > 0}))
+    atomic_write(stamp, json.dumps({**key, "wall": wall, "resumed": earlier > 0}))
     _QUANTIZED_NOW.add(out)
     return wall
 
 
 def eval_ppl(model: Path, data_dir: Path, windows: int, seq_len: int, json_path: Path, *extra: str) -> float:
     """WikiText-2 perplexity through `quantkit eval` (with `extra` options, e.g. --bits 3); reuses `json_path`
-    when an earlier run wrote it after the model was last written."""
-    manifest_path = model / "quantkit_manifest.json"
-    fresh = json_path.exists() and (not manifest_path.exists()
-                                    or json_path.stat().st_mtime > manifest_path.stat().st_mtime)
-    if fresh:
-        cached = json.loads(json_path.read_text())["results"]["wikitext"]
-        if cached.get("windows") == windows and cached.get("seq_len") == seq_len:
-            return cached["perplexity"]
-    quantkit("eval", str(model), "--tasks", "wikitext", "--limit", str(windows), "--seq-len", str(seq_len),
-             "--data-dir", str(data_dir), "--output-json", str(json_path), *extra)
+    when an earlier run wrote it with the same command and quantkit code after the model was last written (a
+    stamp beside it keeps both), so that an FP16 or llm-compressor model, which has no quantkit manifest, is
+    measured again when the eval code changes or the model is written again."""
+    cmd = ["eval", str(model), "--tasks", "wikitext", "--limit", str(windows), "--seq-len", str(seq_len),
+           "--data-dir", str(data_dir), "--output-json", str(json_path), *extra]
+    stamp = json_path.with_name(json_path.name + ".key.json")
+    key = {"cmd": cmd, "code_sha256": _code_digest()}
+    files = [p for p in model.iterdir() if p.is_file()] if model.is_dir() else [model]
+    written = max((p.stat().st_mtime for p in files), default=0.0)
+    if (json_path.exists() and stamp.exists() and json.loads(stamp.read_text()) == key
+            and json_path.stat().st_mtime > written):
+        return json.loads(json_path.read_text())["results"]["wikitext"]["perplexity"]
+    quantkit(*cmd)
+    atomic_write(stamp, json.dumps(key))
     return json.loads(json_path.read_text())["results"]["wikitext"]["perplexity"]
 
 
@@ -203,10 +209,7 @@ class Ledger:
         # rows another run of this bench wrote meanwhile are kept: read the ledger again, add this row, replace
         latest = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.rows = {**latest, label: self.rows[label]}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.rows, indent=1, sort_keys=True) + "\n")
-        tmp.replace(self.path)
+        atomic_write(self.path, json.dumps(self.rows, indent=1, sort_keys=True) + "\n")
         return result
 
     def provenance(self, label: str) -> str:

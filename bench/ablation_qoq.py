@@ -80,8 +80,9 @@ def main() -> None:
             delta = "-" if previous is None else f"{ppl - previous:+.2f}"
             rows.append([label, f"{ppl:.2f}", delta, f"{wall:.0f} s", job.ledger.provenance(label)])
             previous = ppl
-        elif job.args.report:
-            rows.append([label, *ppl_cells(None), "-", "-", "-"])
+        else:  # not measured (--only, or not in the ledger): the next step's delta has no previous step
+            if job.args.report:
+                rows.append([label, *ppl_cells(None), "-", "-", "-"])
             previous = None
     print(f"\nSmolLM2-135M W4A8KV4 ablation (cumulative), WikiText-2 ppl, first {job.args.windows} x 2048; "
           "calib 128 x 1024 c4")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from _common import REPO, eval_ppl, manifest, ppl_cells, slug, smollm2_job, smollm2_row, table
 
+from quantkit.files import atomic_write
+
 VARIANTS = {
     "RTN": ["--recipe", "rtn-w4a16-g128"],
     "GPTQ (act-order off)": ["--recipe", "gptq-w4a16-g128", "--set", "passes.gptq.act_order=false"],
@@ -46,7 +48,7 @@ def llmcompressor_row(python: str, model: Path, c4: Path, artifact: Path, out: P
     if windows.sha256 != cal["sha256"]:
         raise SystemExit("could not rebuild the artifact's calibration windows for llm-compressor")
     tokens = out.with_name(out.name + ".tokens.json")
-    tokens.write_text(json.dumps(windows.tokens.tolist()))
+    atomic_write(tokens, json.dumps(windows.tokens.tolist()))
     report = out.with_name(out.name + ".report.json")
     subprocess.run([python, str(REPO / "bench" / "llmcompressor_gptq.py"), "--model", str(source.path),
                     "--tokens", str(tokens), "--out", str(out), "--actorder", actorder, "--report", str(report)],

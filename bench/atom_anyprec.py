@@ -64,6 +64,8 @@ def main() -> None:
         if r:
             atom_rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] - fp:+.2f}", f"{r['wall']:.0f} s",
                               job.ledger.provenance(label)])
+        else:
+            atom_rows.append([label, *ppl_cells(None, fp), "-", "-"])
 
     anyprec = work / "anyprec-3to8"
     results: dict[tuple[str, int], dict] = {}
@@ -81,7 +83,7 @@ def main() -> None:
         if r:
             results["RTN", b] = r
 
-    if atom_rows:
+    if not args.only or any(label in args.only for label, _ in ATOM_ROWS):
         print(f"\nSmolLM2-135M W4A4, WikiText-2 ppl (first {args.windows} x 2048); calib 32 x 2048 c4")
         print(table(["method", "wikitext2 ppl", "vs FP16", "quantize wall", "measured with"],
                     [["FP16", *ppl_cells(fp_row), "-", "-", job.ledger.provenance("FP16")], *atom_rows]))
@@ -89,7 +91,7 @@ def main() -> None:
     for b in WIDTHS:
         cells = [f"{b}"]
         for method in ("Any-Precision", "SqueezeLLM", "RTN"):
-            cells.append(f"{results[method, b]['ppl']:.2f}" if (method, b) in results else "-")
+            cells.append(f"{results[method, b]['ppl']:.2f}" if (method, b) in results else ppl_cells(None)[0])
         if ("Any-Precision", b) in results and ("SqueezeLLM", b) in results:
             cells.append(f"{results['Any-Precision', b]['ppl'] / results['SqueezeLLM', b]['ppl'] - 1:+.1%}")
         else:

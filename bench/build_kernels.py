@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="also build under these bench/smallm_tune.py configurations "
                         "(comma-separated names, all, or pending: those not yet timed)")
     parser.add_argument("--large-configs", default="", help="and these of its --large table (sm_90a builds only; "
-                        "names, or all)")
+                        "names, all, or pending)")
     parser.add_argument("--defines", default="", help="and these knobs (NAME=VALUE, space-separated, as "
                         "QUANTKIT_NVRTC_DEFINES takes them), e.g. the merged ones a tuning run found fastest")
     parser.add_argument("--modules", default=",".join(kernels.MODULES), help="the kernels/ modules to build "

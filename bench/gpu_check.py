@@ -32,7 +32,7 @@
 
 The log goes to --out/gpu_check.log (the device tool's $OUT; with bench.json, timeline.json, tune.json,
 tune_large.json, bench_tuned.json and sweep.json, seven files: the tool brings back at most eight); a table of the
-steps' exit codes is printed last.
+steps' exit codes is printed last; the script exits 0 only where every step ran and passed.
 Each step has a time limit (a hung kernel ends its step with exit code 124, not the whole run), and --budget caps
 the whole run: a step gets at most what is left, and one that would get under 30 s is skipped (exit code -1 in the
 table). On a machine without a GPU, `--kernel sim` runs steps 1 and 2a with the warp simulator, which checks the
@@ -250,7 +250,13 @@ def main() -> None:
     print("\n| step | exit code | seconds |\n|---|---|---|")
     for name, code, seconds in results:
         print(f"| {name} | {code} | {seconds:.0f} |")
-    sys.exit(max((code for _, code, _ in results), default=0) != 0)
+    sys.exit(exit_status(results))
+
+
+def exit_status(results: list[tuple[str, int, float]]) -> int:
+    """0 where every step ran and passed, else 1: a step that failed, timed out (124), was skipped (-1) or was
+    killed by a signal (its negative number: a segfault, the OOM killer) checked nothing."""
+    return int(any(code != 0 for _, code, _ in results))
 
 
 def xdist_args(workers: int) -> list[str]:

@@ -17,6 +17,7 @@ START = time.time()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
 
 
@@ -50,8 +51,12 @@ def main() -> None:
             num_calibration_samples=len(windows), shuffle_calibration_samples=False, output_dir=args.out)
     report = {"wall": time.time() - START,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    with open(args.report, "w") as f:
+    tmp = f"{args.report}.{os.getpid()}.tmp"  # then renamed: a report is whole or absent
+    with open(tmp, "w") as f:
         json.dump(report, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, args.report)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import sys
 from functools import cache
 from pathlib import Path
 
+from quantkit.files import atomic_write
+
 REPO = Path(__file__).resolve().parent.parent
 
 # name: (compile-time defines, settings of quantkit.kernels); the first is the built-in default. Eight H200 runs
@@ -462,9 +464,9 @@ def main() -> None:
             continue
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         if args.json:  # after every configuration, so that a run cut short keeps what it timed
-            args.json.write_text(json.dumps(runs, indent=1))
+            atomic_write(args.json, json.dumps(runs, indent=1))
         if args.best and (best := fastest(runs, args.large)):  # and its fastest so far
-            args.best.write_text(json.dumps(best))
+            atomic_write(args.best, json.dumps(best))
         bad = [label for label, ok in runs[-1]["checked"].items() if not ok]
         registers = ", ".join(f"{kernel} {regs} ({local} B local)"
                               for kernel, (regs, local) in runs[-1]["registers"].items())

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quantkit.files import atomic_write
+
 DEFINE = "QK_TIMELINE=1"
 WARPS, SLOTS = 16, 16  # qk_timeline.cuh: QK_TIMELINE_WARPS, QK_TIMELINE_SLOTS
 PHASES = ("start", "first", "loop", "reduced", "met", "stored")  # slots 0 .. 5 (QK_T_START ..)
@@ -179,9 +181,8 @@ def main() -> None:
           "the tile's blocks)\n")
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "reps": args.reps,
-                       "rows": rows}, f, indent=1)
+        atomic_write(args.json, json.dumps({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                            "reps": args.reps, "rows": rows}, indent=1))
     sys.exit(1 if failed else 0)
 
 

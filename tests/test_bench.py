@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,45 @@ def test_remeasure_all_quantizes_again_but_once_a_run(tmp_path, monkeypatch):
     assert _common.quantize_cached(model, out, "--recipe", "qqq") == 10.0 and len(calls) == 1  # reused
     assert _common.quantize_cached(model, out, "--recipe", "qqq", reuse=False) == 20.0 and len(calls) == 2
     assert _common.quantize_cached(model, out, "--recipe", "qqq", reuse=False) == 20.0 and len(calls) == 2
+
+
+def test_perplexity_is_reused_only_for_the_same_command_code_and_model(tmp_path, monkeypatch):
+    """eval_ppl reuses a row's eval JSON only where the same command and quantkit code wrote it after the model was
+    last written. It had reused any JSON newer than the model's quantkit manifest, and any JSON at all where there
+    is none: the FP16 GGUF's and llm-compressor's, whose perplexity then outlived a change of the eval code or a
+    fresh llm-compressor run."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+
+    calls = []
+
+    def fake_quantkit(*args: str) -> float:
+        calls.append(args)
+        out = Path(args[args.index("--output-json") + 1])
+        out.write_text(json.dumps({"results": {"wikitext": {"perplexity": float(len(calls))}}}))
+        return 1.0
+
+    monkeypatch.setattr(_common, "quantkit", fake_quantkit)
+    monkeypatch.setattr(_common, "_code_digest", lambda: "code-a")
+    model, result = tmp_path / "model.gguf", tmp_path / "FP16.json"
+    model.write_bytes(b"weights")
+    os.utime(model, (1_000_000, 1_000_000))
+
+    def ppl(*extra: str) -> float:
+        return _common.eval_ppl(model, tmp_path, 40, 2048, result, *extra)
+
+    assert ppl() == 1.0 and ppl() == 1.0 and len(calls) == 1  # reused
+    assert ppl("--bits", "3") == 2.0  # another command
+    assert ppl("--bits", "3") == 2.0 and len(calls) == 2
+    monkeypatch.setattr(_common, "_code_digest", lambda: "code-b")  # the eval code changed
+    assert ppl("--bits", "3") == 3.0
+    os.utime(result, (999_000, 999_000))  # the model written again after the JSON
+    assert ppl("--bits", "3") == 4.0 and ppl("--bits", "3") == 4.0 and len(calls) == 4
+    folder = tmp_path / "llmcompressor-out"  # a model folder without a manifest: its newest file counts
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"w")
+    os.utime(folder / "model.safetensors", (1_000_000, 1_000_000))
+    assert _common.eval_ppl(folder, tmp_path, 40, 2048, tmp_path / "lc.json") == 5.0
+    assert _common.eval_ppl(folder, tmp_path, 40, 2048, tmp_path / "lc.json") == 5.0
+    os.utime(tmp_path / "lc.json", (999_000, 999_000))  # llm-compressor ran again after the JSON
+    assert _common.eval_ppl(folder, tmp_path, 40, 2048, tmp_path / "lc.json") == 6.0

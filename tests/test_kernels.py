@@ -810,6 +810,15 @@ def test_gpu_check_steps_leave_no_process_behind(tmp_path):
         raise AssertionError(f"the step's background sleep (pid {pid}) outlived it")
 
 
+def test_gpu_check_exits_0_only_where_every_step_ran_and_passed():
+    """The exit status took the largest step code, so a step killed by a signal (-11: negative) among passing ones
+    exited 0; a skipped step (-1) did too. Only all-zero passes."""
+    status = bench_module("gpu_check").exit_status
+    assert status([("tests", 0, 1.0), ("bench", 0, 2.0)]) == 0
+    for code in (1, 124, -1, -9, -11):
+        assert status([("tests", 0, 1.0), ("bench", code, 2.0), ("tune", 0, 3.0)]) == 1, code
+
+
 def test_gpu_check_spreads_tests_over_workers_only_with_xdist(monkeypatch):
     """The test steps take pytest-xdist's -n where it is installed (the H200's image has it) and more than one
     worker is asked for; without it, or with one, they run in one process as before."""
