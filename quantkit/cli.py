@@ -571,13 +571,17 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
                 checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
             else:
                 checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
-            same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
-                                         for x in (plain, heavy))
+            stopped = ""  # a kernel the warp simulator stopped (a bug in its source): this linear fails, the rest run
+            try:
+                same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
+                                             for x in (plain, heavy))
+            except kernels.SimulatorFailure as exc:
+                same, stopped = False, f": {exc}"
             exact, close = all(c.exact for c in checks), all(c.rel_error <= tolerance for c in checks)
             ok = same and exact and close
             if not ok:
                 why = [what for what, good in ((exact_column, exact), (f"error above {tolerance:g}", close),
-                                               ("kernel", same)) if not good]
+                                               ("kernel" + stopped, same)) if not good]
                 failures.append(f"layer {i} {name} ({', '.join(why)})")
             style = "" if ok else "[bold red]"
             table.add_row(str(i), name, style + ("yes" if exact else "NO"),

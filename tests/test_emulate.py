@@ -158,6 +158,29 @@ def test_validate_fails_when_the_kernel_differs_from_the_emulation(artifacts, mo
     assert result.exit_code == 1 and "NO" in result.output and "do not match" in result.output
 
 
+def test_validate_names_a_kernel_the_simulator_stopped_and_checks_the_rest(artifacts, monkeypatch):
+    """A kernel the warp simulator stops (kernels.SimulatorFailure: a load past an array, a workspace left dirty)
+    fails its linear, with the simulator's reason in the verdict, and validate goes on to the others: it had ended
+    the run with the error alone, the table of what had passed lost."""
+    from quantkit import kernels
+
+    def stopped_once(*args, **kwargs):
+        stopped_once.calls += 1
+        if stopped_once.calls == 3:
+            raise kernels.SimulatorFailure("warp simulator, qserve_w4a8_gemm_pc: split-K across blocks: the "
+                                           "workspace is not left zero for the next launch")
+        return True
+
+    stopped_once.calls = 0
+    monkeypatch.setattr(kernels, "resolve_device", lambda kernel: "cpu")
+    monkeypatch.setattr(kernels, "matches_emulation", stopped_once)
+    result = cli("validate", artifacts["qoq"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "1 linear(s) do not match" in text
+    assert "(kernel: warp simulator, qserve_w4a8_gemm_pc: split-K across blocks" in text
+    assert "validating layers: 2/2" in result.output  # every layer checked
+
+
 def test_validate_names_formats_without_emulation(tmp_path, calib_txt):
     model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
                                                                   num_hidden_layers=1))
