@@ -2997,7 +2997,28 @@ def test_w4a8_kernels_touch_no_byte_outside_their_arrays(fmt, group, path, befor
     if path == "decode16" and fmt != "qqq":
         assert launch.name.endswith("16"), launch.name
     code = run_guarded(launch, before, reference.out.view(np.uint16))
-    assert code == 0, f"{launch.name}: exit code {code} (3: not the emulation's bits; negative: a fault)"
+    assert code == 0, f"{launch.name}: exit code {code} (1: the simulator stopped it; 3: not the emulation's bits; " \
+        "negative: a fault)"
+
+
+@needs_compiler
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+@pytest.mark.parametrize("bulk", [False, True], ids=["registers", "bulk"])
+@pytest.mark.parametrize(("fmt", "group"), [("qserve", None), ("qserve", 128), ("qqq", None), ("qqq", 128)])
+def test_block_split_touches_no_word_outside_its_workspace(fmt, group, bulk, before):
+    """A tile's blocks meeting in device memory (zsplit 2), the workspace's `sums` and `arrived` guarded as every
+    other array: the simulator's meeting, through the kernels' own phases, adds into and takes from no slot and
+    counts in no tile past them, at M = 20 (two token tiles, so the last tile's slots end the array)."""
+    m, n, k = 20, 128, 256
+    tensors = synthetic(fmt, n, k, seed=13, group=group)
+    x = activations(m, k, seed=6)
+    reference = emulate(fmt, tensors, x)
+    launch = kernels.LAUNCHES[fmt](tensors, reference.x_int8, reference.s_x, x.sum(axis=1, dtype=np.float32),
+                                   splits=2, zsplit=2, bulk=bulk)
+    sums, arrived = launch.args[-4:-2] if bulk else launch.args[-2:]
+    assert sums is not None and arrived is not None
+    code = run_guarded(launch, before, reference.out.view(np.uint16))
+    assert code == 0, f"{launch.name}: exit code {code} (1: the simulator stopped it; 3: other bits; negative: a fault)"
 
 
 @needs_compiler
@@ -3015,7 +3036,8 @@ def test_atom_kernels_touch_no_byte_outside_their_arrays(m, tiled, splits, befor
     reference = emulate_atom(tensors, activations(m, k, seed=3), 4, 0.9)
     launch = kernels.atom_launch(tensors, reference.x_codes, reference.s_x, tiled=tiled, splits=splits)
     code = run_guarded(launch, before, reference.out.view(np.uint16))
-    assert code == 0, f"{launch.name}: exit code {code} (3: not the emulation's bits; negative: a fault)"
+    assert code == 0, f"{launch.name}: exit code {code} (1: the simulator stopped it; 3: not the emulation's bits; " \
+        "negative: a fault)"
 
 
 @needs_compiler
