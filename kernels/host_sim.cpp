@@ -27,8 +27,9 @@ struct SimFailure {
 };
 [[noreturn]] void fail(const char* what) { throw SimFailure{what}; }
 
-// Why the last twin stopped (qk_sim_failure), empty when it ran to the end.
-std::string last_failure;
+// Why the last twin this thread called stopped (qk_sim_failure), empty when it ran to the end: per thread, as
+// ctypes releases the GIL for the call.
+thread_local std::string last_failure;
 
 // Runs a twin's body, catching what stops it (fail, or the allocator) into last_failure: a C++ exception must not
 // cross the extern "C" boundary into ctypes.
