@@ -8,7 +8,6 @@ import json
 import random
 import struct
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -137,13 +136,14 @@ def test_missing_field_names_the_fields_found(tmp_path, tokenizer):
         load_calibration(parquet, tokenizer, num_samples=1, seq_len=8, text_field="story")
 
 
-def test_unsupported_and_missing_files(tmp_path, tokenizer):
+def test_unsupported_and_missing_files(tmp_path):
+    """Refused by name before any read or tokenization: no tokenizer needed."""
     csv = tmp_path / "docs.csv"
     csv.write_text("a,b\n")
     with pytest.raises(CalibrationError, match="unsupported calibration file type"):
-        load_calibration(csv, tokenizer, num_samples=1, seq_len=8)
+        load_calibration(csv, None, num_samples=1, seq_len=8)
     with pytest.raises(CalibrationError, match="does not exist"):
-        load_calibration(tmp_path / "nope.jsonl", tokenizer, num_samples=1, seq_len=8)
+        load_calibration(tmp_path / "nope.jsonl", None, num_samples=1, seq_len=8)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -273,11 +273,11 @@ def test_random_with_fewer_tokens_than_requested_warns(tmp_path, tokenizer):
     assert cal.tokens.shape == (50, 100)
 
 
-def test_bad_request_and_no_source(tokenizer):
+def test_bad_request_and_no_source():
     with pytest.raises(CalibrationError, match="unknown sampling 'shuffle'"):
-        load_calibration("c4", tokenizer, num_samples=1, seq_len=8, sampling="shuffle")
+        load_calibration("c4", None, num_samples=1, seq_len=8, sampling="shuffle")
     with pytest.raises(CalibrationError, match="no calibration data: pass --calib"):
-        load_calibration(None, tokenizer, num_samples=1, seq_len=8)
+        load_calibration(None, None, num_samples=1, seq_len=8)
 
 
 # ------------------------------------------------------------------------------------------------ named sets
@@ -292,10 +292,10 @@ def test_named_sets_are_valid():
     assert "test" in load_named_set("wikitext2").description.lower()  # only the test split is shipped locally
 
 
-def test_unknown_named_set_lists_known_sets(tokenizer):
+def test_unknown_named_set_lists_known_sets():
     with pytest.raises(CalibrationError, match="unknown calibration set 'pile'; known sets: c4, pileval, "
                                                "tinystories, wikitext2"):
-        load_calibration("pile", tokenizer, num_samples=1, seq_len=8)
+        load_calibration("pile", None, num_samples=1, seq_len=8)
 
 
 def test_c4_found_in_data_dir_matches_whole_file_protocol(shared_data, tokenizer, monkeypatch):
@@ -442,13 +442,13 @@ def test_a_corrupt_compressed_or_parquet_file_is_named(tmp_path: Path) -> None:
         list(iter_documents(path))
 
 
-def test_a_compressed_parquet_name_is_refused_as_a_file_type(tmp_path: Path, tokenizer: Any) -> None:
+def test_a_compressed_parquet_name_is_refused_as_a_file_type(tmp_path: Path) -> None:
     """Only the text formats may be compressed: a .parquet.gz is refused by its name, listing the types, before any
     read (parquet compresses its own pages)."""
     path = tmp_path / "docs.parquet.gz"
     path.write_bytes(gzip.compress(b"not read", mtime=0))
     with pytest.raises(CalibrationError, match="unsupported calibration file type"):
-        load_calibration(path, tokenizer, num_samples=1, seq_len=8)
+        load_calibration(path, None, num_samples=1, seq_len=8)
 
 
 def test_random_windows_that_fit_the_stream_exactly_do_not_warn() -> None:
@@ -470,11 +470,11 @@ def test_every_start_can_be_drawn_the_last_included() -> None:
     assert {row[0] for row in windows.tolist()} == {0, 1}
 
 
-def test_a_missing_file_in_a_directory_is_named_as_a_file(tmp_path: Path, tokenizer: Any) -> None:
+def test_a_missing_file_in_a_directory_is_named_as_a_file(tmp_path: Path) -> None:
     """A --calib path with directories but no suffix that is not there is a missing file, not looked up (and refused)
     as a calibration set of that name."""
     with pytest.raises(CalibrationError, match=r"calibration file .*missing[/\\]docs does not exist"):
-        load_calibration(tmp_path / "missing" / "docs", tokenizer, num_samples=1, seq_len=8)
+        load_calibration(tmp_path / "missing" / "docs", None, num_samples=1, seq_len=8)
 
 
 def test_a_directory_named_like_a_sets_file_is_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -373,7 +373,8 @@ def test_bulk_slots_mirror_the_kernels():
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_split_k_matches_the_emulation(fmt, group, k, m, partial_bytes, splits):
     """Warps splitting K (each every splits-th step) and meeting in the block's partial sums give the emulation's
-    bits; the step counts divide by no split count."""
+    bits: step counts 13, 25 and 7 divide by no split count (copies with a step more than others), 12 and 24 by 2
+    and 3 (equal shares), 25 by 5."""
     n = 64
     tensors = synthetic(fmt, n, k, seed=splits, group=group)
     x = activations(m, k, seed=splits)
@@ -1875,6 +1876,8 @@ def test_compile_time_knobs_keep_the_bits(defines, tests):
     (running them after the copy at LEAD = STAGES - 1 fails these tests)."""
     done = pytest_under_defines(defines, f"({tests}) and not knobs_keep")  # never this test again
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    if "QK_WGMMA_STREAMK=1" in defines:  # the tests that skip without it (-ra lists why) ran: the defines reached them
+        assert "built without QK_WGMMA_STREAMK" not in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or bench_module("sass_loops").find_cuobjdump() is None,
