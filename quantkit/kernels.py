@@ -39,8 +39,9 @@ class KernelUnavailable(QuantkitError):
 
 
 class SimulatorFailure(QuantkitError):
-    """A kernel did what the warp simulator cannot model (a load past its arrays, a copy outside its slot, a missing
-    argument): a bug in the kernel source or its launch, raised for that launch alone."""
+    """A kernel did what its warp-simulator twin refuses (loads of a K step past the last, a copy outside its slot,
+    sums posted outside the split-K slots, a workspace not zero, a missing argument): a bug in the kernel source or
+    its launch, raised for that launch alone."""
 
 
 def source_dir() -> Path:
