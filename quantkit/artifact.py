@@ -170,8 +170,8 @@ class OutputDir:
                     "another output path, or empty it yourself")
         if self.final.exists() and not overwrite:
             if resume and (self.work / JOURNAL).is_file():  # an interrupted --overwrite run
-                raise ArtifactError(f"{self.work} holds an interrupted run that replaces {self.final}; pass "
-                                    "--resume --overwrite to continue it")
+                raise ArtifactError(f"{self.work} holds an unfinished run (interrupted, or stopped by an error) that "
+                                    f"replaces {self.final}; pass --resume --overwrite to continue it")
             raise ArtifactError(
                 f"{self.final} already exists; pass --overwrite to replace it"
                 + (" (it is complete: nothing to resume)" if resume else "")
@@ -184,7 +184,8 @@ class OutputDir:
             raise ArtifactError(f"--resume: no interrupted run found ({self.work / JOURNAL} does not exist)")
         if not resume and self.work.exists() and not overwrite:
             raise ArtifactError(
-                f"{self.work} holds an interrupted run; pass --resume to continue it or --overwrite to restart"
+                f"{self.work} holds an unfinished run (interrupted, or stopped by an error); pass --resume to "
+                "continue it or --overwrite to restart"
                 if journal else f"{self.work} holds a run killed before it recorded anything to resume; pass "
                 "--overwrite to restart")
 

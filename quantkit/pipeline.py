@@ -9,6 +9,7 @@ activation cache and continues bit-identically from the first missing block.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -497,6 +498,14 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             again = "--resume --overwrite" if out.final.exists() else "--resume"
             reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
         raise
+    except (QuantkitError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _MACHINE_ERRNOS:
+            raise
+        note = _unfinished(out)
+        if isinstance(exc, OSError):  # the disk filled, say: the message, not a traceback
+            raise QuantkitError(f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "") + note) from None
+        exc.args = (f"{exc}{note}",)
+        raise
     finally:
         out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
     log.info("wrote %s (%s format)", out.final, packer.name)
@@ -506,6 +515,30 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
         format_notes=spec_notes(recipe, specs, packer, source),
     )
+
+
+# The errors of the machine a run writes on rather than of quantkit or its input: a run stopped by one is reported
+# in a line, its finished layers kept for --resume.
+_MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+
+
+def _unfinished(out: OutputDir) -> str:
+    """What a run stopped by an error leaves, said after its message: the work dir holding the layers its journal
+    records, or nothing where it records none (the work dir is removed, as an error found before any layer leaves
+    none)."""
+    if not out.work.exists():  # committed: the error came after the output was complete
+        return ""
+    try:
+        done = len(json.loads((out.work / JOURNAL).read_text())["layers"])
+    except FileNotFoundError:  # stopped before its journal was written: nothing to resume
+        done = 0
+    except (OSError, ValueError, KeyError, TypeError):  # not readable now: keep it, for a look
+        return f"; the run's files are kept in {out.work}"
+    if done == 0:
+        shutil.rmtree(out.work, ignore_errors=True)
+        return ""
+    return (f"; {out.work} keeps the {done} layer(s) finished before it: --resume continues from them where the "
+            "model and recipe are unchanged, --overwrite starts afresh")
 
 
 # The files of a checkpoint folder that shape a run: the weights, the config every block's forward reads (norm

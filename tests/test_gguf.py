@@ -123,3 +123,45 @@ def test_eval_of_a_gguf_file_says_transformers_dequantized_it(cache, monkeypatch
     loaded = load_for_eval(shared_path(GGUF))
     assert loaded.description == f"{shared_path(GGUF).resolve()} (GGUF, dequantized by transformers, torch.float16)"
     assert loaded.recipe is None
+
+
+def _small_gguf(path: Path, arch: str, metadata: dict[str, int], blocks: int, width: int = 64) -> Path:
+    """A GGUF file of `blocks` blocks' norms and an embedding `width` wide, with `arch`'s `metadata` (name: int)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, width), dtype=np.float32))
+    for i in range(blocks):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(width, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_metadata_is_checked_before_transformers_builds_the_model(tmp_path):
+    """A GGUF file whose metadata lacks the model's size made transformers build a model of its default (7B) size
+    and dequantize into it, until the memory ran out (22 GB for one small tensor); an architecture without an
+    adapter was refused only after the whole conversion. Each is now refused from the file's metadata, as is
+    metadata that disagrees with the tensors, and nothing is cached."""
+    size = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4}
+    cases = {
+        "nosize.gguf": (_small_gguf(tmp_path / "nosize.gguf", "llama", {"embedding_length": 64}, 2),
+                        r"nosize.gguf: its metadata lacks llama.block_count, llama.feed_forward_length, "
+                        r"llama.attention.head_count, so the size of the model it holds is unknown"),
+        "gpt2.gguf": (_small_gguf(tmp_path / "gpt2.gguf", "gpt2", size, 2),
+                      r"gpt2.gguf: unsupported architecture: model_type 'gpt2'.*\(its general.architecture\)"),
+        "blocks.gguf": (_small_gguf(tmp_path / "blocks.gguf", "llama", size, 3),
+                        r"blocks.gguf: the metadata does not match the tensors: its tensors hold 3 blocks where "
+                        r"llama.block_count says 2"),
+        "width.gguf": (_small_gguf(tmp_path / "width.gguf", "qwen2", {**size, "embedding_length": 96}, 2),
+                       r"token_embd.weight is \[64, 32\] where qwen2.embedding_length makes 96 columns"),
+    }
+    for path, message in cases.values():
+        with pytest.raises(ModelError, match=message):
+            gguf_to_safetensors(path, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())

@@ -1389,7 +1389,7 @@ def test_an_interrupted_overwrite_says_how_to_resume(synthetic, calib_txt, tmp_p
     with pytest.raises(KeyboardInterrupt):
         run_quantize(QuantizeJob(**{**job.__dict__, "overwrite": True}), reporter)
     assert "rerun with --resume --overwrite to continue" in reporter.said[-1]
-    with pytest.raises(QuantkitError, match="holds an interrupted run that replaces .*--resume --overwrite"):
+    with pytest.raises(QuantkitError, match="holds an unfinished run .* that replaces .*--resume --overwrite"):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
     summary = run_quantize(QuantizeJob(**{**job.__dict__, "resume": True, "overwrite": True}))
     assert [r.replayed for r in summary.layers] == [True, False, False]
@@ -1835,6 +1835,70 @@ def test_the_scan_stops_the_run_between_layers_with_the_finished_ones_kept(synth
         run_quantize(job, FindAfterFirst())
     assert len(found) == 1
     assert sorted(json.loads((tmp_path / "b.partial" / "quantkit_journal.json").read_text())["layers"]) == ["0"]
+
+
+def test_a_run_stopped_by_an_error_says_what_it_keeps(synthetic, calib_txt, tmp_path, monkeypatch):
+    """An input error found after layer 0 (here the scan's NaN) ends with where the finished layer is kept and what
+    --resume and --overwrite would do, and the next run calls the work dir unfinished, not interrupted (it had said
+    "holds an interrupted run" of a run that refused a NaN). One found before any layer leaves no work dir, as an
+    error found before the run does."""
+    import dataclasses
+
+    from quantkit.models.source import FiniteScan
+
+    finished: list[int] = []
+
+    class Count(Reporter):
+        def layer_done(self, report) -> None:
+            finished.append(report.index)
+
+    def after(layers: int):
+        def raise_if_bad(self) -> None:
+            if len(finished) >= layers:
+                raise QuantkitError("'model.layers.1.mlp.down_proj.weight' has a NaN/Inf value")
+        return raise_if_bad
+
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    monkeypatch.setattr(FiniteScan, "raise_if_bad", after(1))
+    with pytest.raises(QuantkitError, match=r"has a NaN/Inf value; .*b.partial keeps the 1 layer\(s\) finished before "
+                                            r"it: --resume continues from them where the model and recipe are "
+                                            r"unchanged, --overwrite starts afresh"):
+        run_quantize(job, Count())
+    with pytest.raises(QuantkitError, match=r"b.partial holds an unfinished run \(interrupted, or stopped by an "
+                                            r"error\); pass --resume to continue it or --overwrite to restart"):
+        run_quantize(job, Count())
+    finished.clear()
+    monkeypatch.setattr(FiniteScan, "raise_if_bad", after(0))
+    job = dataclasses.replace(job, overwrite=True)
+    with pytest.raises(QuantkitError, match=r"has a NaN/Inf value$"):
+        run_quantize(job, Count())
+    assert not (tmp_path / "b.partial").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_full_disk_is_a_message_and_keeps_the_finished_layers(synthetic, calib_txt, tmp_path, monkeypatch):
+    """The disk filling up while the journal of layer 1 is written: one line (exit 2 through the CLI) naming the
+    error and the file, not a traceback, and layer 0 kept for --resume, which finishes the artifact."""
+    import errno
+
+    from quantkit.artifact import OutputDir
+
+    save, calls = OutputDir.save_journal, []
+
+    def full_disk(self, journal) -> None:
+        calls.append(len(journal["layers"]))
+        if len(journal["layers"]) == 2 and len(calls) < 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.work / "quantkit_journal.json"))
+        save(self, journal)
+
+    monkeypatch.setattr(OutputDir, "save_journal", full_disk)
+    out = tmp_path / "d"
+    result = cli("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "error: No space left on device (" in text and "d.partial keeps the 1 layer(s) finished before it" in text
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST, "--resume")
+    assert (out / "quantkit_manifest.json").is_file() and not (tmp_path / "d.partial").exists()
 
 
 def test_kept_tensors_are_written_in_the_artifacts_dtype(rtn_artifact: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import set_weight
+from helpers import _rewrite_shard, set_weight
 from safetensors.torch import save_file
 
 from quantkit.models.adapters import UnsupportedArchitectureError
@@ -160,6 +160,11 @@ def test_unsupported_architecture_names_supported(stories260k, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*supports llama, mistral, qwen2"):
         open_model(d)
+    # a model_type transformers does not know either: quantkit's refusal, not transformers' advice to upgrade it
+    config["model_type"], config["architectures"] = "foobar", ["FoobarForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'foobar' \(FoobarForCausalLM\); quantkit supports"):
+        open_model(d)
 
 
 def test_missing_model_dir(tmp_path):
@@ -294,6 +299,31 @@ def test_a_converted_source_reads_the_new_dtype_and_refuses_what_does_not_fit(tm
     clean = FiniteScan(unconverted)
     clean.wait(60)
     clean.raise_if_bad()
+
+
+def test_one_tensor_stored_wider_than_the_checkpoint_is_held_to_its_range(tmp_path):
+    """A float16 checkpoint with one tensor stored as float32 holding 1e6: the run computes in float16, where that
+    value is inf. The read and the scan ahead of the run name the tensor and its dtype, where the run had gone on to
+    fail at layer 0 with a NaN output error that named neither; within float16's range it reads as it did."""
+    from quantkit.models.source import FiniteScan
+    from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=3, dtype="float16"))
+    name = "model.layers.2.mlp.down_proj.weight"
+    _rewrite_shard(model, name, lambda t: t.float(), metadata={"format": "pt"})
+    assert open_model(model).layer_tensors(2)["mlp.down_proj.weight"].dtype == torch.float32  # fine as it is
+    set_weight(model, name, 1.0e6, at=(3, 5))
+    source = open_model(model)
+    assert not source.converts and source.dtype == torch.float16
+    wider = (rf"'{name}' holds 1e\+06, past float16's range \(65504\), the dtype of the checkpoint's other "
+             rf"tensors, which the run computes in \('{name}' alone is stored as float32\); --dtype bfloat16")
+    with pytest.raises(ModelError, match=wider):
+        source.layer_tensors(2)
+    scan = FiniteScan(source, scan_bytes=1000)
+    scan.wait(60)
+    with pytest.raises(ModelError, match=wider):
+        scan.raise_if_bad()
 
 
 @pytest.fixture(scope="module")

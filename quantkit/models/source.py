@@ -87,12 +87,27 @@ class ModelEdges:
     lm_head: torch.Tensor
 
 
+def _check_declared_architecture(path: Path) -> None:
+    """Refuse a config.json whose model_type has no adapter before transformers reads it: for a model_type it does
+    not know, transformers' error advises upgrading it, where quantkit supports only its adapters' families. A
+    config.json that cannot be read is left to transformers' error."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        declared, architectures = config.get("model_type"), config.get("architectures")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return
+    if isinstance(declared, str):
+        named = isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+        adapter_for(declared, architectures if named else None)
+
+
 class ModelSource:
     """A local Hugging Face checkpoint directory read lazily through safetensors."""
 
     def __init__(self, path: Path, trust_remote_code: bool = False, origin: str | None = None):
         self.path = path
         self.origin = origin or str(path)
+        _check_declared_architecture(path)
         try:
             self.config: PretrainedConfig = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, _ConfigValidationError) as exc:
@@ -233,21 +248,29 @@ class ModelSource:
             if t.is_floating_point() and not _all_finite(t):
                 bad = (~torch.isfinite(t)).sum().item()
                 raise ModelError(f"{self.origin}: tensor {name!r} has {bad} NaN/Inf values; refusing to quantize it")
+            if (t.is_floating_point() and self.narrows(t.dtype)
+                    and (largest := _largest_magnitude(t)) > torch.finfo(self.dtype).max):
+                raise self.out_of_range(name, largest, t.dtype)
             if self._convert_to is not None and t.is_floating_point() and t.dtype != self._convert_to:
-                if (largest := _largest_magnitude(t)) > torch.finfo(self._convert_to).max:
-                    raise self.out_of_range(name, largest)
                 out[name] = t.to(self._convert_to)
         return out
 
-    def out_of_range(self, name: str, largest: float) -> ModelError:
-        """The error for tensor `name`, whose values reach `largest` in magnitude, past the range of the dtype it is
-        read as."""
-        target = dtype_name(self._convert_to)
+    def narrows(self, stored: torch.dtype) -> bool:
+        """Whether a tensor stored as `stored` holds values past the range of the run's dtype (`dtype`): a
+        checkpoint converted to a narrower dtype, or one tensor of a float16 checkpoint stored wider (float32)."""
+        return torch.finfo(stored).max > torch.finfo(self.dtype).max
+
+    def out_of_range(self, name: str, largest: float, stored: torch.dtype) -> ModelError:
+        """The error for tensor `name`, stored as `stored`, whose values reach `largest` in magnitude, past the
+        range of the dtype the run reads it as."""
+        target = dtype_name(self.dtype)
         way = ("--dtype bfloat16 keeps its range, with an export format that takes bfloat16"
-               if self._convert_to == torch.float16 else "no 16-bit dtype holds it")
+               if self.dtype == torch.float16 else "no 16-bit dtype holds it")
+        what = (f"so the checkpoint cannot be converted to {target}" if self.converts else
+                f"the dtype of the checkpoint's other tensors, which the run computes in ({name!r} alone is stored "
+                f"as {dtype_name(stored)})")
         return ModelError(f"{self.origin}: tensor {name!r} holds {largest:.6g}, past {target}'s range "
-                          f"({torch.finfo(self._convert_to).max:.6g}), so the checkpoint cannot be converted to "
-                          f"{target}; {way}")
+                          f"({torch.finfo(self.dtype).max:.6g}), {what}; {way}")
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """All tensors of decoder layer `index`, keyed relative to the block (e.g. `self_attn.q_proj.weight`)."""
@@ -342,7 +365,6 @@ class FiniteScan:
         names = source.non_layer_names() + layers
         self.error: ModelError | None = None
         self.checked = 0  # tensors checked so far
-        self._limit = torch.finfo(source.dtype).max if source.converts else None
         self._buffer = bytearray(max(8, scan_bytes // 8 * 8))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, names), name="quantkit-finite-scan",
@@ -384,8 +406,8 @@ class FiniteScan:
                     self.error = ModelError(f"{source.origin}: tensor {name!r} has a NaN/Inf value (the first at "
                                             f"row {first // cols}, column {first % cols}); refusing to quantize it")
                     return False
-                if self._limit is not None and (largest := _largest_magnitude(t)) > self._limit:
-                    self.error = source.out_of_range(name, largest)
+                if source.narrows(dtype) and (largest := _largest_magnitude(t)) > torch.finfo(source.dtype).max:
+                    self.error = source.out_of_range(name, largest, dtype)
                     return False
         return True
 
@@ -503,18 +525,45 @@ def content_digest(path: Path, cache_dir: Path | None = None) -> str:
     return digest
 
 
+# What a GGUF file's metadata must say of its architecture for transformers to build the model it holds: without
+# them transformers falls back to its defaults (a Llama of 7B's size), and dequantizing took 22 GB for a file of
+# one small tensor before the memory ran out.
+_GGUF_HYPERPARAMETERS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+
+
 def _check_gguf(gguf: Path) -> None:
     """Parse the GGUF file's header, metadata and tensor table (memory-mapped, about a second): a damaged one is
-    named as such here, where transformers would report a failure of its own ("not a valid JSON file")."""
+    named as such here, where transformers would report a failure of its own ("not a valid JSON file"); and refuse,
+    before transformers builds anything, an architecture quantkit has no adapter for and metadata that lacks the
+    model's size or disagrees with its tensors."""
     try:
         from gguf import GGUFReader
     except ImportError as exc:  # pragma: no cover
         raise ModelError(f"reading GGUF needs the gguf package: {exc}") from None
     try:
-        GGUFReader(gguf)
+        reader = GGUFReader(gguf)
+        fields = {name: field.contents() for name, field in reader.fields.items()}
+        shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     except Exception as exc:  # the parser fails on damaged bytes in any of its own ways
         raise ModelError(f"{gguf}: not a readable GGUF file, damaged or truncated ({type(exc).__name__}: {exc}); "
                          "download it again") from None
+    arch = fields.get("general.architecture")
+    try:
+        adapter_for(str(arch))
+    except QuantkitError as exc:
+        raise ModelError(f"{gguf}: {exc} (its general.architecture)") from None
+    if missing := [f"{arch}.{key}" for key in _GGUF_HYPERPARAMETERS if f"{arch}.{key}" not in fields]:
+        raise ModelError(f"{gguf}: its metadata lacks {', '.join(missing)}, so the size of the model it holds is "
+                         "unknown; convert the checkpoint again with llama.cpp's convert_hf_to_gguf.py")
+    blocks, width = int(fields[f"{arch}.block_count"]), int(fields[f"{arch}.embedding_length"])
+    embed = shapes.get("token_embd.weight")
+    problems = ([] if embed and embed[0] == width else
+                [f"token_embd.weight is {embed or 'missing'} where {arch}.embedding_length makes {width} columns"])
+    layers = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if layers != set(range(blocks)):
+        problems.append(f"its tensors hold {len(layers)} blocks where {arch}.block_count says {blocks}")
+    if problems:
+        raise ModelError(f"{gguf}: the metadata does not match the tensors: {'; '.join(problems)}")
 
 
 def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
