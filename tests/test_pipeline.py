@@ -351,7 +351,8 @@ def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
 
 def test_a_layer_whose_packed_weights_overflow_stops_the_run(synthetic, calib_txt, tmp_path, monkeypatch):
     """A packed shard whose block gives non-finite outputs (here a scale made inf) is an unusable artifact: the run
-    stops at that layer, naming it, instead of finishing with an error of inf."""
+    stops at that layer, naming it, instead of finishing with an error of inf; at layer 0 no layer finished, so no
+    work dir is left."""
     from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 
     real = CompressedTensorsPacker.pack
@@ -367,8 +368,7 @@ def test_a_layer_whose_packed_weights_overflow_stops_the_run(synthetic, calib_tx
     with pytest.raises(QuantkitError, match=r"layer 0: relative output error (nan|inf): the block rebuilt from its "
                                             r"packed shard gives non-finite outputs"):
         run_quantize(job)
-    assert not (tmp_path / "out").exists()
-    assert json.loads((tmp_path / "out.partial" / "quantkit_journal.json").read_text())["layers"] == {}
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
 def test_resume_in_another_dtype_is_refused(synthetic, calib_txt, tmp_path):
