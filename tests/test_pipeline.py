@@ -189,6 +189,10 @@ def test_transformers_loads_artifact_with_same_perplexity(synthetic, calib_txt, 
 
 
 def test_eval_weights_equal_reference_dequant(synthetic, calib_txt, tmp_path):
+    """The weights eval builds from an artifact are its stored codes times their group's scale, rounded once to
+    float16: the codes unpacked by compressed-tensors' own helper, so the reference does not share quantkit's
+    unpack, which load_for_eval calls."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     from quantkit.formats.compressed_tensors import CompressedTensorsPacker
 
     out = tmp_path / "out"
@@ -197,9 +201,14 @@ def test_eval_weights_equal_reference_dequant(synthetic, calib_txt, tmp_path):
     shard = read_safetensors(out / "model-00002-of-00004.safetensors")
     prefix = "model.layers.1.mlp.down_proj."
     parts = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)}
+    n, k = (int(d) for d in parts["weight_shape"])
+    codes = helpers.unpack_from_int32(parts["weight_packed"], 4, torch.Size([n, k]))
+    scale = parts["weight_scale"].float().repeat_interleave(k // parts["weight_scale"].shape[1], dim=1)
+    weight = model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(weight, (codes.float() * scale).half())
     recipe = load_recipe("gptq-w4a16-g128")
     q = CompressedTensorsPacker(recipe, torch.float16).unpack(parts, recipe.weights.spec())
-    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, q.dequantize().half())
+    assert torch.equal(weight, q.dequantize().half())
 
 
 def test_an_evaluated_artifact_is_a_plain_floating_point_model(rtn_artifact):
