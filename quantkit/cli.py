@@ -191,11 +191,12 @@ class _RichReporter:
                    "the qserve, qqq and anyprec formats, whose engines take float16 only: a bfloat16 checkpoint "
                    "(Llama 3, Mistral) is converted to float16, with a warning.")
 @click.option("--resume", is_flag=True,
-              help="Continue an interrupted run (OUT.partial) from its first unwritten layer; the model's files, "
-                   "the resolved recipe, the calibration tokens, the device and the dtype must be the interrupted "
-                   "run's. Add --overwrite when that run replaces an existing OUT.")
+              help="Continue an unfinished run (OUT.partial: interrupted, or stopped by an error such as a full disk) "
+                   "from its first unwritten layer; the model's files, the resolved recipe, the calibration tokens, "
+                   "the device and the dtype must be that run's. Add --overwrite when that run replaces an existing "
+                   "OUT.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace an existing OUT (only once the new one is complete), or restart an interrupted run. "
+              help="Replace an existing OUT (only once the new one is complete), or restart an unfinished run. "
                    "Only quantkit's own output is ever replaced.")
 @click.option("--trust-remote-code", is_flag=True,
               help="Allow the model's own Python code from its repository (off by default; never needed for "
