@@ -87,18 +87,19 @@ class ModelEdges:
     lm_head: torch.Tensor
 
 
-def _check_declared_architecture(path: Path) -> None:
-    """Refuse a config.json whose model_type has no adapter before transformers reads it: for a model_type it does
-    not know, transformers' error advises upgrading it, where quantkit supports only its adapters' families. A
-    config.json that cannot be read is left to transformers' error."""
+def _declared_adapter(path: Path) -> ArchAdapter | None:
+    """The adapter of the model_type config.json declares, read before transformers reads it, or an error naming the
+    supported families where there is none: for a model_type transformers does not know, its error advises upgrading
+    it. None where config.json cannot be read or declares none: transformers' reading then says what is wrong."""
     try:
         config = json.loads((path / "config.json").read_text())
         declared, architectures = config.get("model_type"), config.get("architectures")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return
-    if isinstance(declared, str):
-        named = isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
-        adapter_for(declared, architectures if named else None)
+        return None
+    if not isinstance(declared, str):
+        return None
+    named = isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    return adapter_for(declared, architectures if named else None)
 
 
 class ModelSource:
@@ -107,7 +108,7 @@ class ModelSource:
     def __init__(self, path: Path, trust_remote_code: bool = False, origin: str | None = None):
         self.path = path
         self.origin = origin or str(path)
-        _check_declared_architecture(path)
+        declared = _declared_adapter(path)
         try:
             self.config: PretrainedConfig = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, _ConfigValidationError) as exc:
@@ -115,7 +116,7 @@ class ModelSource:
         if (positions := getattr(self.config, "max_position_embeddings", 2)) < 2:
             raise ModelError(f"{path}: config.json's max_position_embeddings is {positions}; a window needs 2 tokens "
                              "at least")
-        self.adapter: ArchAdapter = adapter_for(
+        self.adapter: ArchAdapter = declared or adapter_for(
             getattr(self.config, "model_type", "?"), getattr(self.config, "architectures", None)
         )
         self._where: dict[str, Path] = {}
