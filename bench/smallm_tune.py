@@ -36,7 +36,7 @@ from quantkit.files import atomic_write
 REPO = Path(__file__).resolve().parent.parent
 
 # name: (compile-time defines, settings of quantkit.kernels); the first is the built-in default. Eight H200 runs
-# (README, "CUDA kernels"; bench/results/kernels_h200_smallm_tune.json) also tried the next round's register loads
+# (bench/results/KERNELS.md and kernels_h200_smallm_tune.json) also tried the next round's register loads
 # issued before this round's MMAs (look-aheads 2 and 4), split budgets of 1024, 3072 and 4096 warps and at least 16
 # steps a warp, cp.async into per-thread shared-memory slots (4 or 6 steps ahead), rounds of equal size, the
 # epilogue's scales prefetched to L2 and the activations loaded at their step's MMAs (8, 12 or 16 steps a round):

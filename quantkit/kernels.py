@@ -834,8 +834,9 @@ ANYPREC_REG_GROUPS = _define("QK_AP_REG_GROUPS", 2)
 ANYPREC_TC_FEW_WARPS = 4
 ANYPREC_TC_FEW = True
 # From this many tokens on, the Any-Precision launch takes the tensor-core kernel: from the first. On an H200 it took
-# 7.1-34.6 us at M = 1 on Llama-3-8B's shapes where the CUDA-core GEMV took 22.1-122 us (README, "CUDA kernels");
-# the GEMV stays, bit for bit the emulation's arithmetic, for `quantkit validate` and `tc=False`.
+# 7.0-27.3 us at M = 1 on Llama-3-8B's shapes (bench/results/kernels_h200_bench_8293562.json) where the CUDA-core
+# GEMV took 22.1-122.9 us (kernels_h200_anyprec_paths.json); the GEMV stays, bit for bit the emulation's
+# arithmetic, for `quantkit validate` and `tc=False`.
 ANYPREC_TC_MIN_M = 1
 
 
