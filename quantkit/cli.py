@@ -16,8 +16,9 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+from rich.text import Text
 
 from quantkit.errors import QuantkitError, not_a_directory
 
@@ -67,6 +68,9 @@ def main(verbose: bool) -> None:
     quantkit validate OUT                                      # packed layers through the kernels' emulation
     quantkit bench [OUT]                                       # the kernels against cuBLAS, on a GPU
     """
+    # when the command began (the interpreter and click take a tenth of a second before): a quantize run's time
+    # includes the seconds torch and transformers take to import
+    click.get_current_context().meta["quantkit.started"] = time.time()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     logging.getLogger("quantkit").setLevel(logging.DEBUG if verbose else logging.NOTSET)  # libraries stay quiet
     warnings.showwarning = _show_warning
@@ -104,11 +108,46 @@ def _layer_error(rel_error: float, metrics: dict) -> str:
     return f"{rel_error:.4f}" + (f" (sink {sink:.2f})" if sink is not None else "")
 
 
+def _duration(seconds: float) -> str:
+    """A log line's time left: seconds, minutes or hours, so that "0 min" never stands for half a minute."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
+
+
+class _Eta(ProgressColumn):
+    """The time left: the task's `eta` field, counted down from its `eta_at` (time.monotonic()), where the reporter
+    keeps one (the layers' own mean, since a resumed run's replayed layers pass in a blink and would make rich's
+    speed estimate a fraction of the truth), else rich's estimate from the task's speed."""
+
+    def render(self, task: Task) -> Text:
+        eta = task.fields.get("eta")
+        left = task.time_remaining if eta is None else max(eta - (time.monotonic() - task.fields["eta_at"]), 0.0)
+        if left is None:
+            return Text("ETA -:--:--", style="progress.remaining")
+        minutes, seconds = divmod(round(left), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"ETA {hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+
+class _Last(ProgressColumn):
+    """The task's `last` field (the latest layer and its error), cut with an ellipsis to the width the fixed
+    columns leave, where rich would otherwise squeeze every column and cut the counts and times instead."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(ratio=1))
+
+    def render(self, task: Task) -> Text:
+        return Text(task.fields.get("last", ""), no_wrap=True, overflow="ellipsis")
+
+
 class _RichReporter:
     def __init__(self) -> None:
+        fixed = Column(no_wrap=True)  # never squeezed: a cut count or time misleads ("0:03…" for 3 minutes)
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TextColumn("[bold]{task.description}", table_column=fixed), BarColumn(bar_width=12, table_column=fixed),
+            MofNCompleteColumn(table_column=fixed), _Last(), TimeElapsedColumn(table_column=fixed),
+            _Eta(table_column=fixed),
             console=console, transient=False,
             disable=not console.is_terminal,  # a log gets the lines below instead, not a bar cut at 80 columns
         )
@@ -130,23 +169,24 @@ class _RichReporter:
         if not console.is_terminal and done and done * 10 // total != (done - 1) * 10 // total:  # each tenth, in a log
             spent = time.monotonic() - self.phase_started[description]
             console.print(f"{description}: {done}/{total}, {spent:.0f} s, ETA "
-                          f"{spent / max(done, 1) * (total - done) / 60:.0f} min", highlight=False)
+                          f"{_duration(spent / max(done, 1) * (total - done))}", highlight=False)
 
     def layer_done(self, report) -> None:
         tag = " (resumed)" if report.replayed else ""
         error = _layer_error(report.rel_error, report.metrics)
-        self.progress.update(self.task, advance=1, last=f"layer {report.index}: rel. err {error}{tag}")
         self.done += 1
         if not report.replayed:
             self.fresh += 1
             self.spent += report.seconds
         else:  # the journal's time for a layer quantized before the interruption: the estimate until a fresh one
             self.recorded += report.seconds
+        # the mean of this run's layers (of the journal's, until this run has one) times the layers left
+        eta = (self.spent / self.fresh if self.fresh else self.recorded / self.done) * (self.total - self.done)
+        self.progress.update(self.task, advance=1, last=f"layer {report.index}: rel. err {error}{tag}", eta=eta,
+                             eta_at=time.monotonic())
         if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
-            per_layer = self.spent / self.fresh if self.fresh else self.recorded / self.done
-            eta = per_layer * (self.total - self.done)
             console.print(f"layer {report.index} ({self.done}/{self.total}): rel. err {error}, "
-                          f"{report.seconds:.0f} s{tag}, ETA {eta / 60:.0f} min", highlight=False)
+                          f"{report.seconds:.0f} s{tag}, ETA {_duration(eta)}", highlight=False)
         for note in report.notes:
             self.progress.console.print(f"  [yellow]layer {report.index}:[/] {note}")
 
@@ -222,27 +262,37 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
         job = QuantizeJob(model=model, recipe=resolved, output=output, calib=calib, data_dir=data_dir,
                           device=device, resume=resume, overwrite=overwrite, trust_remote_code=trust_remote_code,
                           overrides=tuple(overrides), dtype=dtype,
+                          started=click.get_current_context().meta.get("quantkit.started"),
                           recipe_with=lambda kept: load_recipe(recipe, [*kept, *shorthands]))
         summary = run_quantize(job, reporter)
     finally:
         signal.signal(signal.SIGTERM, previous)
         reporter.stop()
     errors = [r.rel_error for r in summary.layers]
+    resumed = [r for r in summary.layers if r.replayed]
     table = Table(title=f"quantized with {resolved.name}", show_header=False)
     table.add_row("output", str(summary.output))
-    table.add_row("time", f"{summary.seconds:.1f} s")
-    table.add_row("peak RSS", f"{summary.peak_rss_bytes / 2**30:.2f} GiB")
-    table.add_row("output size", f"{summary.output_bytes / 2**20:.1f} MiB")
-    table.add_row("calibration", _describe_calibration(summary.calibration)
-                  + f" (sha256 {summary.calibration['sha256'][:12]})")
+    table.add_row("time", f"{summary.seconds:.1f} s" + (
+        f" (this run; {len(resumed)} of its {len(summary.layers)} layers were quantized by the unfinished run it "
+        f"resumed, in {sum(r.seconds for r in resumed):.0f} s)" if resumed else ""))
+    table.add_row("peak RSS", f"{summary.peak_rss_bytes / 2**30:.2f} GiB"
+                  + (f" (while {summary.peak_rss_while})" if summary.peak_rss_while else ""))
+    table.add_row("output size", f"{summary.output_bytes / 2**20:.1f} MiB (every file)")
+    cal = summary.calibration
+    table.add_row("calibration", _describe_calibration(cal) + f" (sha256 {cal['sha256'][:12]})")
+    measured = min(resolved.engine.error_samples or cal["num_samples"], cal["num_samples"])
     table.add_row("layer rel. error", f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f} "
-                  f"(layer {errors.index(max(errors))}; attention sink apart)")
+                  f"(layer {errors.index(max(errors))}; block outputs on the first {measured} window(s), the "
+                  "attention sink apart)")
     sinks = [r.metrics.get("sink_rel_error", 0.0) for r in summary.layers]
     table.add_row("attention sink", f"rel. error max {max(sinks):.4f} (layer {sinks.index(max(sinks))})")
-    steps = step_totals(summary.layers)
-    if steps:  # where the time went, so a slow recipe says which pass to tune
-        spent = sum(steps.values()) or 1.0
-        table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / spent:.0%})" for k, v in steps.items()))
+    # where this run's time went, so that a slow recipe says which pass to tune: the layers' steps, the phases
+    # around them, and what no step or phase timed (the layers' bookkeeping, writing the artifact)
+    total = summary.seconds or 1.0
+    timed = {**step_totals([r for r in summary.layers if not r.replayed]), **summary.phase_seconds}
+    spent = {k: v for k, v in sorted(timed.items(), key=lambda kv: -kv[1]) if v >= total / 200}  # 1% rounded
+    spent["other"] = max(summary.seconds - sum(spent.values()), 0.0)  # and the steps under 0.5% each
+    table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / total:.0%})" for k, v in spent.items()))
     console.print(table)
     for note in summary.format_notes:
         console.print(f"note: {escape(note)}", highlight=False)
@@ -340,7 +390,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     console.print(f"loading {model}", highlight=False)  # a large model takes a while before the first window
     loaded = load_for_eval(model, getattr(torch, dtype), trust_remote_code, bits=bits, device=device)
     where = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
-    console.print(f"evaluating {loaded.description}{where}", highlight=False)
+    console.print(f"evaluating {loaded.description} in {dtype}{where}", highlight=False)
     results: dict[str, dict] = {}
     if "wikitext" in names:
         max_pos = getattr(loaded.model.config, "max_position_embeddings", seq_len)
@@ -448,13 +498,18 @@ def inspect(output: Path, verify: bool) -> None:
     table.add_row("recipe", m["recipe"])
     table.add_row("format", m["format"])
     for role, w in m["weights"].items():
-        table.add_row(f"weights {role}", _describe_weights(w))
+        table.add_row(f"weights {role}", _describe_weights(w, m["format"]))
     table.add_row("activations", f"{m['activations']['bits']}-bit per token" if m["activations"] else "fp")
     table.add_row("kv cache", f"{m['kv_cache']['bits']}-bit per head" if m["kv_cache"] else "fp")
     cal = m["calibration"]
     table.add_row("calibration", _describe_calibration(cal))
-    table.add_row("bytes", f"{sum(f['bytes'] for f in m['files'].values()):,}")
-    table.add_row("quantization time", f"{m['timings']['total_seconds']:.1f} s")
+    table.add_row("bytes", f"{sum(f['bytes'] for f in m['files'].values()):,} (the {len(m['files'])} files the "
+                  "manifest lists; the manifest itself apart)")
+    timings = m["timings"]
+    resumed = timings.get("resumed_layers")
+    table.add_row("quantization time", f"{timings['total_seconds']:.1f} s" + (
+        f" (the last run; the unfinished run it resumed quantized {resumed} layer(s) in "
+        f"{timings['resumed_layer_seconds']:.1f} s more)" if resumed else ""))
     Console().print(table)
     click.echo(f"calibration sha256: {cal['sha256']}")
     layers = Table(title="per-layer relative output error (tokens after each sequence's first; the first, the "
@@ -538,7 +593,8 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
                           "integer products"),
     }.get(fmt, ("int32", "the emulation's int32 sums equal the reference integer product"))
     caption = (f"{exact_column}: {exact_means}; plain, outliers: max |y - y_ref| / max |y_ref| of its fp16 "
-               "outputs on Gaussian activations, and on the same with a few channels 30x larger")
+               "outputs, each token's against its own and the largest over tokens, on Gaussian activations, and "
+               "on the same with a few channels 30x larger")
     if device:
         caption += "; kernel: its output equals the emulation's (Any-Precision's tensor cores: within their bound)"
     table = Table(title=f"{output} ({fmt}): kernel emulation against the reference dequantization; kernel "
@@ -726,12 +782,14 @@ def bench_cmd(ctx: click.Context, output: Path | None, shapes: tuple[tuple[int, 
         atomic_write(json_path, json.dumps(kernel_bench.report(rows, checks, bandwidth, device), indent=1))
 
 
-def _describe_weights(w: dict) -> str:
-    """One line for a manifest's weight spec, e.g. "4-bit sym, group 128, INT8 re-expression (QQQ)"."""
+def _describe_weights(w: dict, fmt: str) -> str:
+    """One line for a manifest's weight spec in format `fmt`, e.g. "4-bit sym, group 128, INT8 re-expression
+    (QQQ)"."""
     if w.get("codebook"):  # codes index per-row tables of centroids: no symmetry or groups to speak of
         low = w.get("min_bits") or w["bits"]
         widths = f"{low}..{w['bits']}-bit" if low != w["bits"] else f"{w['bits']}-bit"
-        return f"{widths} lookup tables per row (non-uniform{', Any-Precision bitplanes' if low != w['bits'] else ''})"
+        stored = "Any-Precision bitplanes" if fmt == "anyprec" else "one int8 code a weight"
+        return f"{widths} lookup tables per row (non-uniform, {stored})"
     parts = [f"{w['bits']}-bit {'sym' if w['symmetric'] else 'asym'}",
              f"group {w['group_size']}" if w["granularity"] == "group" else f"per {w['granularity']}"]
     if w.get("outliers"):

@@ -8,6 +8,7 @@ activation cache and continues bit-identically from the first missing block.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -20,7 +21,7 @@ import resource
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -95,13 +96,16 @@ class LayerReport:
 @dataclass
 class RunSummary:
     output: Path
-    seconds: float
+    seconds: float  # this run's wall time, from job.started (the command's start) where given
     peak_rss_bytes: int
-    output_bytes: int
+    output_bytes: int  # every file of the output directory, the manifest included
     calibration: dict[str, Any]
-    layers: list[LayerReport]
+    layers: list[LayerReport]  # a resumed run's layers of the unfinished run too (`replayed`, with their seconds)
     notes: list[str]
     format_notes: list[str]  # the export format's caveats: who loads the artifact, what they cannot run
+    # this run's seconds outside the layers: start-up, model (a GGUF's conversion too), calibration data, Fisher
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_while: str | None = None  # what the process was doing when its RSS peaked, where one phase explains it
 
 
 class Reporter:
@@ -134,6 +138,9 @@ class QuantizeJob:
     # the artifact's dtype for unquantized tensors and scales: "auto" (the checkpoint's; float16 where the format's
     # engines take nothing else), "float16" or "bfloat16"
     dtype: str = "auto"
+    # when the run began (time.time()): the CLI passes its command's start, so that the run's time includes the
+    # imports of torch and transformers; now where None
+    started: float | None = None
 
 
 def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str, QuantSpec]:
@@ -413,13 +420,19 @@ def _peak_rss() -> int:
 def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSummary:
     """Quantize `job.model` with `job.recipe` into `job.output`; see the module docstring."""
     reporter = reporter or Reporter()
-    t0 = time.time()
+    entered = time.time()
+    t0 = entered if job.started is None else min(job.started, entered)
+    phases = {"start-up": entered - t0} if entered > t0 else {}
     _return_freed_memory()
     out = OutputDir(Path(job.output))
     model_path = Path(job.model).expanduser()
     protect = (model_path,) if model_path.exists() else ()  # a local model: never the output to replace
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
-    source = open_model(job.model, trust_remote_code=job.trust_remote_code)
+    peak_before_open = _peak_rss()
+    with _timed(phases, "model"):
+        source = open_model(job.model, trust_remote_code=job.trust_remote_code)
+    # ru_maxrss only grows: raised by the opening and no higher at the end, the run's peak was the opening's
+    opening = (peak_before_open, _peak_rss())
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
              source.num_layers, dtype_name(source.checkpoint_dtype), source.path)
     artifact = (source.path / MANIFEST).is_file()
@@ -438,8 +451,9 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     _check_cache_fits(recipe, source)
     if conversion:
         reporter.warn(conversion)
-    tokenizer = load_tokenizer(source.path, job.trust_remote_code, source.origin)
-    calib = resolve_calibration(job, source, tokenizer, reporter)
+    with _timed(phases, "calibration data"):
+        tokenizer = load_tokenizer(source.path, job.trust_remote_code, source.origin)
+        calib = resolve_calibration(job, source, tokenizer, reporter)
     if calib.source.endswith(WIKITEXT_FILE):
         reporter.warn(f"calibrating on the WikiText-2 test split ({calib.source}), the text `quantkit eval` measures "
                       "perplexity on: that perplexity will be optimistic; provide the train split "
@@ -485,13 +499,16 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         try:
             fisher = None
             if passes[-1].needs_fisher:
-                fisher = _fisher(source, calib.tokens,
-                                 [name for _, name in source.adapter.linear_names(recipe.targets)], reporter, scan)
+                with _timed(phases, "Fisher"):
+                    fisher = _fisher(source, calib.tokens,
+                                     [name for _, name in source.adapter.linear_names(recipe.targets)], reporter,
+                                     scan)
             layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, scan,
                                  fisher)
         finally:
             scan.stop()
-        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges)
+        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges, phases,
+                  opening)
         out.commit()
     except KeyboardInterrupt:
         if out.work.exists():  # else the commit's rename went through: the output is complete
@@ -510,11 +527,31 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
     log.info("wrote %s (%s format)", out.final, packer.name)
     manifest = json.loads((out.final / MANIFEST).read_text())
+    peak = _peak_rss()
     return RunSummary(
-        output=out.final, seconds=time.time() - t0, peak_rss_bytes=_peak_rss(),
+        output=out.final, seconds=time.time() - t0, peak_rss_bytes=peak,
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
-        format_notes=spec_notes(recipe, specs, packer, source),
+        format_notes=spec_notes(recipe, specs, packer, source), phase_seconds=phases,
+        peak_rss_while=_peak_while(source, peak, opening),
     )
+
+
+def _peak_while(source: ModelSource, peak: int, opening: tuple[int, int]) -> str | None:
+    """What set the run's peak RSS where opening the model did (the peak before and after it in `opening`): a
+    GGUF's conversion, which a rerun skips."""
+    if source.converted and opening[0] < opening[1] == peak:
+        return "opening the model: the GGUF's one-time conversion, which holds it in float32; a rerun reads the copy"
+    return None
+
+
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to `phases[name]`."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.time() - start
 
 
 # The errors of the machine a run writes on rather than of quantkit or its input: a run stopped by one is reported
@@ -869,7 +906,7 @@ def output_errors(y_q: torch.Tensor, y_ref: torch.Tensor) -> tuple[float, float]
 def _finalize(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
     calib_info: dict[str, Any], layers: list[LayerReport], recipe_yaml: str, t0: float, tokenizer: Any,
-    edges: ModelEdges | None,
+    edges: ModelEdges | None, phases: dict[str, float], opening: tuple[int, int],
 ) -> None:
     """Write the non-layer shard (with the passes' rewritten edges, if any), index, config, tokenizer, recipe
     and manifest into the work dir."""
@@ -893,7 +930,8 @@ def _finalize(
         name = shard_name(i + 1, total)
         for key in read_safetensors_keys(out.work / name):
             weight_map[key] = name
-    index = {"metadata": {"total_size": sum((out.work / n).stat().st_size for n in set(weight_map.values()))},
+    # total_size: the tensors' bytes, as transformers' and safetensors' own indexes count it (headers apart)
+    index = {"metadata": {"total_size": sum(_tensor_bytes(out.work / n) for n in set(weight_map.values()))},
              "weight_map": dict(sorted(weight_map.items()))}
     atomic_write(out.work / "model.safetensors.index.json", json.dumps(index, indent=2))
 
@@ -930,15 +968,28 @@ def _finalize(
         "kv_cache": None if job.recipe.kv_cache is None else {"bits": job.recipe.kv_cache.bits},
         "calibration": calib_info,
         "layers": [{"index": r.index, "rel_error": r.rel_error, "seconds": r.seconds, "metrics": r.metrics,
-                    "step_seconds": r.step_seconds} for r in layers],
+                    "step_seconds": r.step_seconds, **({"resumed": True} if r.replayed else {})} for r in layers],
         "notes": notes,
-        "timings": {"total_seconds": time.time() - t0, "layer_seconds": sum(r.seconds for r in layers),
-                    "step_seconds": step_totals(layers)},
-        "peak_rss_bytes": _peak_rss(),
+        "timings": _timings(time.time() - t0, layers, phases),
+        "peak_rss_bytes": (peak := _peak_rss()),
+        **({"peak_rss_while": why} if (why := _peak_while(source, peak, opening)) else {}),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
     }
     manifest["manifest_sha256"] = manifest_digest(manifest)
     atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def _timings(total: float, layers: list[LayerReport], phases: dict[str, float]) -> dict[str, Any]:
+    """The manifest's timings, all of this run's: its wall time, its layers' (not those a resume took over from
+    the unfinished run, whose count and recorded seconds come apart), their steps' and the phases outside them."""
+    fresh = [r for r in layers if not r.replayed]
+    resumed = [r for r in layers if r.replayed]
+    timings: dict[str, Any] = {"total_seconds": total, "layer_seconds": sum(r.seconds for r in fresh),
+                               "step_seconds": step_totals(fresh), "phase_seconds": dict(phases)}
+    if resumed:
+        timings["resumed_layers"] = len(resumed)
+        timings["resumed_layer_seconds"] = sum(r.seconds for r in resumed)
+    return timings
 
 
 def step_totals(layers: list[LayerReport]) -> dict[str, float]:
@@ -948,6 +999,13 @@ def step_totals(layers: list[LayerReport]) -> dict[str, float]:
         for step, seconds in r.step_seconds.items():
             totals[step] = totals.get(step, 0.0) + seconds
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _tensor_bytes(path: Path) -> int:
+    """The bytes of a safetensors file's tensors: the file less its 8-byte length and JSON header."""
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - header
 
 
 def read_safetensors_keys(path: Path) -> list[str]:

@@ -32,10 +32,11 @@ def test_gguf_opens_as_a_float16_checkpoint(cache):
     assert source.dtype == torch.float16 and source.tied_embeddings
     q = source.layer_tensors(0)["self_attn.q_proj.weight"]
     assert q.dtype == torch.float16 and q.shape == (576, 576)
-    # a second open reuses the cached copy instead of converting again
+    # a second open reuses the cached copy instead of converting again, and says it did not convert
     cached = next((cache / "gguf").iterdir())
     mtime = (cached / "model.safetensors").stat().st_mtime_ns
-    assert open_model(shared_path(GGUF), cache_dir=cache).path == cached
+    again = open_model(shared_path(GGUF), cache_dir=cache)
+    assert again.path == cached and not again.converted and not source.converted
     assert (cached / "model.safetensors").stat().st_mtime_ns == mtime
     # the cache entry has the modes mkdir and open give, not the temp dir's private 0700 / 0600
     mask = os.umask(0)
@@ -60,6 +61,24 @@ def test_gguf_conversions_racing_for_one_cache_entry_both_succeed(cache, tmp_pat
     assert gguf_to_safetensors(gguf, tmp_path / "cache") == target
     assert [p.name for p in target.parent.iterdir()] == [target.name]
     assert (target / "config.json").is_file()
+
+
+def test_an_open_that_converts_says_so(cache, tmp_path, monkeypatch):
+    """A GGUF opened without a cached copy is converted, and the source says so (the summary then puts a peak RSS
+    that the conversion set on it); opened again, from the copy, it is not."""
+    import quantkit.models.source as source_module
+
+    finished = next((cache / "gguf").iterdir())
+    calls = []
+
+    def convert(gguf, cache_dir=None):  # the conversion, as a copy of the module's finished one
+        calls.append(gguf)
+        return Path(shutil.copytree(finished, cache_dir / "gguf" / finished.name))
+
+    monkeypatch.setattr(source_module, "gguf_to_safetensors", convert)
+    first = open_model(shared_path(GGUF), cache_dir=tmp_path)
+    second = open_model(shared_path(GGUF), cache_dir=tmp_path)
+    assert (first.converted, second.converted, len(calls)) == (True, False, 1)
 
 
 def test_gguf_cache_follows_the_file_bytes(cache, tmp_path, monkeypatch):
@@ -121,7 +140,7 @@ def test_eval_of_a_gguf_file_says_transformers_dequantized_it(cache, monkeypatch
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(cache))
     loaded = load_for_eval(shared_path(GGUF))
-    assert loaded.description == f"{shared_path(GGUF).resolve()} (GGUF, dequantized by transformers, torch.float16)"
+    assert loaded.description == f"{shared_path(GGUF).resolve()} (GGUF, dequantized by transformers, stored in float16)"
     assert loaded.recipe is None
 
 

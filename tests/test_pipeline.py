@@ -126,7 +126,7 @@ def test_perplexity_equals_a_naive_loop_over_the_logits(synthetic):
     model = load_for_eval(synthetic).model
     ids = torch.randint(0, model.config.vocab_size, (3 * 32 + 7,), generator=torch.Generator().manual_seed(1))
     result = perplexity(model, ids, 32)
-    assert (result.windows, result.tokens, result.seq_len) == (3, 96, 32)
+    assert (result.windows, result.tokens, result.scored_tokens, result.seq_len) == (3, 96, 93, 32)
     assert result.perplexity == pytest.approx(_naive_ppl(model, ids, 32, 3), rel=1e-6)
     assert perplexity(model, ids, 32, limit=2, batch_size=2).perplexity == pytest.approx(
         _naive_ppl(model, ids, 32, 2), rel=1e-6)
@@ -575,6 +575,103 @@ def test_log_eta_after_a_resume_uses_the_journal_times(capsys):
         reporter.stop()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layer ")]
     assert [line.rsplit("ETA ", 1)[1] for line in lines] == ["10 min", "8 min", "3 min"]
+
+
+def test_log_eta_says_seconds_minutes_or_hours():
+    """A log line's time left is never "0 min" for half a minute: seconds up to 90, minutes up to 90, then hours."""
+    from quantkit.cli import _duration
+
+    assert [_duration(t) for t in (0.4, 45, 89, 90, 600, 5399, 5400, 9000)] == [
+        "0 s", "45 s", "89 s", "2 min", "10 min", "90 min", "1.5 h", "2.5 h"]
+
+
+def _bar(reporter, width: int = 80) -> str:
+    """The live bar as an 80-column terminal shows it."""
+    import io
+
+    from rich.console import Console
+
+    screen = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+    screen.print(reporter.progress.make_tasks_table(reporter.progress.tasks))
+    return screen.file.getvalue()
+
+
+def test_the_live_bar_s_eta_after_a_resume_comes_from_this_run_s_layers(monkeypatch):
+    """On a terminal, a resumed run's replayed layers (a blink each) do not make the bar's speed: its ETA is the mean
+    of this run's layers (the journal's until this run has one) times the layers left, as in a log; and in 80
+    columns the bar keeps its count, its elapsed time and its ETA whole, cutting the layer's text instead."""
+    import re
+
+    import quantkit.cli as cli_module
+    from quantkit.pipeline import LayerReport
+
+    monkeypatch.setattr(cli_module.time, "monotonic", lambda: 1000.0)  # no countdown between update and render
+    reporter = cli_module._RichReporter()
+    reporter.start(30, "quantizing layers")
+    try:
+        for i in range(10):
+            reporter.layer_done(LayerReport(index=i, rel_error=0.0123, seconds=11.0, replayed=True))
+        shown = _bar(reporter)
+        assert "10/30" in shown and "ETA 0:03:40" in shown, shown  # 11 s x 20 layers, the journal's
+        reporter.layer_done(LayerReport(index=10, rel_error=0.0123, seconds=10.0, metrics={"sink_rel_error": 0.5}))
+        shown = _bar(reporter)
+        assert "11/30" in shown and "ETA 0:03:10" in shown, shown  # 10 s x 19: this run's layer alone
+        assert re.search(r"\d:\d\d:\d\d ETA", shown) and "…" in shown, shown  # the layer's text is what is cut
+    finally:
+        reporter.stop()
+
+
+def test_the_index_total_size_counts_the_tensors_bytes(synthetic, calib_txt, tmp_path):
+    """model.safetensors.index.json's total_size is the tensors' bytes, as transformers writes it: the shards' sizes
+    less their headers."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = sum(t.numel() * t.element_size() for shard in set(index["weight_map"].values())
+                  for t in load_file(out / shard).values())
+    assert index["metadata"]["total_size"] == tensors
+    assert tensors < sum((out / shard).stat().st_size for shard in set(index["weight_map"].values()))
+
+
+def test_the_peak_is_put_on_a_gguf_conversion_only_where_it_raised_it():
+    """The summary says the peak RSS was the GGUF's conversion only where this run converted, the opening raised the
+    process's peak, and nothing after went higher."""
+    from types import SimpleNamespace
+
+    from quantkit.pipeline import _peak_while
+
+    converted, cached = SimpleNamespace(converted=True), SimpleNamespace(converted=False)
+    assert "GGUF's one-time conversion" in _peak_while(converted, 900, (400, 900))
+    assert _peak_while(cached, 900, (400, 900)) is None  # a cached copy: no conversion ran
+    assert _peak_while(converted, 950, (400, 900)) is None  # a layer went higher
+    assert _peak_while(converted, 900, (900, 900)) is None  # the process had peaked before this run
+
+
+def test_a_resumed_run_times_only_its_own_layers(synthetic, calib_txt, tmp_path):
+    """A resumed run's timings are its own: the layers it quantized, their steps, and the phases around them, all
+    within its time; the unfinished run's layers are counted apart, and the summary and inspect say so."""
+    _interrupted(synthetic, calib_txt, tmp_path / "b")
+    out = tmp_path / "b"
+    said = " ".join(cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt,
+                           *FAST, "--resume").output.replace("│", " ").split())  # the table's rows, unwrapped
+    m = json.loads((out / "quantkit_manifest.json").read_text())
+    timings, layers = m["timings"], m["layers"]
+    resumed = [r for r in layers if r.get("resumed")]
+    assert [r["index"] for r in resumed] == [0], layers  # the interrupted run finished layer 0
+    assert timings["resumed_layers"] == 1 and timings["resumed_layer_seconds"] == resumed[0]["seconds"]
+    fresh = [r for r in layers if not r.get("resumed")]
+    assert timings["layer_seconds"] == pytest.approx(sum(r["seconds"] for r in fresh))
+    assert set(timings["phase_seconds"]) >= {"model", "calibration data"}
+    assert sum(timings["step_seconds"].values()) + sum(timings["phase_seconds"].values()) <= timings["total_seconds"]
+    assert f"1 of its {len(layers)} layers were quantized by the unfinished run it resumed" in said, said
+    shown = " ".join(cli_ok("inspect", out).output.replace("│", " ").split())
+    assert "the unfinished run it resumed quantized 1 layer(s) in" in shown, shown
+    # an uninterrupted run's manifest has no such keys
+    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "c", "--calib", calib_txt, *FAST)
+    plain = json.loads((tmp_path / "c" / "quantkit_manifest.json").read_text())
+    assert "resumed_layers" not in plain["timings"] and not any("resumed" in r for r in plain["layers"])
 
 
 def test_self_generated_calibration_when_offline(stories260k, tmp_path, monkeypatch):
@@ -1119,11 +1216,17 @@ def test_inspect_describes_outliers_and_lookup_tables():
     from quantkit.quantizers import QuantSpec
 
     atom = asdict(QuantSpec(bits=4, symmetric=True, granularity="group", group_size=128, outliers=128, row_block=2))
-    assert _describe_weights(atom) == ("4-bit sym, group 128, 128 INT8 outlier columns (Atom), a scale per 2 rows")
+    assert _describe_weights(atom, "atom") == (
+        "4-bit sym, group 128, 128 INT8 outlier columns (Atom), a scale per 2 rows")
     anyprec = asdict(QuantSpec(bits=8, granularity="channel", codebook=True, min_bits=3))
-    assert _describe_weights(anyprec) == "3..8-bit lookup tables per row (non-uniform, Any-Precision bitplanes)"
+    assert _describe_weights(anyprec, "anyprec") == (
+        "3..8-bit lookup tables per row (non-uniform, Any-Precision bitplanes)")
+    # the same spec exported as quantkit's own format holds no bitplanes
+    assert _describe_weights(anyprec, "quantkit") == (
+        "3..8-bit lookup tables per row (non-uniform, one int8 code a weight)")
     squeeze = asdict(QuantSpec(bits=3, granularity="channel", codebook=True))
-    assert _describe_weights(squeeze) == "3-bit lookup tables per row (non-uniform)"
+    assert _describe_weights(squeeze, "anyprec") == (
+        "3-bit lookup tables per row (non-uniform, Any-Precision bitplanes)")
 
 
 def test_inspect_shows_the_simulated_runtime_and_every_layers_errors(tmp_path, calib_txt):
@@ -2070,12 +2173,13 @@ def test_the_summary_names_the_layer_of_the_largest_error(synthetic: Path, calib
 
     out = tmp_path / "out"
     said = " ".join(cli_ok("quantize", synthetic, "--recipe", "gptq-w4a16-g128", "-o", out, "--calib", calib_txt,
-                           *FAST).output.split())
+                           *FAST).output.replace("│", " ").split())  # the table's rows, unwrapped
     layers = json.loads((out / "quantkit_manifest.json").read_text())["layers"]
     errors = [r["rel_error"] for r in layers]
     sinks = [r["metrics"]["sink_rel_error"] for r in layers]
     assert errors.index(max(errors)) != errors.index(min(errors)) and sinks.index(max(sinks)) != sinks.index(min(sinks))
-    row = re.search(r"mean (\S+), max (\S+) \(layer (\d+); attention sink apart\)", said)
+    row = re.search(r"mean (\S+), max (\S+) \(layer (\d+); block outputs on the first 4 window\(s\), the attention "
+                    r"sink apart\)", said)
     assert row and [float(row[1]), float(row[2]), int(row[3])] == [
         round(sum(errors) / len(errors), 4), round(max(errors), 4), errors.index(max(errors))], said
     sink = re.search(r"rel\. error max (\S+) \(layer (\d+)\)", said)

@@ -23,7 +23,7 @@ from quantkit.artifact import (
     read_artifact_json,
     read_safetensors,
 )
-from quantkit.errors import QuantkitError, some
+from quantkit.errors import QuantkitError, dtype_name, some
 from quantkit.formats import PACKERS, get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import load_tokenizer, open_model, weight_map_problem
@@ -64,7 +64,8 @@ def load_for_eval(path: str | Path, dtype: torch.dtype = torch.float32, trust_re
     method = _quant_method(model.config)
     kind = (f"{method} checkpoint, dequantized by transformers" if method else
             "GGUF, dequantized by transformers" if source.origin.endswith(".gguf") else "unquantized")
-    return EvalModel(model.to(device).eval(), tokenizer, f"{source.origin} ({kind}, {source.dtype})")
+    return EvalModel(model.to(device).eval(), tokenizer,
+                     f"{source.origin} ({kind}, stored in {dtype_name(source.checkpoint_dtype)})")
 
 
 def _check_transformers_loads(path: Path, method: str | None) -> None:

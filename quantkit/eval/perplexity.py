@@ -74,7 +74,8 @@ class PerplexityResult:
     perplexity: float
     windows: int
     seq_len: int
-    tokens: int
+    tokens: int  # the windows' tokens, windows x seq_len
+    scored_tokens: int  # the tokens predicted, windows x (seq_len - 1): a window's first has no context
     seconds: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -108,7 +109,8 @@ def perplexity(
         nll_sum += float((loss.mean(dim=1) * seq_len).sum())
         if progress is not None:
             progress(start + batch.shape[0], n)
-    return PerplexityResult(math.exp(nll_sum / (n * seq_len)), n, seq_len, n * seq_len, time.time() - t0)
+    return PerplexityResult(math.exp(nll_sum / (n * seq_len)), n, seq_len, n * seq_len, n * (seq_len - 1),
+                            time.time() - t0)
 
 
 def wikitext_perplexity(

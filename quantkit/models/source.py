@@ -108,6 +108,9 @@ class ModelSource:
     def __init__(self, path: Path, trust_remote_code: bool = False, origin: str | None = None):
         self.path = path
         self.origin = origin or str(path)
+        # this process dequantized a GGUF into the cache to open it (open_model): a conversion that holds the whole
+        # model in memory at float32, once; a later run reads the cached copy
+        self.converted = False
         declared = _declared_adapter(path)
         try:
             self.config: PretrainedConfig = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -443,14 +446,13 @@ def open_model(spec: str | os.PathLike, trust_remote_code: bool = False, cache_d
     """Resolve MODEL (local dir, `.gguf` file or dir holding one, or hub id) into a local ModelSource."""
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":  # local models by their absolute path: the same however spelt
-        return ModelSource(gguf_to_safetensors(path, cache_dir), trust_remote_code, origin=str(path.resolve()))
+        return _open_gguf(path, trust_remote_code, cache_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelSource(path, trust_remote_code, origin=str(path.resolve()))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource(gguf_to_safetensors(ggufs[0], cache_dir), trust_remote_code,
-                               origin=str(ggufs[0].resolve()))
+            return _open_gguf(ggufs[0], trust_remote_code, cache_dir)
         raise ModelError(
             f"{path}: not a model directory (no config.json"
             + (f"; several .gguf files, pass one of {', '.join(p.name for p in ggufs)}" if ggufs else "")
@@ -567,6 +569,23 @@ def _check_gguf(gguf: Path) -> None:
         raise ModelError(f"{gguf}: the metadata does not match the tensors: {'; '.join(problems)}")
 
 
+def _open_gguf(gguf: Path, trust_remote_code: bool, cache_dir: Path | None) -> ModelSource:
+    """A GGUF file's cached float16 copy as a ModelSource, converted first where no copy is cached."""
+    cached = _cached_gguf(gguf, cache_dir or default_cache_dir())
+    source = ModelSource(cached or gguf_to_safetensors(gguf, cache_dir), trust_remote_code, origin=str(gguf.resolve()))
+    source.converted = cached is None
+    return source
+
+
+def _cached_gguf(gguf: Path, cache_dir: Path) -> Path | None:
+    """The complete cached copy of a GGUF file's bytes (under any file name), if there is one."""
+    key = content_digest(gguf, cache_dir)[:16]
+    for done in sorted((cache_dir / "gguf").glob(f"*-{key}")):
+        if (done / "config.json").is_file():
+            return done
+    return None
+
+
 def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file through transformers once, caching a float16 safetensors copy keyed by its content.
 
@@ -574,11 +593,9 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     afterwards streams from the cache like any checkpoint.
     """
     cache_dir = cache_dir or default_cache_dir()
-    key = content_digest(gguf, cache_dir)[:16]
-    for done in sorted((cache_dir / "gguf").glob(f"*-{key}")):  # the same bytes under any file name
-        if (done / "config.json").is_file():
-            return done
-    target = cache_dir / "gguf" / f"{gguf.stem}-{key}"
+    if (cached := _cached_gguf(gguf, cache_dir)) is not None:
+        return cached
+    target = cache_dir / "gguf" / f"{gguf.stem}-{content_digest(gguf, cache_dir)[:16]}"
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover
