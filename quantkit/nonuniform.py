@@ -30,14 +30,13 @@ import torch
 @dataclass
 class SortedRows:
     """Rows sorted ascending with their sensitivities, and float64 prefix sums [N, K + 1] of f, f w, f w^2 (and
-    of 1 and w, for intervals whose sensitivities sum to 0)."""
+    of w, for intervals whose sensitivities sum to 0; an interval [lo, hi) holds hi - lo weights)."""
 
     values: torch.Tensor  # [N, K] float64, ascending per row
     order: torch.Tensor  # [N, K] column of each sorted value
     f: torch.Tensor
     fw: torch.Tensor
     fww: torch.Tensor
-    ones: torch.Tensor
     w: torch.Tensor
 
     @classmethod
@@ -51,8 +50,7 @@ class SortedRows:
         def prefix(t: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(torch.cumsum(t, dim=1), (1, 0))
 
-        return cls(values, order, prefix(f), prefix(f * values), prefix(f * values * values),
-                   prefix(torch.ones_like(values)), prefix(values))
+        return cls(values, order, prefix(f), prefix(f * values), prefix(f * values * values), prefix(values))
 
     def interval(self, sums: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """sum over [lo, hi) of the quantity whose prefix sums are `sums`, per row and interval."""
@@ -63,7 +61,7 @@ class SortedRows:
         `previous` where the interval is empty."""
         lo, hi = borders[:, :-1], borders[:, 1:]
         weight = self.interval(self.f, lo, hi)
-        count = self.interval(self.ones, lo, hi)
+        count = (hi - lo).to(torch.float64)
         weighted = self.interval(self.fw, lo, hi) / weight.clamp(min=1e-300)
         plain = self.interval(self.w, lo, hi) / count.clamp(min=1)
         out = torch.where(weight > 0, weighted, plain)
@@ -150,10 +148,11 @@ def split_clusters(rows: SortedRows, borders: torch.Tensor, centroids: torch.Ten
     positions = torch.arange(1, k + 1).expand(n, k)  # split after sorted element i - 1: left = [lo, i)
     owner = torch.searchsorted(borders[:, 1:].contiguous(), positions.contiguous() - 1, right=True)  # cluster
     lo, hi = torch.gather(borders, 1, owner), torch.gather(borders, 1, owner + 1)
-    f_l = torch.gather(rows.f, 1, positions) - torch.gather(rows.f, 1, lo)
-    s_l = torch.gather(rows.fw, 1, positions) - torch.gather(rows.fw, 1, lo)
-    f_r = torch.gather(rows.f, 1, hi) - torch.gather(rows.f, 1, positions)
-    s_r = torch.gather(rows.fw, 1, hi) - torch.gather(rows.fw, 1, positions)
+    f_at, fw_at = rows.f[:, 1:], rows.fw[:, 1:]  # the prefix sums at `positions` (a gather of 1..k is a slice)
+    f_l = f_at - torch.gather(rows.f, 1, lo)
+    s_l = fw_at - torch.gather(rows.fw, 1, lo)
+    f_r = torch.gather(rows.f, 1, hi) - f_at
+    s_r = torch.gather(rows.fw, 1, hi) - fw_at
     gain = s_l * s_l / f_l.clamp(min=1e-300) + s_r * s_r / f_r.clamp(min=1e-300)  # cost = sum f w^2 - gain
     # the best split of each cluster: the largest gain, first position among ties
     best_gain = torch.full((n, clusters), -1.0, dtype=torch.float64).scatter_reduce(1, owner, gain, "amax")

@@ -41,6 +41,7 @@ Two variants serve kernels whose dequantization differs from (q - zero) * scale:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -196,6 +197,10 @@ class QuantizedLinear:
         return QuantizedLinear(self.codes.to(device), qp, self.spec, g_idx)
 
 
+# The parameters of one weight as a function of the clip ratio (None: the spec's): qparams_by_clip
+ByClip = Callable[["float | torch.Tensor | None"], "QParams"]
+
+
 def compute_qparams(
     w: torch.Tensor,
     spec: QuantSpec,
@@ -204,13 +209,19 @@ def compute_qparams(
 ) -> QParams:
     """Scales and zeros of `w` [N, K] for `spec`; `clip_ratio` (a float, or a tensor shaped like the scales)
     overrides the spec's, as clip searches do."""
+    return qparams_by_clip(w, spec, scale_dtype)(clip_ratio)
+
+
+def qparams_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16) -> ByClip:
+    """`compute_qparams(w, spec, scale_dtype, clip_ratio=r)` as a function of `r` (None: the spec's ratio), with
+    what does not depend on the ratio (the ranges of every row or group) computed once, for searches that try many
+    ratios on one weight. compute_qparams is this function applied once, so a search's parameters are its bits."""
     n, k = w.shape
     gs = spec.columns_per_group(k)
     if k % gs:
         raise ValueError(f"group size {gs} does not divide the input width {k}")
-    clip = spec.clip_ratio if clip_ratio is None else clip_ratio
     if spec.progressive:
-        return _progressive_qparams(w, spec, scale_dtype, clip, gs)
+        return _progressive_by_clip(w, spec, scale_dtype, gs)
     x = w.detach().float()
     x = x.reshape(1, 1, -1) if spec.granularity == "tensor" else x.reshape(n, k // gs, gs)
     if spec.row_block > 1:
@@ -219,26 +230,37 @@ def compute_qparams(
         x = x.reshape(n // spec.row_block, spec.row_block, k // gs, gs).transpose(1, 2).reshape(
             n // spec.row_block, k // gs, spec.row_block * gs)  # one group spans the block's rows
     if spec.symmetric:
-        amax = x.abs().amax(dim=-1) * clip
-        if spec.row_block > 1:
-            amax = amax.repeat_interleave(spec.row_block, dim=0)
-        scale = amax / ((spec.qmax - spec.qmin) / 2)
-        scale = _round_scale(scale, scale_dtype)
-        return QParams(scale=scale, zero=None, group_size=gs)
-    lo = x.amin(dim=-1).clamp(max=0) * clip
-    hi = x.amax(dim=-1).clamp(min=0) * clip
-    scale = _round_scale((hi - lo) / (spec.qmax - spec.qmin), scale_dtype)
-    zero = torch.round(spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).to(torch.int32)
-    if spec.zero_form == "scaled":
-        szero = ((zero - spec.qmin).float() * scale).to(scale_dtype).float()
-        return QParams(scale=scale, zero=zero, group_size=gs, szero=szero, code_offset=-spec.qmin)
-    return QParams(scale=scale, zero=zero, group_size=gs)
+        absmax = x.abs().amax(dim=-1)
+
+        def symmetric(clip_ratio: float | torch.Tensor | None) -> QParams:
+            amax = absmax * (spec.clip_ratio if clip_ratio is None else clip_ratio)
+            if spec.row_block > 1:
+                amax = amax.repeat_interleave(spec.row_block, dim=0)
+            scale = amax / ((spec.qmax - spec.qmin) / 2)
+            scale = _round_scale(scale, scale_dtype)
+            return QParams(scale=scale, zero=None, group_size=gs)
+
+        return symmetric
+    lo0 = x.amin(dim=-1).clamp(max=0)
+    hi0 = x.amax(dim=-1).clamp(min=0)
+
+    def asymmetric(clip_ratio: float | torch.Tensor | None) -> QParams:
+        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+        lo = lo0 * clip
+        hi = hi0 * clip
+        scale = _round_scale((hi - lo) / (spec.qmax - spec.qmin), scale_dtype)
+        zero = torch.round(spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).to(torch.int32)
+        if spec.zero_form == "scaled":
+            szero = ((zero - spec.qmin).float() * scale).to(scale_dtype).float()
+            return QParams(scale=scale, zero=zero, group_size=gs, szero=szero, code_offset=-spec.qmin)
+        return QParams(scale=scale, zero=zero, group_size=gs)
+
+    return asymmetric
 
 
-def _progressive_qparams(
-    w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, clip: float | torch.Tensor, gs: int
-) -> QParams:
-    """QoQ level 1 (s1, protective clamp) and level 2 (integer s2, zero, code bounds) for `w` [N, K]."""
+def _progressive_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, gs: int) -> ByClip:
+    """QoQ level 1 (s1, protective clamp) and level 2 (integer s2, zero, code bounds) for `w` [N, K], as a function
+    of the clip ratio (`qparams_by_clip`)."""
     n, k = w.shape
     p = spec.protective_range
     w32 = w.detach().float()
@@ -246,19 +268,26 @@ def _progressive_qparams(
     s1 = (amax / p).to(scale_dtype).float()
     s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
     if spec.level2 == "lqq":
-        return _lqq_qparams(w32, s1, spec, clip, gs)
+        return _lqq_by_clip(w32, s1, spec, gs)
     x = (w32 / s1).clamp(-p, p).reshape(n, k // gs, gs)
-    lo = x.amin(dim=-1).clamp(max=0) * clip
-    hi = x.amax(dim=-1).clamp(min=0) * clip
+    lo0 = x.amin(dim=-1).clamp(max=0)
+    hi0 = x.amax(dim=-1).clamp(min=0)
     levels = spec.qmax - spec.qmin
-    s2 = torch.round((hi - lo) / levels).clamp(min=1)
-    z_u = torch.round(-lo / s2).clamp(0, levels)
-    code_lo = torch.maximum(z_u - torch.floor(128 / s2), torch.zeros_like(z_u)) + spec.qmin
-    code_hi = torch.minimum(z_u + torch.floor(127 / s2), torch.full_like(z_u, levels)) + spec.qmin
-    return QParams(
-        scale=s1 * s2, zero=(z_u + spec.qmin).to(torch.int32), group_size=gs, s1=s1, s2=s2,
-        code_lo=code_lo.to(torch.int32), code_hi=code_hi.to(torch.int32), protect=p,
-    )
+
+    def progressive(clip_ratio: float | torch.Tensor | None) -> QParams:
+        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+        lo = lo0 * clip
+        hi = hi0 * clip
+        s2 = torch.round((hi - lo) / levels).clamp(min=1)
+        z_u = torch.round(-lo / s2).clamp(0, levels)
+        code_lo = torch.maximum(z_u - torch.floor(128 / s2), torch.zeros_like(z_u)) + spec.qmin
+        code_hi = torch.minimum(z_u + torch.floor(127 / s2), torch.full_like(z_u, levels)) + spec.qmin
+        return QParams(
+            scale=s1 * s2, zero=(z_u + spec.qmin).to(torch.int32), group_size=gs, s1=s1, s2=s2,
+            code_lo=code_lo.to(torch.int32), code_hi=code_hi.to(torch.int32), protect=p,
+        )
+
+    return progressive
 
 
 OUTLIER_SPEC = QuantSpec(bits=8, symmetric=True, granularity="channel")  # Atom's outlier columns: INT8 per row
@@ -301,22 +330,29 @@ def lqq_code_bound(offset: torch.Tensor, s2: torch.Tensor, levels: int = 15) -> 
     return torch.minimum(torch.floor((127 - offset) / s2), torch.full_like(offset, levels))
 
 
-def _lqq_qparams(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, clip: float | torch.Tensor, gs: int
-                 ) -> QParams:
-    """LiquidQuant level 2 on the INT8 level-1 values: integer step 1..16 and offset min8 per group."""
+def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int) -> ByClip:
+    """LiquidQuant level 2 on the INT8 level-1 values: integer step 1..16 and offset min8 per group, as a function
+    of the clip ratio (`qparams_by_clip`)."""
     n, k = w.shape
     p = spec.protective_range
     x8 = torch.round(w / s1).clamp(-p, p).reshape(n, k // gs, gs)
-    lo = torch.round(x8.amin(dim=-1) * clip)  # a clip ratio narrows the group's integer range
-    hi = torch.round(x8.amax(dim=-1) * clip)
+    lo8 = x8.amin(dim=-1)
+    hi8 = x8.amax(dim=-1)
     levels = spec.qmax - spec.qmin
-    s2 = torch.round((hi - lo) / levels).clamp(1, 16)
-    u_hi = lqq_code_bound(lo, s2, levels)
-    return QParams(
-        scale=s1 * s2, zero=None, group_size=gs, s1=s1, s2=s2, offset=lo,
-        code_lo=torch.full_like(lo, spec.qmin).to(torch.int32), code_hi=(u_hi + spec.qmin).to(torch.int32),
-        protect=p, code_offset=-spec.qmin,
-    )
+
+    def lqq(clip_ratio: float | torch.Tensor | None) -> QParams:
+        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+        lo = torch.round(lo8 * clip)  # a clip ratio narrows the group's integer range
+        hi = torch.round(hi8 * clip)
+        s2 = torch.round((hi - lo) / levels).clamp(1, 16)
+        u_hi = lqq_code_bound(lo, s2, levels)
+        return QParams(
+            scale=s1 * s2, zero=None, group_size=gs, s1=s1, s2=s2, offset=lo,
+            code_lo=torch.full_like(lo, spec.qmin).to(torch.int32), code_hi=(u_hi + spec.qmin).to(torch.int32),
+            protect=p, code_offset=-spec.qmin,
+        )
+
+    return lqq
 
 
 def search_qparams(
@@ -328,12 +364,13 @@ def search_qparams(
     norm: float = 2.4,
 ) -> QParams:
     """Per-group clipping search (GPTQ's `mse` observer): the ratio in [min_ratio, 1] minimizing sum|w - w_hat|^p."""
-    best = compute_qparams(w, spec, scale_dtype, clip_ratio=1.0)
+    by_clip = qparams_by_clip(w, spec, scale_dtype)
+    best = by_clip(1.0)
     x = w.detach().float()
     best_err = _group_error(x, best, spec, norm)
     for step in range(1, grid + 1):
         ratio = 1.0 - (1.0 - min_ratio) * step / grid
-        cand = compute_qparams(w, spec, scale_dtype, clip_ratio=ratio)
+        cand = by_clip(ratio)
         err = _group_error(x, cand, spec, norm)
         better = err < best_err
         if better.any():
@@ -375,19 +412,50 @@ def _expand(t: torch.Tensor, k: int, group_size: int, g_idx: torch.Tensor | None
     return t.repeat_interleave(group_size, dim=1)
 
 
+def _grouped_view(t: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None):
+    """`t` [N, K] as [N, G, group_size] with a function giving each per-group field [N or 1, G or 1] as
+    [N or 1, G or 1, 1], so the fields broadcast over their groups instead of being repeated to [N, K]
+    (`_expand`); None where groups are not contiguous (g_idx) or the codes index tables (codebook). Every
+    element meets the same operands in the same operations, so the results are the same bits."""
+    if g_idx is not None or qp.lut is not None or t.ndim != 2:
+        return None
+    n, k = t.shape
+    gs = qp.group_size
+    if gs <= 0 or k % gs:
+        return None
+    groups = k // gs
+
+    def ex(f: torch.Tensor | None) -> torch.Tensor | None:
+        if f is None:
+            return None
+        if f.shape[1] not in (1, groups):
+            raise ValueError(f"{f.shape[1]} groups of {gs} do not cover {k} columns")
+        return f.unsqueeze(-1)
+
+    return t.reshape(n, groups, gs), ex
+
+
 def quantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes (int8, signed domain) of `w` under fixed qparams."""
+    w = w.float()
+    grouped = _grouped_view(w, qp, g_idx)
+    if grouped is not None:
+        return _codes(grouped[0], qp, spec, grouped[1]).to(torch.int8).reshape(w.shape)
     k = w.shape[1]
     ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
-    return _codes(w.float(), qp, spec, ex).to(torch.int8)
+    return _codes(w, qp, spec, ex).to(torch.int8)
 
 
 def dequantize(q: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 weights: (q - zero) * scale, or the variant's formula; exact products, so a cast to the scale
     dtype rounds once."""
+    q = q.float()
+    grouped = _grouped_view(q, qp, g_idx)
+    if grouped is not None:
+        return _dequant(grouped[0], qp, grouped[1]).reshape(q.shape)
     k = q.shape[1]
     ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
-    return _dequant(q.float(), qp, ex)
+    return _dequant(q, qp, ex)
 
 
 def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:

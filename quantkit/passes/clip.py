@@ -18,7 +18,7 @@ import torch
 
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
-from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, quantize
+from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, qparams_by_clip, quantize
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ def hessian_clip_search(
     blocks = torch.stack([hessian[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(groups)])
     best_ratio = torch.ones(n, groups, device=w.device)
     best_err = None
+    by_clip = qparams_by_clip(w, spec, dtype)  # the groups' ranges once, for every ratio
     for ratio in ratios:
-        d = (w - _fake(w, spec, dtype, ratio)).reshape(n, groups, gs)
+        qp = by_clip(ratio)
+        d = (w - dequantize(quantize(w, qp, spec), qp)).reshape(n, groups, gs)
         err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
         if best_err is None:
             best_err = err

@@ -220,7 +220,8 @@ class Smooth(Pass):
             spec = work.specs[name]
             qp = compute_qparams(w, spec, work.scale_dtype)
             wq.append(dequantize(quantize(w, qp, spec), qp))
-        return float((_point_output(role, xq, wq) - reference).pow(2).sum())
+        # the point's output is a fresh tensor: the difference and its square reuse its buffer (same values)
+        return float(_point_output(role, xq, wq).sub_(reference).pow_(2).sum())
 
 
 def _search(count: int, evaluate, stride: int) -> int | None:
@@ -237,7 +238,9 @@ def _point_output(role: str, x: torch.Tensor, weights: list[torch.Tensor]) -> to
     the consumers' outputs side by side otherwise (q, k, v: the linear outputs, not the attention output)."""
     if role == "gate_up" and len(weights) == 2:
         gate, up = (x @ w.T for w in weights)
-        return torch.nn.functional.silu(gate) * up
+        return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+    if len(weights) == 1:  # o, down: no copy through torch.cat
+        return x @ weights[0].T
     return torch.cat([x @ w.T for w in weights], dim=-1)
 
 
