@@ -3,7 +3,7 @@
 Only one block's weights (plus its Hessians and the activation cache) are ever in memory. Block i is
 calibrated on the outputs of the already-quantized blocks 0..i-1 (GPTQ's sequential mode), written as its
 own safetensors shard, and recorded in a journal; `resume` replays the written shards to rebuild the
-activation cache and continues bit-identically from the first missing block.
+activation cache and continues bit-identically (with as many CPU threads) from the first missing block.
 """
 
 from __future__ import annotations
@@ -461,6 +461,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     log.info("calibration: %s, %s sampling, %d x %d tokens, sha256 %s", calib.source, calib.sampling,
              calib.tokens.shape[0], calib.tokens.shape[1], calib.sha256)
     journal = out.prepare(resume=job.resume, overwrite=job.overwrite, protect=protect)
+    threads = torch.get_num_threads()  # float sums (matmuls, reductions) are split by thread: the bits depend on it
     recipe_yaml = to_yaml(recipe)
     try:
         calib_info = {
@@ -477,8 +478,12 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
             if differences := _identity_differences(journal, identity):
                 raise QuantkitError(f"--resume: the interrupted run differs from this one: {'; '.join(differences)}; "
                                     "rerun with --overwrite to start afresh, or resume with what it used")
+            if journal.get("threads", threads) != threads:  # a warning, not a refusal: the result is as good
+                reporter.warn(f"--resume: the interrupted run used {journal['threads']} CPU threads, this one "
+                              f"{threads}: torch splits float sums by thread, so the layers from here on may differ "
+                              "in their last bits from an uninterrupted run's (set OMP_NUM_THREADS to match)")
         else:
-            journal = new_journal(identity)
+            journal = {**new_journal(identity), "threads": threads}
             out.save_journal(journal)
         passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
         edges = None  # held only when a pass rewrites them; otherwise _finalize copies them from the checkpoint

@@ -358,6 +358,20 @@ def test_resume_on_another_device_is_refused(synthetic, calib_txt, tmp_path):
         run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
 
 
+def test_a_resume_with_another_thread_count_warns(synthetic, calib_txt, tmp_path, caplog):
+    """The journal records the run's CPU threads; a resume with another count goes on (the result is as good) but
+    warns that the layers from there on may differ in their last bits from an uninterrupted run's."""
+    job = _interrupted(synthetic, calib_txt, tmp_path / "b")
+    journal_path = tmp_path / "b.partial" / "quantkit_journal.json"
+    journal = json.loads(journal_path.read_text())
+    assert journal["threads"] == torch.get_num_threads()
+    journal["threads"] += 3
+    journal_path.write_text(json.dumps(journal))
+    run_quantize(QuantizeJob(**{**job.__dict__, "resume": True}))
+    assert f"the interrupted run used {torch.get_num_threads() + 3} CPU threads" in caplog.text
+    assert (tmp_path / "b" / "quantkit_manifest.json").is_file()
+
+
 def test_a_layer_whose_packed_weights_overflow_stops_the_run(synthetic, calib_txt, tmp_path, monkeypatch):
     """A packed shard whose block gives non-finite outputs (here a scale made inf) is an unusable artifact: the run
     stops at that layer, naming it, instead of finishing with an error of inf; at layer 0 no layer finished, so no
