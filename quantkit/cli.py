@@ -290,8 +290,8 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     # around them, and what no step or phase timed (the layers' bookkeeping, writing the artifact)
     total = summary.seconds or 1.0
     timed = {**step_totals([r for r in summary.layers if not r.replayed]), **summary.phase_seconds}
-    spent = {k: v for k, v in sorted(timed.items(), key=lambda kv: -kv[1]) if v >= total / 200}  # 1% rounded
-    spent["other"] = max(summary.seconds - sum(spent.values()), 0.0)  # and the steps under 0.5% each
+    spent = {k: v for k, v in sorted(timed.items(), key=lambda kv: -kv[1]) if v >= total / 200}  # >= 1% rounded
+    spent["other"] = max(summary.seconds - sum(spent.values()), 0.0)  # the steps under 0.5% each go here too
     table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / total:.0%})" for k, v in spent.items()))
     console.print(table)
     for note in summary.format_notes:
