@@ -53,13 +53,12 @@ import torch
 import yaml
 
 from quantkit.errors import QuantkitError, not_a_directory
-from quantkit.files import json_objects
+from quantkit.files import DATA_DIR_ENV, json_objects, resolve_data_dir
 from quantkit.resources import data_path
 
 DOC_SEPARATOR = "\n\n"
 SAMPLING_MODES = ("random", "first")
 RANDOM_POOL_FACTOR = 4  # "random" draws windows from the first ~4x the requested tokens (or the whole file)
-DATA_DIR_ENV = "QUANTKIT_DATA_DIR"
 SELF_GENERATED = "self-generated"
 
 _TEXT_FORMATS = (".txt", ".jsonl", ".json")
@@ -146,13 +145,6 @@ def load_named_set(name: str) -> NamedSet:
     )
 
 
-def _data_dir(data_dir: str | Path | None) -> Path | None:
-    if data_dir is not None:
-        return Path(data_dir).expanduser()
-    env = os.environ.get(DATA_DIR_ENV)
-    return Path(env).expanduser() if env else None
-
-
 def _find_local(spec: NamedSet, root: Path | None) -> Path | None:
     if root is not None:
         for relative in spec.local:
@@ -172,7 +164,7 @@ def resolve_named_set(name: str, data_dir: str | Path | None = None) -> Path:
     Raises CalibrationError naming the file to pass with ``--calib`` or the data dir layout to provide.
     """
     spec = load_named_set(name)
-    root = _data_dir(data_dir)
+    root = resolve_data_dir(data_dir)
     local = _find_local(spec, root)
     if local is not None:
         return local

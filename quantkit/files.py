@@ -179,3 +179,14 @@ def json_objects(lines: Iterable[str], path: Path, fields: Sequence[str], error:
             raise error(f"{path}, line {number}: no field {', '.join(map(repr, missing))} (found {found})"
                         + (f"; {fix}" if fix else ""))
         yield number, row
+
+
+DATA_DIR_ENV = "QUANTKIT_DATA_DIR"
+
+
+def resolve_data_dir(data_dir: str | Path | None = None) -> Path | None:
+    """Where local data files are looked up (calibration sets, eval tasks): `data_dir` if given, else
+    $QUANTKIT_DATA_DIR, else None; "~" expanded and made absolute, an empty value taken as unset. One rule for
+    every reader, so that one command never finds one task's files and misses another's."""
+    value = str(data_dir) if data_dir is not None and str(data_dir) != "" else os.environ.get(DATA_DIR_ENV, "")
+    return Path(value).expanduser().resolve() if value else None

@@ -568,3 +568,21 @@ def test_all_tasks_synthetic(stories, tmp_path: Path, no_network: None) -> None:
             assert result[name]["acc"] in (0.0, 0.5, 1.0)
         assert result[name]["sample_len"] == 2
     assert result["wikitext_lm"]["word_perplexity"] > 1
+
+
+def test_every_reader_finds_the_data_dir_alike(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Calibration, WikiText and the lm-eval tasks look their files up in one data dir, by one rule: "~" expanded,
+    an empty value unset (WikiText's lookup had kept a literal "~", so one eval found PIQA's files and missed
+    WikiText's)."""
+    from quantkit.eval.perplexity import wikitext_file
+
+    home = tmp_path / "home"
+    (home / "data" / "wikitext-2-raw-v1").mkdir(parents=True)
+    rows = home / "data" / "wikitext-2-raw-v1" / "test.jsonl"
+    rows.write_text('{"text": "a"}\n')
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(lmeval.DATA_DIR_ENV, "~/data")
+    assert lmeval.resolve_data_dir() == lmeval.resolve_data_dir("") == home / "data"
+    assert wikitext_file(None) == wikitext_file("") == rows
+    monkeypatch.delenv(lmeval.DATA_DIR_ENV)
+    assert lmeval.resolve_data_dir("") is None and lmeval.resolve_data_dir("~/data") == home / "data"

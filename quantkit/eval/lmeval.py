@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError, not_a_directory
-from quantkit.files import json_objects
+from quantkit.files import DATA_DIR_ENV, json_objects, resolve_data_dir
 from quantkit.resources import data_path
 
 __all__ = [
@@ -42,9 +42,6 @@ __all__ = [
     "resolve_data_dir",
     "run_lm_eval",
 ]
-
-DATA_DIR_ENV = "QUANTKIT_DATA_DIR"
-"""Environment variable naming the data directory when `data_dir` is not passed."""
 
 # Module written next to the rendered configs; their `!function quantkit_task_utils.<fn>` tags resolve to it
 # (lm-eval looks for `<module>.py` beside the YAML), and it re-exports the helpers defined below.
@@ -197,13 +194,6 @@ def _task_infos(tasks: Sequence[str]) -> list[TaskInfo]:
             f"unknown lm-eval task(s): {', '.join(map(repr, unknown))}{hint}; supported: {_supported()}"
         )
     return [LM_EVAL_TASKS[t] for t in dict.fromkeys(tasks)]
-
-
-def resolve_data_dir(data_dir: str | Path | None = None) -> Path | None:
-    """The data directory: `data_dir` if given, else `$QUANTKIT_DATA_DIR`, else None."""
-    if data_dir is None or str(data_dir) == "":
-        data_dir = os.environ.get(DATA_DIR_ENV) or None
-    return None if data_dir is None else Path(data_dir).expanduser().resolve()
 
 
 def require_lm_eval() -> None:

@@ -8,7 +8,6 @@ exactly as those papers' evaluation scripts compute it.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.files import json_objects
+from quantkit.files import json_objects, resolve_data_dir
 
 WIKITEXT_FILE = "wikitext-2-raw-v1/test.jsonl"
 
@@ -29,11 +28,6 @@ class DataNotFoundError(QuantkitError):
 
 class DataFormatError(QuantkitError):
     """An evaluation data file is not what its task reads."""
-
-
-def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
-    value = data_dir or os.environ.get("QUANTKIT_DATA_DIR")
-    return Path(value) if value else None
 
 
 def wikitext_file(data_dir: str | Path | None) -> Path:
