@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
+import scipy.linalg
 import torch
 
 
@@ -63,10 +65,7 @@ def _base(order: int) -> torch.Tensor | None:
 @cache
 def _build(n: int) -> torch.Tensor | None:
     if n & (n - 1) == 0:
-        h = torch.ones(1, 1, dtype=torch.int64)
-        while h.shape[0] < n:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return h
+        return torch.from_numpy(scipy.linalg.hadamard(n, dtype=np.int64))  # Sylvester's construction
     for d in range(n, 2, -1):  # largest Paley factor first keeps the Sylvester part big
         if n % d == 0 and (base := _base(d)) is not None and (rest := _build(n // d)) is not None:
             return torch.kron(base, rest)

@@ -151,29 +151,29 @@ def plan_specs(source: ModelSource, recipe: Recipe, packer: Packer) -> dict[str,
     widths = sorted({source.shape(f"{adapter.layer_prefix(0)}{name}.weight")[1] - grouped
                      for _, name in adapter.linear_names(recipe.targets)})  # what one group size must divide
     for role, name in adapter.linear_names(recipe.targets):
-        full = f"{adapter.layer_prefix(0)}{name}.weight"
-        n, k = source.shape(full)
+        module = f"{adapter.layer_prefix(0)}{name}"
+        n, k = source.shape(module + ".weight")
         spec = recipe.weights.spec()
         normal = k - spec.outliers  # Atom: the columns left for the groups once the outliers are set apart
         if spec.outliers >= k:
-            raise ShapeError(f"{full[:-7]}: weights.outliers={spec.outliers} leaves no columns of its {k} to group")
+            raise ShapeError(f"{module}: weights.outliers={spec.outliers} leaves no columns of its {k} to group")
         if spec.granularity == "group" and normal % spec.group_size:
             what = (f"the {normal} input columns left after its {spec.outliers} outliers (input width {k}, output "
                     f"width {n})" if spec.outliers else f"its input width {k} (output width {n})")
             if recipe.weights.indivisible != "per_channel":
                 raise ShapeError(
-                    f"{full[:-7]}: group size {spec.group_size} does not divide {what}; choose a group size "
+                    f"{module}: group size {spec.group_size} does not divide {what}; choose a group size "
                     f"dividing every grouped input width ({', '.join(map(str, widths))}), or set "
                     "weights.indivisible=per_channel to quantize such layers per channel"
                 )
             spec = recipe.weights.spec("channel")
         act = recipe.activations
         if act is not None and act.group_size is not None and (k - act.outliers) % act.group_size:
-            raise ShapeError(f"{full[:-7]}: activation groups of {act.group_size} do not divide its "
+            raise ShapeError(f"{module}: activation groups of {act.group_size} do not divide its "
                              f"{k - act.outliers} input columns (input width {k}, {act.outliers} outliers); "
                              "set activations.group_size to a divisor")
         if n % spec.row_block:
-            raise ShapeError(f"{full[:-7]}: weights.row_block={spec.row_block} does not divide its output width {n}")
+            raise ShapeError(f"{module}: weights.row_block={spec.row_block} does not divide its output width {n}")
         if role in specs and specs[role] != spec:
             raise ShapeError(f"linears of role {role} need different specs; this architecture is not supported")
         specs[role] = spec
@@ -250,21 +250,12 @@ def _deployed_block(
     runtime: dict[str, simulate.LinearRuntime] = {}
     quantized = {name: role for role, name in adapter.linear_names(targets)}
     for name, role in quantized.items():
-        weight, info = deploy(packer, linear_parts(tensors, name, packer), specs[role], source.dtype)
+        weight, info = simulate.deployed(packer.unpack(packer.pop_parts(tensors, name), specs[role]), source.dtype)
         state[f"{name}.weight"] = weight
         if info is not None:
             runtime[name] = info
     state.update(tensors)
     return build_block(source, index, state), runtime
-
-
-def deploy(packer: Packer, parts: dict[str, torch.Tensor], spec: QuantSpec, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, simulate.LinearRuntime | None]:
-    """The weight an engine reconstructs from one linear's packed tensors, in the model dtype, and what its kernel
-    does beyond that weight (simulate.LinearRuntime). Calibration, --resume and eval all deploy through here, so
-    they agree bit for bit."""
-    q = packer.unpack(dict(parts), spec)
-    return q.dequantize().to(dtype), simulate.runtime_of(q)
 
 
 def _quantize_by_role(
@@ -300,7 +291,7 @@ def _quantize_by_role(
         for name in names_by_role[role]:
             q = work.results.pop(name).finished()  # the packed tensors are what is kept
             packed[name] = packer.pack(q.to("cpu"))
-            weight, info = deploy(packer, packed[name], q.spec, dtype)
+            weight, info = simulate.deployed(packer.unpack(dict(packed[name]), q.spec), dtype)
             work.module(name).weight.data.copy_(weight)
             if info is not None:
                 runtime[name] = info
@@ -309,14 +300,6 @@ def _quantize_by_role(
 
     run_by_role(work.runner, block, work.adapter, work.inputs, out, role_input, role_done)
     return packed
-
-
-def linear_parts(tensors: dict[str, torch.Tensor], module: str, packer: Packer) -> dict[str, torch.Tensor]:
-    """Pop the packed tensors of `module` from `tensors` (keys relative to the block or model), keyed
-    relative to the module as the packer wrote them."""
-    prefix = module + "."
-    keys = [k for k in tensors if k.startswith(prefix) and packer.owns(k[len(prefix):])]
-    return {k[len(prefix):]: tensors.pop(k) for k in keys}
 
 
 def resolve_calibration(
@@ -368,14 +351,14 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _available_memory() -> int | None:
-    """Bytes of memory the kernel says a process can still take (MemAvailable), or None where it does not say."""
+    """Bytes of memory a process can still take without swapping (psutil's `available`: MemAvailable on Linux),
+    or None where the system does not say."""
+    import psutil
+
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
+        return None
 
 
 def _check_cache_fits(recipe: Recipe, source: ModelSource) -> None:

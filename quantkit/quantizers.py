@@ -517,9 +517,10 @@ def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
     return q * ex(qp.scale)
 
 
-def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Round-to-nearest quantize then dequantize `w` (float32 result)."""
-    qp = compute_qparams(w, spec, scale_dtype)
+def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16,
+                  clip_ratio: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Round-to-nearest quantize then dequantize `w` (float32 result), at `clip_ratio` where given (compute_qparams)."""
+    qp = compute_qparams(w, spec, scale_dtype, clip_ratio=clip_ratio)
     return dequantize(quantize(w, qp, spec), qp)
 
 

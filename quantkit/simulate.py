@@ -63,6 +63,12 @@ def runtime_of(q) -> LinearRuntime | None:
     return None if q.g_idx is None and szero is None else LinearRuntime(q.g_idx, szero)
 
 
+def deployed(q, dtype: torch.dtype) -> tuple[torch.Tensor, LinearRuntime | None]:
+    """The weight an engine reconstructs from an unpacked QuantizedLinear, in the model dtype, and what its kernel
+    does beyond that weight. Calibration, --resume and eval all deploy through here, so they agree bit for bit."""
+    return q.dequantize().to(dtype), runtime_of(q)
+
+
 def sims_for(recipe) -> tuple[ActivationSim | None, KVSim | None]:
     """The activation and KV simulation a recipe asks for."""
     a, kv = recipe.activations, recipe.kv_cache

@@ -27,7 +27,6 @@ from quantkit.errors import QuantkitError, dtype_name, some
 from quantkit.formats import PACKERS, get_packer
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import load_tokenizer, open_model, weight_map_problem
-from quantkit.pipeline import linear_parts
 from quantkit.quantizers import QuantizedLinear, QuantSpec
 from quantkit.recipe import Recipe, parse_recipe
 
@@ -173,7 +172,7 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
             tensors.update({k[len(prefix):]: v for k, v in read_safetensors(path / shard).items()
                             if k.startswith(prefix)})
         for role, name in adapter.linear_names(list(specs)):
-            parts = linear_parts(tensors, name, packer)
+            parts = packer.pop_parts(tensors, name)
             q = unpack_linear(path, packer, parts, specs[role], i, name)
             yield PackedLinear(i, name, role, parts, q)
 
@@ -184,7 +183,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     config_data = artifact_config(path, manifest)
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
-    model_dtype = getattr(torch, manifest.get("dtype") or config_data.get("torch_dtype") or "float16")
+    model_dtype = getattr(torch, config_data.get("torch_dtype") or "float16")
     adapter = adapter_for(config.model_type)
     packer = get_packer(manifest["format"])(recipe, model_dtype)
     specs = artifact_specs(manifest)
@@ -202,12 +201,11 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     for shard in sorted(set(_weight_map(path).values())):
         tensors = read_safetensors(path / shard)
         for module, (i, name, role) in quantized.items():
-            parts = linear_parts(tensors, module, packer)
+            parts = packer.pop_parts(tensors, module)
             if parts:
                 q = unpack_linear(path, packer, parts, specs[role], i, name)
                 q = q.at_bits(bits) if bits is not None and q.spec.codebook else q
-                state[f"{module}.weight"] = q.dequantize().to(model_dtype)
-                info = simulate.runtime_of(q)
+                state[f"{module}.weight"], info = simulate.deployed(q, model_dtype)
                 if info is not None:  # read by the hooks at every forward: kept where they run
                     runtime[i][name] = info.to(device)
         state.update(tensors)

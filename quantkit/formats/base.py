@@ -58,6 +58,13 @@ class Packer:
         """Whether the module-relative tensor name `key` (e.g. `weight_packed`) is one this packer's `pack` writes."""
         return key.startswith("weight")
 
+    def pop_parts(self, tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
+        """Remove the packed tensors of `module` from `tensors` (keys relative to the block or model) and return
+        them keyed relative to the module, as `pack` wrote them: what is left in `tensors` is the rest of the block."""
+        prefix = module + "."
+        keys = [k for k in tensors if k.startswith(prefix) and self.owns(k[len(prefix):])]
+        return {k[len(prefix):]: tensors.pop(k) for k in keys}
+
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
         """Caveats about the exported artifact for the manifest; `specs` maps linear role names to their spec."""
         return []

@@ -247,7 +247,7 @@ def token_weights(x: torch.Tensor, sink_weight: float | None, token_cap: float |
     return weights
 
 
-OUTPUT_ROLES = ("o", "down")  # block output modules: their inputs are what smoothing and reordering act on
+OUTPUT_ROLES = ("o", "down")  # block output modules: the roles whose input channels reordering permutes
 
 
 def check_output_targets(targets: list[str]) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
-from quantkit.quantizers import QuantSpec, compute_qparams, dequantize, qparams_by_clip, quantize
+from quantkit.quantizers import QuantSpec, dequantize, fake_quantize, qparams_by_clip, quantize
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,6 @@ class ClipConfig:
 def _grid(lo: float, step: float) -> list[float]:
     count = round((1.0 - lo) / step)
     return [1.0 - i * step for i in range(count + 1)]
-
-
-def _fake(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, ratio: float | torch.Tensor) -> torch.Tensor:
-    qp = compute_qparams(w, spec, dtype, clip_ratio=ratio)
-    return dequantize(quantize(w, qp, spec), qp)
 
 
 def hessian_clip_search(
@@ -104,7 +99,7 @@ class Clip(Pass):
         best, best_err = 1.0, None
         try:
             for ratio in _grid(self.config.attention_min_ratio, self.config.attention_step):
-                module.weight.data = _fake(original.float(), spec, work.scale_dtype, ratio).to(original.dtype)
+                module.weight.data = fake_quantize(original.float(), spec, work.scale_dtype, ratio).to(original.dtype)
                 err = float((work.attention_output(samples) - reference).pow(2).sum())
                 if best_err is None or err < best_err:
                     best, best_err = ratio, err

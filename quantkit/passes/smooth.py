@@ -33,7 +33,7 @@ import torch
 from quantkit.models.adapters import ROLES
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
-from quantkit.quantizers import compute_qparams, dequantize, fake_quantize_per_token, quantize
+from quantkit.quantizers import fake_quantize, fake_quantize_per_token
 
 
 def _scale_rows(module: torch.nn.Linear, factor: torch.Tensor) -> None:
@@ -176,9 +176,11 @@ class Smooth(Pass):
             _scale_rows(work.module(a.v_proj if role == "o" else a.up_proj), 1.0 / rows)
 
     def _sample_inputs(self, work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
-        """About `max_tokens` input rows of each named linear: 128 evenly spaced tokens from each of the first
-        sequences (only those run through the block). The spacing starts half a step in, so the first token (an
-        attention sink with massive activations) is not given 128 / L times its share of the objective."""
+        """About `max_tokens` input rows of each named linear: evenly spaced tokens of the first
+        ceil(max_tokens / 128) sequences (only those run through the block), max_tokens / sequences from each (128
+        where the calibration has that many sequences; every token where it asks for all). The spacing starts half
+        a step in, so that the first token (an attention sink with massive activations) is not given L / per-sequence
+        times its share of the objective."""
         available, length = work.inputs.shape[:2]
         sequences = min(available, -(-self.config.max_tokens // 128))
         per_seq = min(length, max(1, self.config.max_tokens // sequences))
@@ -215,11 +217,7 @@ class Smooth(Pass):
         """Squared error of the point's output with the consumers' weights and (when simulated) activations
         quantized."""
         xq = fake_quantize_per_token(x, work.act_bits) if work.act_bits else x
-        wq = []
-        for name, w in zip(consumers, weights, strict=True):
-            spec = work.specs[name]
-            qp = compute_qparams(w, spec, work.scale_dtype)
-            wq.append(dequantize(quantize(w, qp, spec), qp))
+        wq = [fake_quantize(w, work.specs[name], work.scale_dtype) for name, w in zip(consumers, weights, strict=True)]
         # the point's output is a fresh tensor: the difference and its square reuse its buffer (same values)
         return float(_point_output(role, xq, wq).sub_(reference).pow_(2).sum())
 
