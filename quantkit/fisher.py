@@ -18,6 +18,11 @@ Compute is about three forward passes of the model.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,8 +30,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantkit.calib import token_sha256
+from quantkit.files import atomic_write, lock_owner, take_lock
 from quantkit.models.block import BlockRunner, build_block
-from quantkit.models.source import ModelSource
+from quantkit.models.source import ModelSource, content_digest, default_cache_dir
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,3 +101,52 @@ def diagonal_fisher(
             progress("backward", layers - i, layers)
     return outputs[::-1]
 
+
+FISHER_OWNER = "owner.json"  # in a Fisher computation's temp dir, locked while a run writes it (its pid and host)
+
+
+def cached_diagonal_fisher(source: ModelSource, tokens: torch.Tensor, names: list[str],
+                           progress: Callable[[str, int, int], None] | None = None) -> list[Path]:
+    """`diagonal_fisher`'s per-layer files of the named linears, cached under $QUANTKIT_CACHE/fisher by the
+    checkpoint files' contents, the token windows and the linears, so a resumed run or another width of the same
+    model reuses them, wherever the checkpoint lives and whatever its files' mtimes. They are computed in a
+    directory of this run's own and renamed into place when complete, so runs that compute the same ones at once
+    do not mix their files. `progress(phase, done, total)` as diagonal_fisher's, and ("cached", 1, 1) on a hit."""
+    files = [*sorted(source.path.glob("*.safetensors")), *source.path.glob("config.json")]  # the forward reads it
+    identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
+                token_sha256(tokens), *names,  # the windows' shape too: [2, 16] and [4, 8] are other sequences
+                *([f"read as {source.dtype}"] if source.converts else [])]
+    key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
+    directory = default_cache_dir() / "fisher" / key
+    done = directory / "complete.json"
+    paths = [directory / f"fisher-{i:05d}.safetensors" for i in range(source.num_layers)]
+
+    def complete() -> bool:
+        return done.is_file() and all(p.is_file() for p in paths)
+
+    if complete():
+        if progress is not None:
+            progress("cached", 1, 1)
+        return paths
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for stale in directory.parent.glob(".*.tmp"):  # what killed runs left; a live run's is locked by it
+        if (stale / FISHER_OWNER).is_file() and lock_owner(stale / FISHER_OWNER) is None:
+            shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=directory.parent))
+    owner = take_lock(work / FISHER_OWNER)  # a directory of its own: no one else holds it
+    try:
+        diagonal_fisher(source, tokens, names, work, progress=progress)
+        atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
+        (work / FISHER_OWNER).unlink()
+        if directory.exists() and not complete():  # a partial one: of a run that wrote in place, or a file lost
+            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            work.rename(directory)
+        except OSError:  # another run put its complete copy there first: the same numbers
+            if not complete():
+                raise
+    finally:
+        if owner is not None:
+            os.close(owner)
+        shutil.rmtree(work, ignore_errors=True)
+    return paths

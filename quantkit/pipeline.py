@@ -9,17 +9,13 @@ activation cache and continues bit-identically (with as many CPU threads) from t
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import hashlib
 import json
 import logging
 import math
-import os
 import platform
-import resource
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -29,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit import __version__, simulate
+from quantkit import __version__, memory, simulate
 from quantkit.artifact import (
     JOURNAL,
     LOCK,
@@ -50,11 +46,11 @@ from quantkit.calib import (
     load_calibration,
     named_sets,
     resolve_named_set,
-    token_sha256,
 )
 from quantkit.errors import QuantkitError, dtype_name
 from quantkit.eval.perplexity import WIKITEXT_FILE
-from quantkit.files import atomic_write, lock_owner, take_lock
+from quantkit.files import atomic_write
+from quantkit.fisher import cached_diagonal_fisher
 from quantkit.formats import Packer, get_packer
 from quantkit.formats.base import ExportError
 from quantkit.models.adapters import ROLES
@@ -63,8 +59,7 @@ from quantkit.models.source import (
     FiniteScan,
     ModelEdges,
     ModelSource,
-    content_digest,
-    default_cache_dir,
+    check_safetensors,
     load_tokenizer,
     open_model,
 )
@@ -350,17 +345,6 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory a process can still take without swapping (psutil's `available`: MemAvailable on Linux),
-    or None where the system does not say."""
-    import psutil
-
-    try:
-        return int(psutil.virtual_memory().available)
-    except (OSError, RuntimeError, AttributeError):
-        return None
-
-
 def _check_cache_fits(recipe: Recipe, source: ModelSource) -> None:
     """Refuse, before any work, calibration whose token windows and activation cache alone would not fit in the
     memory available (a run would be killed, or fail deep in sampling, with no word of why)."""
@@ -371,7 +355,7 @@ def _check_cache_fits(recipe: Recipe, source: ModelSource) -> None:
         cached = min(cached, recipe.engine.error_samples)
     width = source.config.hidden_size * CACHE_DTYPES[recipe.engine.cache_dtype].itemsize
     need = calibration.seq_len * (8 * calibration.num_samples + width * cached)
-    available = _available_memory()
+    available = memory.available_bytes()
     if available is not None and need > available:
         raise QuantkitError(
             f"calibration on {calibration.num_samples} windows of {calibration.seq_len} tokens keeps "
@@ -380,42 +364,22 @@ def _check_cache_fits(recipe: Recipe, source: ModelSource) -> None:
             "--num-samples or --seq-len, or set engine.cache_dtype=bfloat16")
 
 
-def _return_freed_memory() -> None:
-    """Make glibc serve allocations of 1 MiB and up with mmap, so freed tensors go back to the OS at once.
-
-    By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), after which
-    per-layer tensors come from the heap, fragment it, and RSS grows layer after layer (measured: +0.1 GiB per
-    TinyLlama layer). No effect on other C libraries.
-    """
-    if platform.system() != "Linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
-
-
 def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSummary:
     """Quantize `job.model` with `job.recipe` into `job.output`; see the module docstring."""
     reporter = reporter or Reporter()
     entered = time.time()
     t0 = entered if job.started is None else min(job.started, entered)
     phases = {"start-up": entered - t0} if entered > t0 else {}
-    _return_freed_memory()
+    memory.return_freed_memory()
     out = OutputDir(Path(job.output))
     model_path = Path(job.model).expanduser()
     protect = (model_path,) if model_path.exists() else ()  # a local model: never the output to replace
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
-    peak_before_open = _peak_rss()
+    peak_before_open = memory.peak_rss_bytes()
     with _timed(phases, "model"):
         source = open_model(job.model, trust_remote_code=job.trust_remote_code)
     # ru_maxrss only grows: raised by the opening and no higher at the end, the run's peak was the opening's
-    opening = (peak_before_open, _peak_rss())
+    opening = (peak_before_open, memory.peak_rss_bytes())
     log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
              source.num_layers, dtype_name(source.checkpoint_dtype), source.path)
     artifact = (source.path / MANIFEST).is_file()
@@ -487,16 +451,20 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         try:
             fisher = None
             if passes[-1].needs_fisher:
+                def progress(phase: str, done: int, total: int) -> None:
+                    reporter.phase(f"Fisher ({phase})", done, total)
+                    scan.raise_if_bad()  # a NaN found meanwhile stops the run after this layer
+
                 with _timed(phases, "Fisher"):
-                    fisher = _fisher(source, calib.tokens,
-                                     [name for _, name in source.adapter.linear_names(recipe.targets)], reporter,
-                                     scan)
+                    fisher = cached_diagonal_fisher(
+                        source, calib.tokens, [name for _, name in source.adapter.linear_names(recipe.targets)],
+                        progress)
             layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, scan,
                                  fisher)
         finally:
             scan.stop()
-        _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges, phases,
-                  opening)
+        manifest = _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges,
+                             phases, opening)
         out.commit()
     except KeyboardInterrupt:
         if out.work.exists():  # else the commit's rename went through: the output is complete
@@ -514,8 +482,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     finally:
         out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
     log.info("wrote %s (%s format)", out.final, packer.name)
-    manifest = json.loads((out.final / MANIFEST).read_text())
-    peak = _peak_rss()
+    peak = memory.peak_rss_bytes()
     return RunSummary(
         output=out.final, seconds=time.time() - t0, peak_rss_bytes=peak,
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
@@ -618,62 +585,6 @@ def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> 
     return out
 
 
-FISHER_OWNER = "owner.json"  # in a Fisher computation's temp dir, locked while a run writes it (its pid and host)
-
-
-def _fisher(source: ModelSource, tokens: torch.Tensor, names: list[str], reporter: Reporter,
-            scan: FiniteScan) -> list[Path]:
-    """Per-layer diagonal Fisher files of the named linears, cached under $QUANTKIT_CACHE/fisher by the checkpoint
-    files' contents, the token windows and the linears, so a resumed run or another width of the same model
-    reuses them, wherever the checkpoint lives and whatever its files' mtimes. They are computed in a directory of
-    this run's own and renamed into place when complete, so runs that compute the same ones at once do not mix
-    their files; `scan` is consulted after every layer."""
-    from quantkit.fisher import diagonal_fisher
-
-    files = [*sorted(source.path.glob("*.safetensors")), *source.path.glob("config.json")]  # the forward reads it
-    identity = [*(f"{f.name}:{content_digest(f)}" for f in files),
-                token_sha256(tokens), *names,  # the windows' shape too: [2, 16] and [4, 8] are other sequences
-                *([f"read as {source.dtype}"] if source.converts else [])]
-    key = hashlib.sha256("|".join(identity).encode()).hexdigest()[:16]
-    directory = default_cache_dir() / "fisher" / key
-    done = directory / "complete.json"
-    paths = [directory / f"fisher-{i:05d}.safetensors" for i in range(source.num_layers)]
-
-    def complete() -> bool:
-        return done.is_file() and all(p.is_file() for p in paths)
-
-    if complete():
-        reporter.phase("Fisher (cached)", 1, 1)
-        return paths
-
-    def progress(phase: str, i: int, n: int) -> None:
-        reporter.phase(f"Fisher ({phase})", i, n)
-        scan.raise_if_bad()
-
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    for stale in directory.parent.glob(".*.tmp"):  # what killed runs left; a live run's is locked by it
-        if (stale / FISHER_OWNER).is_file() and lock_owner(stale / FISHER_OWNER) is None:
-            shutil.rmtree(stale, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=directory.parent))
-    owner = take_lock(work / FISHER_OWNER)  # a directory of its own: no one else holds it
-    try:
-        diagonal_fisher(source, tokens, names, work, progress=progress)
-        atomic_write(work / done.name, json.dumps({"model": source.origin, "identity": identity}))
-        (work / FISHER_OWNER).unlink()
-        if directory.exists() and not complete():  # a partial one: of a run that wrote in place, or a file lost
-            shutil.rmtree(directory, ignore_errors=True)
-        try:
-            work.rename(directory)
-        except OSError:  # another run put its complete copy there first: the same numbers
-            if not complete():
-                raise
-    finally:
-        if owner is not None:
-            os.close(owner)
-        shutil.rmtree(work, ignore_errors=True)
-    return paths
-
-
 def _run_layers(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec],
     calib: CalibrationSet, out: OutputDir, journal: dict[str, Any], reporter: Reporter, x: torch.Tensor,
@@ -754,12 +665,17 @@ def _replay_layer(ctx: _LayerContext, i: int, shard_path: Path, x: torch.Tensor)
         work = _prepared_work(ctx, i, x, transforms_only=True)
         ctx.runner.run(work.block, x, out=x)
         return
-    block, runtime = _deployed_block(ctx.source, i, read_safetensors(shard_path), ctx.packer, ctx.specs,
-                                     recipe.targets)
+    ctx.runner.run(_simulated_block(ctx, i, read_safetensors(shard_path)), x, out=x)
+
+
+def _simulated_block(ctx: _LayerContext, i: int, shard: dict[str, torch.Tensor]) -> nn.Module:
+    """Block `i` as an engine runs it from its shard (_deployed_block), on the run's device, with the recipe's
+    activation and KV simulation attached: what the next block's inputs come from, in a run and in its resume."""
+    block, runtime = _deployed_block(ctx.source, i, shard, ctx.packer, ctx.specs, ctx.job.recipe.targets)
     block.to(ctx.job.device)
     simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
                     kv_projections=ctx.source.adapter.kv_projections)
-    ctx.runner.run(block, x, out=x)
+    return block
 
 
 def _round_kept(block: nn.Module, linears: dict[str, str], dtype: torch.dtype) -> None:
@@ -817,7 +733,7 @@ def _quantize_layer(
         steps[step] = steps.get(step, 0.0) + now - clock
         clock = now
 
-    job, source, packer, specs, runner = ctx.job, ctx.source, ctx.packer, ctx.specs, ctx.runner
+    job, source, packer, runner = ctx.job, ctx.source, ctx.packer, ctx.runner
     recipe, adapter, quantizer = job.recipe, source.adapter, ctx.quantizer
     work = _prepared_work(ctx, i, x, lap=lap)
     block = work.block
@@ -858,10 +774,7 @@ def _quantize_layer(
         y_q = x[:n_err]
     else:
         del block, work
-        block, runtime = _deployed_block(source, i, shard, packer, specs, recipe.targets)
-        block.to(job.device)
-        simulate.attach([block], ctx.linear_names, source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
-                        kv_projections=source.adapter.kv_projections)
+        block = _simulated_block(ctx, i, shard)
         if recipe.engine.propagate == "quantized":
             y_q = runner.run(block, x, out=x)[:n_err]
         else:
@@ -895,9 +808,9 @@ def _finalize(
     job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
     calib_info: dict[str, Any], layers: list[LayerReport], recipe_yaml: str, t0: float, tokenizer: Any,
     edges: ModelEdges | None, phases: dict[str, float], opening: tuple[int, int],
-) -> None:
+) -> dict[str, Any]:
     """Write the non-layer shard (with the passes' rewritten edges, if any), index, config, tokenizer, recipe
-    and manifest into the work dir."""
+    and manifest into the work dir; returns the manifest."""
     total = source.num_layers + 1
     a = source.adapter
     rest = {name: t.to(source.dtype) if t.is_floating_point() else t
@@ -914,13 +827,14 @@ def _finalize(
         rest[a.lm_head + ".weight"] = rest[a.embed + ".weight"].clone()
     atomic_save_safetensors(rest, out.work / shard_name(total, total))
     weight_map: dict[str, str] = {}
+    tensor_bytes = 0  # total_size: the tensors' bytes, as transformers' own indexes count it (headers apart)
     for i in range(total):
         name = shard_name(i + 1, total)
-        for key in read_safetensors_keys(out.work / name):
+        for key, entry in check_safetensors(out.work / name).items():
             weight_map[key] = name
-    # total_size: the tensors' bytes, as transformers' and safetensors' own indexes count it (headers apart)
-    index = {"metadata": {"total_size": sum(_tensor_bytes(out.work / n) for n in set(weight_map.values()))},
-             "weight_map": dict(sorted(weight_map.items()))}
+            start, stop = entry["data_offsets"]
+            tensor_bytes += stop - start
+    index = {"metadata": {"total_size": tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write(out.work / "model.safetensors.index.json", json.dumps(index, indent=2))
 
     config = json.loads((source.path / "config.json").read_text())
@@ -959,12 +873,13 @@ def _finalize(
                     "step_seconds": r.step_seconds, **({"resumed": True} if r.replayed else {})} for r in layers],
         "notes": notes,
         "timings": _timings(time.time() - t0, layers, phases),
-        "peak_rss_bytes": (peak := _peak_rss()),
+        "peak_rss_bytes": (peak := memory.peak_rss_bytes()),
         **({"peak_rss_while": why} if (why := _peak_while(source, peak, opening)) else {}),
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
     }
     manifest["manifest_sha256"] = manifest_digest(manifest)
     atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
 
 
 def _timings(total: float, layers: list[LayerReport], phases: dict[str, float]) -> dict[str, Any]:
@@ -987,16 +902,3 @@ def step_totals(layers: list[LayerReport]) -> dict[str, float]:
         for step, seconds in r.step_seconds.items():
             totals[step] = totals.get(step, 0.0) + seconds
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-
-
-def _tensor_bytes(path: Path) -> int:
-    """The bytes of a safetensors file's tensors: the file less its 8-byte length and JSON header."""
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-    return path.stat().st_size - 8 - header
-
-
-def read_safetensors_keys(path: Path) -> list[str]:
-    from quantkit.models.source import check_safetensors
-
-    return list(check_safetensors(path))

@@ -1854,9 +1854,9 @@ def test_a_fisher_cache_missing_a_layer_file_is_computed_again(tmp_path):
     layer file is gone (a cleanup, a copy cut short) is computed again and put in place, rather than handed to the
     quantizer as the path of a file that is not there (as it was: the recomputed copy's rename onto the old
     directory failed, and its old complete.json read as another run's complete copy)."""
+    from quantkit.fisher import cached_diagonal_fisher
     from quantkit.models.adapters import ROLES
-    from quantkit.models.source import FiniteScan, open_model
-    from quantkit.pipeline import _fisher
+    from quantkit.models.source import open_model
 
     model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=64, intermediate_size=128,
                                                                    num_hidden_layers=2, num_attention_heads=4,
@@ -1864,27 +1864,20 @@ def test_a_fisher_cache_missing_a_layer_file_is_computed_again(tmp_path):
     source = open_model(model)
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     names = [name for _, name in source.adapter.linear_names(list(ROLES))]
-    scan = FiniteScan(source)
-    try:
-        first = _fisher(source, tokens, names, Reporter(), scan)
-        assert all(p.is_file() for p in first)
-        first[1].unlink()
-        again = _fisher(source, tokens, names, Reporter(), scan)
-    finally:
-        scan.stop()
+    first = cached_diagonal_fisher(source, tokens, names)
+    assert all(p.is_file() for p in first)
+    first[1].unlink()
+    phases = []
+    again = cached_diagonal_fisher(source, tokens, names, lambda phase, done, total: phases.append(phase))
     assert again == first and all(p.is_file() for p in again)
+    assert "cached" not in phases and cached_diagonal_fisher(source, tokens, names) == first
 
 
 def _cached_fisher(source, tokens, names):
-    """pipeline._fisher with a checkpoint scan of its own."""
-    from quantkit.models.source import FiniteScan
-    from quantkit.pipeline import _fisher
+    """fisher.cached_diagonal_fisher, as the pipeline calls it."""
+    from quantkit.fisher import cached_diagonal_fisher
 
-    scan = FiniteScan(source)
-    try:
-        return _fisher(source, tokens, names, Reporter(), scan)
-    finally:
-        scan.stop()
+    return cached_diagonal_fisher(source, tokens, names)
 
 
 FISHER_SPEC = SyntheticLlama(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -2173,7 +2166,7 @@ def test_the_memory_check_counts_only_the_cached_error_windows_of_a_data_free_re
     from quantkit.pipeline import _check_cache_fits
 
     source = open_model(synthetic)
-    monkeypatch.setattr("quantkit.pipeline._available_memory", lambda: 32 << 20)
+    monkeypatch.setattr("quantkit.memory.available_bytes", lambda: 32 << 20)
     overrides = ["calibration.num_samples=1000", "calibration.seq_len=64", "engine.error_samples=4"]
     _check_cache_fits(load_recipe("rtn-w4a16-g128", overrides), source)
     with pytest.raises(QuantkitError, match="calibration on 1000 windows of 64 tokens keeps 0.1 GiB of activations"):
