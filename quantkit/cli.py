@@ -182,7 +182,8 @@ class _RichReporter:
             self.recorded += report.seconds
         # the mean of this run's layers (of the journal's, until this run has one) times the layers left
         eta = (self.spent / self.fresh if self.fresh else self.recorded / self.done) * (self.total - self.done)
-        self.progress.update(self.task, advance=1, last=f"layer {report.index}: rel. err {error}{tag}", eta=eta,
+        # the tag first: a narrow terminal cuts the text's end
+        self.progress.update(self.task, advance=1, last=f"layer {report.index}{tag}: rel. err {error}", eta=eta,
                              eta_at=time.monotonic())
         if not console.is_terminal:  # a log file gets no live bar: one line per layer instead
             console.print(f"layer {report.index} ({self.done}/{self.total}): rel. err {error}, "
@@ -521,7 +522,7 @@ def inspect(output: Path, verify: bool) -> None:
     for r in m["layers"]:
         sink = r["metrics"].get("sink_rel_error")
         layers.add_row(str(r["index"]), f"{r['rel_error']:.5f}", "-" if sink is None else f"{sink:.5f}",
-                       f"{r['seconds']:.1f}")
+                       f"{r['seconds']:.1f}" + (" (an earlier run)" if r.get("resumed") else ""))
     Console().print(layers)
     for note in m["notes"]:
         Console().print(f"note: {note}", highlight=False)
@@ -607,6 +608,7 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     reporter = _RichReporter()  # a layer's linears take seconds each in the simulator: progress, with an ETA
     layers, previous = manifest["num_layers"], -1
     try:
+        reporter.phase("validating layers", 0, layers)  # the clock starts with the first layer, not after it
         for linear in packed_linears(output):
             if checked and linear.layer != previous:
                 reporter.phase("validating layers", previous + 1, layers)

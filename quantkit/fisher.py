@@ -56,6 +56,8 @@ def diagonal_fisher(
     x = edges.embed.float()[windows]  # [n, L, H]
     layers = source.num_layers
     saved = [work_dir / f"input-{i:05d}.safetensors" for i in range(layers)]
+    if progress:  # each phase's clock starts with its first layer, not after it
+        progress("forward", 0, layers)
     for i in range(layers):
         save_file({"x": x.to(source.dtype).contiguous()}, str(saved[i]))
         x.copy_(x.to(source.dtype).float())  # the backward pass restarts from the stored (rounded) input
@@ -75,6 +77,8 @@ def diagonal_fisher(
     del x
 
     outputs = []
+    if progress:
+        progress("backward", 0, layers)
     for i in reversed(range(layers)):
         block = build_block(source, i)
         params = {name: block.get_submodule(name).weight for name in names}

@@ -86,6 +86,8 @@ class LayerReport:
     metrics: dict[str, float] = field(default_factory=dict)
     replayed: bool = False
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each pass, and of packing+check
+    replay_seconds: float = 0.0  # a replayed layer: this run's time rebuilding it from its shard (`seconds`: the
+    # unfinished run's time quantizing it)
 
 
 @dataclass
@@ -263,7 +265,7 @@ def _quantize_by_role(
     block, names_by_role = work.block, {}
     for name, role in work.linears.items():
         names_by_role.setdefault(role, []).append(name)
-    simulate.attach([block], [], work.config, None, kv_sim, kv_projections=work.adapter.kv_projections)
+    simulate.attach([block], [], work.config, None, kv_sim, adapter=work.adapter)
     acc = work.hessian_accumulator()
     runtime: dict[str, simulate.LinearRuntime] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
@@ -461,6 +463,8 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
                         progress)
             layers = _run_layers(job, source, packer, specs, calib, out, journal, reporter, cache, passes, scan,
                                  fisher)
+            if replay := sum(r.replay_seconds for r in layers):  # a resume's rebuilding of the finished layers
+                phases["replay"] = replay
         finally:
             scan.stop()
         manifest = _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges,
@@ -624,7 +628,7 @@ def _run_layer(ctx: _LayerContext, i: int, out: OutputDir, journal: dict[str, An
     if intact:
         _replay_layer(ctx, i, shard_path, x)
         report = LayerReport(i, done["rel_error"], done["seconds"], done["notes"], done["metrics"], replayed=True,
-                             step_seconds=done.get("step_seconds", {}))
+                             step_seconds=done.get("step_seconds", {}), replay_seconds=time.time() - t_layer)
     else:
         rel, notes, metrics, steps = _quantize_layer(ctx, i, shard_path, x)
         report = LayerReport(i, rel, time.time() - t_layer, notes, metrics, step_seconds=steps)
@@ -674,7 +678,7 @@ def _simulated_block(ctx: _LayerContext, i: int, shard: dict[str, torch.Tensor])
     block, runtime = _deployed_block(ctx.source, i, shard, ctx.packer, ctx.specs, ctx.job.recipe.targets)
     block.to(ctx.job.device)
     simulate.attach([block], ctx.linear_names, ctx.source.config, ctx.act_sim, ctx.kv_sim, runtime=[runtime],
-                    kv_projections=ctx.source.adapter.kv_projections)
+                    adapter=ctx.source.adapter)
     return block
 
 

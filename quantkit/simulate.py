@@ -176,11 +176,12 @@ def attach(
     activations: ActivationSim | None,
     kv: KVSim | None,
     runtime: list[dict[str, LinearRuntime]] | None = None,
-    kv_projections: tuple[str, str] | None = None,
+    adapter=None,
 ) -> list:
     """Attach activation and KV simulation to decoder blocks; returns hook handles (remove() to detach).
     `runtime[i][name]` says how linear `name` of block i runs beyond its weight (grouped activations, QServe's
-    epilogue zero point); `kv_projections` names the k and v projections (needed for pre-RoPE keys)."""
+    epilogue zero point); `adapter` (the model's ArchAdapter) names the attention module and the k and v
+    projections, which the KV simulation needs."""
     handles = []
     if activations is not None:
         for i, block in enumerate(blocks):
@@ -191,14 +192,14 @@ def attach(
                 if info is not None and info.szero is not None:
                     handles.append(module.register_forward_hook(_zero_hook(info.szero)))
     if kv is not None:
+        if adapter is None:
+            raise ValueError("KV simulation needs the model's adapter: its attention module and k and v projections")
         config._attn_implementation = ATTENTION_NAME
         for block in blocks:
-            block.self_attn._quantkit_kv_sim = kv
+            block.get_submodule(adapter.attention)._quantkit_kv_sim = kv
         if kv.pre_rope:
-            if kv_projections is None:
-                raise ValueError("pre-RoPE KV simulation needs the k and v projection names")
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            head_dim = adapter.head_dims(config)[2]
             for block in blocks:
-                for name in kv_projections:
+                for name in adapter.kv_projections:
                     handles.append(block.get_submodule(name).register_forward_hook(_kv_hook(kv, head_dim)))
     return handles

@@ -114,8 +114,7 @@ def test_pre_rope_kv_quantizes_the_projection_outputs_per_head(tmp_path):
     seen: dict[str, torch.Tensor] = {}
     k_proj = block.get_submodule(source.adapter.k_proj)
     probe = k_proj.register_forward_hook(lambda m, a, out: seen.setdefault("k", out))
-    handles = simulate.attach([block], [], source.config, None, sim,
-                              kv_projections=source.adapter.kv_projections)
+    handles = simulate.attach([block], [], source.config, None, sim, adapter=source.adapter)
     x = torch.randn(1, 5, 128)
     quantized = k_proj(x)  # the attached hook runs after the probe: probe saw the raw output
     heads = seen["k"].unflatten(-1, (2, 32))
@@ -123,7 +122,7 @@ def test_pre_rope_kv_quantizes_the_projection_outputs_per_head(tmp_path):
     assert len(torch.unique(quantized[0, 0, :32])) <= 16  # one head of one token: 16 levels
     for h in [*handles, probe]:
         h.remove()
-    with pytest.raises(ValueError, match="projection names"):
+    with pytest.raises(ValueError, match="needs the model's adapter"):
         simulate.attach([block], [], source.config, None, sim)
 
 
@@ -416,7 +415,7 @@ def test_pre_rope_kv_splits_heads_by_the_configs_head_dim(tmp_path):
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
     raw = k_proj(x).detach()
     assert raw.shape[-1] == 128
-    handles = simulate.attach([block], [], source.config, None, sim, kv_projections=source.adapter.kv_projections)
+    handles = simulate.attach([block], [], source.config, None, sim, adapter=source.adapter)
     quantized = k_proj(x).detach()
     for h in handles:
         h.remove()

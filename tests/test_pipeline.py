@@ -627,6 +627,7 @@ def test_the_live_bar_s_eta_after_a_resume_comes_from_this_run_s_layers(monkeypa
             reporter.layer_done(LayerReport(index=i, rel_error=0.0123, seconds=11.0, replayed=True))
         shown = _bar(reporter)
         assert "10/30" in shown and "ETA 0:03:40" in shown, shown  # 11 s x 20 layers, the journal's
+        assert "layer 9 (resumed)" in shown, shown  # the tag before the text a narrow terminal cuts
         reporter.layer_done(LayerReport(index=10, rel_error=0.0123, seconds=10.0, metrics={"sink_rel_error": 0.5}))
         shown = _bar(reporter)
         assert "11/30" in shown and "ETA 0:03:10" in shown, shown  # 10 s x 19: this run's layer alone
@@ -677,11 +678,12 @@ def test_a_resumed_run_times_only_its_own_layers(synthetic, calib_txt, tmp_path)
     assert timings["resumed_layers"] == 1 and timings["resumed_layer_seconds"] == resumed[0]["seconds"]
     fresh = [r for r in layers if not r.get("resumed")]
     assert timings["layer_seconds"] == pytest.approx(sum(r["seconds"] for r in fresh))
-    assert set(timings["phase_seconds"]) >= {"model", "calibration data"}
+    assert set(timings["phase_seconds"]) >= {"model", "calibration data", "replay"}
     assert sum(timings["step_seconds"].values()) + sum(timings["phase_seconds"].values()) <= timings["total_seconds"]
     assert f"1 of its {len(layers)} layers were quantized by the unfinished run it resumed" in said, said
     shown = " ".join(cli_ok("inspect", out).output.replace("│", " ").split())
     assert "the unfinished run it resumed quantized 1 layer(s) in" in shown, shown
+    assert f"{resumed[0]['seconds']:.1f} (an earlier run)" in shown, shown
     # an uninterrupted run's manifest has no such keys
     cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "c", "--calib", calib_txt, *FAST)
     plain = json.loads((tmp_path / "c" / "quantkit_manifest.json").read_text())
@@ -1867,10 +1869,15 @@ def test_a_fisher_cache_missing_a_layer_file_is_computed_again(tmp_path):
     first = cached_diagonal_fisher(source, tokens, names)
     assert all(p.is_file() for p in first)
     first[1].unlink()
-    phases = []
-    again = cached_diagonal_fisher(source, tokens, names, lambda phase, done, total: phases.append(phase))
+    reports = []
+    again = cached_diagonal_fisher(source, tokens, names, lambda phase, done, total: reports.append((phase, done)))
     assert again == first and all(p.is_file() for p in again)
-    assert "cached" not in phases and cached_diagonal_fisher(source, tokens, names) == first
+    # each phase reports 0 before its first layer, so that its clock (and ETA) starts with the layer, not after it
+    assert reports == [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 0), ("backward", 1),
+                       ("backward", 2)]
+    hits = []
+    assert cached_diagonal_fisher(source, tokens, names, lambda *report: hits.append(report)) == first
+    assert hits == [("cached", 1, 1)]
 
 
 def _cached_fisher(source, tokens, names):

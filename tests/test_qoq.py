@@ -16,6 +16,7 @@ from quantkit.eval.loading import load_for_eval
 from quantkit.eval.perplexity import perplexity
 from quantkit.formats.qserve import QServePacker
 from quantkit.formats.qserve_layout import emulate_group_dequant, unpack_qweight
+from quantkit.models.adapters import adapter_for
 from quantkit.recipe import load_recipe
 from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
 
@@ -227,7 +228,7 @@ def test_kv_simulation_is_what_every_layers_attention_reads(tmp_path, monkeypatc
         layers = list(model.model.layers)
         for layer in layers:
             layer.self_attn._quantkit_observer = lambda k, v: observed.append((k.clone(), v.clone()))
-        simulate.attach(layers, [], model.config, None, sim, kv_projections=("self_attn.k_proj", "self_attn.v_proj"))
+        simulate.attach(layers, [], model.config, None, sim, adapter=adapter_for("llama"))
         with torch.no_grad():
             model(ids)
         assert len(seen) == len(observed) == 2

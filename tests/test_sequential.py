@@ -33,7 +33,7 @@ def test_role_by_role_equals_running_the_finished_block(tmp_path, arch, simulate
     block = build_block(source, 0)
     act = simulate.ActivationSim(8) if simulated else None
     kv = simulate.KVSim(4) if simulated else None
-    simulate.attach([block], [], source.config, None, kv)
+    simulate.attach([block], [], source.config, None, kv, adapter=source.adapter)
     spec = QuantSpec(bits=4, symmetric=True, granularity="group", group_size=32)
     names = {role: list(adapter.linears[role]) for role in adapter.linears}
     seen: dict[str, list[torch.Tensor]] = {role: [] for role in names}
@@ -82,7 +82,7 @@ def test_attention_module_alone_equals_its_part_of_the_block(tmp_path, arch):
     runner = BlockRunner(source, 16, batch_size=2)
     x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(1))
     block = build_block(source, 0)
-    simulate.attach([block], [], source.config, None, simulate.KVSim(4))
+    simulate.attach([block], [], source.config, None, simulate.KVSim(4), adapter=source.adapter)
     inside: list[torch.Tensor] = []
     attn = block.get_submodule(source.adapter.attention)
     handle = attn.register_forward_hook(lambda m, args, out: inside.append(out[0].clone()))

@@ -225,7 +225,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     linear_names = [name for _, name in adapter.linear_names(list(specs))]
     blocks = list(model.get_submodule(adapter.layers_prefix))
     simulate.attach(blocks, linear_names, model.config, act, kv, runtime=runtime,
-                    kv_projections=adapter.kv_projections)
+                    adapter=adapter)
     tokenizer = load_tokenizer(path)
     sim = ", ".join(s for s in (_describe_act(act), f"KV{kv.bits} per-head{' pre-RoPE' if kv.pre_rope else ''}"
                                 if kv else "") if s)

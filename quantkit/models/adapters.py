@@ -75,6 +75,13 @@ class ArchAdapter:
     def up_proj(self) -> str:
         return self.linears["gate_up"][1]
 
+    def head_dims(self, config) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of the model's attention: the config's head_dim where it gives one
+        (heads x head_dim may exceed the hidden size, as in Mistral Nemo), else hidden size / heads."""
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
     @property
     def kv_projections(self) -> tuple[str, str]:
         """(k_proj, v_proj): where a pre-RoPE KV cache simulation quantizes keys and values."""

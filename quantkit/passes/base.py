@@ -72,10 +72,7 @@ class LayerWork:
 
     def head_dims(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) of the block's attention."""
-        c = self.config
-        heads = c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or heads
-        return heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads
+        return self.adapter.head_dims(self.config)
 
     def hessian(self, name: str) -> torch.Tensor:
         role = self.linears[name]
