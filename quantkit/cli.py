@@ -252,7 +252,7 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     previous = signal.signal(signal.SIGTERM, _terminate)
     reporter = _RichReporter()
     try:
-        from quantkit.pipeline import QuantizeJob, run_quantize, step_totals
+        from quantkit.pipeline import QuantizeJob, run_quantize
         from quantkit.recipe import load_recipe
 
         shorthands = [f"calibration.{key}={value}" for key, value in (("num_samples", num_samples),
@@ -270,12 +270,13 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
         signal.signal(signal.SIGTERM, previous)
         reporter.stop()
     errors = [r.rel_error for r in summary.layers]
-    resumed = [r for r in summary.layers if r.replayed]
+    timings = summary.timings
+    resumed = timings.get("resumed_layers")
     table = Table(title=f"quantized with {resolved.name}", show_header=False)
     table.add_row("output", str(summary.output))
     table.add_row("time", f"{summary.seconds:.1f} s" + (
-        f" (this run; {len(resumed)} of its {len(summary.layers)} layers were quantized by the unfinished run it "
-        f"resumed, in {sum(r.seconds for r in resumed):.0f} s)" if resumed else ""))
+        f" (this run; {resumed} of its {len(summary.layers)} layers were quantized by the unfinished run it "
+        f"resumed, in {timings['resumed_layer_seconds']:.0f} s)" if resumed else ""))
     table.add_row("peak RSS", f"{summary.peak_rss_bytes / 2**30:.2f} GiB"
                   + (f" (while {summary.peak_rss_while})" if summary.peak_rss_while else ""))
     table.add_row("output size", f"{summary.output_bytes / 2**20:.1f} MiB (every file)")
@@ -290,7 +291,7 @@ def quantize(model, recipe, output, calib, num_samples, seq_len, overrides, data
     # where this run's time went, so that a slow recipe says which pass to tune: the layers' steps, the phases
     # around them, and what no step or phase timed (the layers' bookkeeping, writing the artifact)
     total = summary.seconds or 1.0
-    timed = {**step_totals([r for r in summary.layers if not r.replayed]), **summary.phase_seconds}
+    timed = {**timings["step_seconds"], **timings["phase_seconds"]}
     spent = {k: v for k, v in sorted(timed.items(), key=lambda kv: -kv[1]) if v >= total / 200}  # >= 1% rounded
     spent["other"] = max(summary.seconds - sum(spent.values()), 0.0)  # the steps under 0.5% each go here too
     table.add_row("time by step", ", ".join(f"{k} {v:.0f} s ({v / total:.0%})" for k, v in spent.items()))

@@ -100,8 +100,8 @@ class RunSummary:
     layers: list[LayerReport]  # a resumed run's layers of the unfinished run too (`replayed`, with their seconds)
     notes: list[str]
     format_notes: list[str]  # the export format's caveats: who loads the artifact, what they cannot run
-    # this run's seconds outside the layers: start-up, model (a GGUF's conversion too), calibration data, Fisher
-    phase_seconds: dict[str, float] = field(default_factory=dict)
+    # the manifest's: this run's layers, steps and phases apart from the unfinished run's it resumed (_timings)
+    timings: dict[str, Any] = field(default_factory=dict)
     peak_rss_while: str | None = None  # what the process was doing when its RSS peaked, where one phase explains it
 
 
@@ -486,12 +486,11 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     finally:
         out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
     log.info("wrote %s (%s format)", out.final, packer.name)
-    peak = memory.peak_rss_bytes()
-    return RunSummary(
-        output=out.final, seconds=time.time() - t0, peak_rss_bytes=peak,
+    return RunSummary(  # the peak and the timings as the manifest records them
+        output=out.final, seconds=time.time() - t0, peak_rss_bytes=manifest["peak_rss_bytes"],
         output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
-        format_notes=spec_notes(recipe, specs, packer, source), phase_seconds=phases,
-        peak_rss_while=_peak_while(source, peak, opening),
+        format_notes=spec_notes(recipe, specs, packer, source), timings=manifest["timings"],
+        peak_rss_while=manifest.get("peak_rss_while"),
     )
 
 
