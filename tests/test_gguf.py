@@ -75,7 +75,7 @@ def test_an_open_that_converts_says_so(cache, tmp_path, monkeypatch):
         calls.append(gguf)
         return Path(shutil.copytree(finished, cache_dir / "gguf" / finished.name))
 
-    monkeypatch.setattr(source_module, "gguf_to_safetensors", convert)
+    monkeypatch.setattr(source_module, "_convert_gguf", convert)
     first = open_model(shared_path(GGUF), cache_dir=tmp_path)
     second = open_model(shared_path(GGUF), cache_dir=tmp_path)
     assert (first.converted, second.converted, len(calls)) == (True, False, 1)

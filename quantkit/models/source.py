@@ -571,8 +571,9 @@ def _check_gguf(gguf: Path) -> None:
 
 def _open_gguf(gguf: Path, trust_remote_code: bool, cache_dir: Path | None) -> ModelSource:
     """A GGUF file's cached float16 copy as a ModelSource, converted first where no copy is cached."""
-    cached = _cached_gguf(gguf, cache_dir or default_cache_dir())
-    source = ModelSource(cached or gguf_to_safetensors(gguf, cache_dir), trust_remote_code, origin=str(gguf.resolve()))
+    cache_dir = cache_dir or default_cache_dir()
+    cached = _cached_gguf(gguf, cache_dir)
+    source = ModelSource(cached or _convert_gguf(gguf, cache_dir), trust_remote_code, origin=str(gguf.resolve()))
     source.converted = cached is None
     return source
 
@@ -593,8 +594,11 @@ def gguf_to_safetensors(gguf: Path, cache_dir: Path | None = None) -> Path:
     afterwards streams from the cache like any checkpoint.
     """
     cache_dir = cache_dir or default_cache_dir()
-    if (cached := _cached_gguf(gguf, cache_dir)) is not None:
-        return cached
+    return _cached_gguf(gguf, cache_dir) or _convert_gguf(gguf, cache_dir)
+
+
+def _convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """gguf_to_safetensors' conversion, where the cache holds no copy yet."""
     target = cache_dir / "gguf" / f"{gguf.stem}-{content_digest(gguf, cache_dir)[:16]}"
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
