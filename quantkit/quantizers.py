@@ -216,6 +216,17 @@ def qparams_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype =
     """`compute_qparams(w, spec, scale_dtype, clip_ratio=r)` as a function of `r` (None: the spec's ratio), with
     what does not depend on the ratio (the ranges of every row or group) computed once, for searches that try many
     ratios on one weight. compute_qparams is this function applied once, so a search's parameters are its bits."""
+    at = _by_clip(w, spec, scale_dtype)
+
+    def by_clip(clip_ratio: float | torch.Tensor | None) -> QParams:
+        return at(spec.clip_ratio if clip_ratio is None else clip_ratio)
+
+    return by_clip
+
+
+def _by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype
+             ) -> Callable[[float | torch.Tensor], QParams]:
+    """qparams_by_clip's function of a given ratio, for the spec's kind of parameters."""
     n, k = w.shape
     gs = spec.columns_per_group(k)
     if k % gs:
@@ -232,8 +243,8 @@ def qparams_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype =
     if spec.symmetric:
         absmax = x.abs().amax(dim=-1)
 
-        def symmetric(clip_ratio: float | torch.Tensor | None) -> QParams:
-            amax = absmax * (spec.clip_ratio if clip_ratio is None else clip_ratio)
+        def symmetric(clip: float | torch.Tensor) -> QParams:
+            amax = absmax * clip
             if spec.row_block > 1:
                 amax = amax.repeat_interleave(spec.row_block, dim=0)
             scale = amax / ((spec.qmax - spec.qmin) / 2)
@@ -244,8 +255,7 @@ def qparams_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype =
     lo0 = x.amin(dim=-1).clamp(max=0)
     hi0 = x.amax(dim=-1).clamp(min=0)
 
-    def asymmetric(clip_ratio: float | torch.Tensor | None) -> QParams:
-        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+    def asymmetric(clip: float | torch.Tensor) -> QParams:
         lo = lo0 * clip
         hi = hi0 * clip
         scale = _round_scale((hi - lo) / (spec.qmax - spec.qmin), scale_dtype)
@@ -258,7 +268,8 @@ def qparams_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype =
     return asymmetric
 
 
-def _progressive_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, gs: int) -> ByClip:
+def _progressive_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, gs: int
+                         ) -> Callable[[float | torch.Tensor], QParams]:
     """QoQ level 1 (s1, protective clamp) and level 2 (integer s2, zero, code bounds) for `w` [N, K], as a function
     of the clip ratio (`qparams_by_clip`)."""
     n, k = w.shape
@@ -274,8 +285,7 @@ def _progressive_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dt
     hi0 = x.amax(dim=-1).clamp(min=0)
     levels = spec.qmax - spec.qmin
 
-    def progressive(clip_ratio: float | torch.Tensor | None) -> QParams:
-        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+    def progressive(clip: float | torch.Tensor) -> QParams:
         lo = lo0 * clip
         hi = hi0 * clip
         s2 = torch.round((hi - lo) / levels).clamp(min=1)
@@ -330,7 +340,8 @@ def lqq_code_bound(offset: torch.Tensor, s2: torch.Tensor, levels: int = 15) -> 
     return torch.minimum(torch.floor((127 - offset) / s2), torch.full_like(offset, levels))
 
 
-def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int) -> ByClip:
+def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int
+                 ) -> Callable[[float | torch.Tensor], QParams]:
     """LiquidQuant level 2 on the INT8 level-1 values: integer step 1..16 and offset min8 per group, as a function
     of the clip ratio (`qparams_by_clip`)."""
     n, k = w.shape
@@ -340,8 +351,7 @@ def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int) ->
     hi8 = x8.amax(dim=-1)
     levels = spec.qmax - spec.qmin
 
-    def lqq(clip_ratio: float | torch.Tensor | None) -> QParams:
-        clip = spec.clip_ratio if clip_ratio is None else clip_ratio
+    def lqq(clip: float | torch.Tensor) -> QParams:
         lo = torch.round(lo8 * clip)  # a clip ratio narrows the group's integer range
         hi = torch.round(hi8 * clip)
         s2 = torch.round((hi - lo) / levels).clamp(1, 16)
