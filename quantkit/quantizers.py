@@ -352,8 +352,11 @@ def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int
     levels = spec.qmax - spec.qmin
 
     def lqq(clip: float | torch.Tensor) -> QParams:
-        lo = torch.round(lo8 * clip)  # a clip ratio narrows the group's integer range
-        hi = torch.round(hi8 * clip)
+        # a clip ratio clips the group's integer values to `clip` times their range widened to hold 0, as the other
+        # kinds' ratios do: a group on both sides of 0 narrows at both ends, a one-sided one (say [100, 119]) only
+        # at the end away from 0, where scaling both ends would shift its range (to [90, 107]) instead
+        lo = torch.round(torch.clamp(lo8, lo8.clamp(max=0) * clip, hi8.clamp(min=0) * clip))
+        hi = torch.round(torch.clamp(hi8, lo8.clamp(max=0) * clip, hi8.clamp(min=0) * clip))
         s2 = torch.round((hi - lo) / levels).clamp(1, 16)
         u_hi = lqq_code_bound(lo, s2, levels)
         return QParams(

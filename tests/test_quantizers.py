@@ -243,6 +243,25 @@ def test_lqq_clip_narrows_the_int8_level1_values():
     assert qp.s1.item() == 1.0 and qp.offset.item() == -6.0 and qp.s2.item() == 4.0  # hi = round(59.5) = 60
 
 
+def test_lqq_clip_narrows_a_one_sided_group_at_its_far_end():
+    """A group of level-1 values in [40, 119] (s1 = 119 / 119 = 1; offset 40, step round(79 / 15 = 5.27) = 5): clip
+    0.9 keeps the offset 40 and clips the top to round(107.1) = 107, as a clamp of the values to 0.9 x [0, 119]
+    would, so the step is round(67 / 15 = 4.47) = 4. Scaling both ends gave offset 36 and step round(71 / 15) = 5: a
+    range shifted below the group, and no finer step. At 0.3 the clamp bound 35.7 lies below the whole group: every
+    value clips to it, so the offset is 36 with step 1. The negative mirror clips its bottom alone."""
+    spec = QuantSpec(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True, level2="lqq")
+    w = torch.linspace(40.0, 119.0, 32).reshape(1, 32)
+    at_one = compute_qparams(w, spec)
+    assert (at_one.s1.item(), at_one.offset.item(), at_one.s2.item()) == (1.0, 40.0, 5.0)
+    qp = compute_qparams(w, spec, clip_ratio=0.9)
+    assert (qp.offset.item(), qp.s2.item()) == (40.0, 4.0)
+    assert dequantize(quantize(w, qp, spec), qp).amin().item() == 40.0  # the bottom of the group is kept
+    low = compute_qparams(w, spec, clip_ratio=0.3)
+    assert (low.offset.item(), low.s2.item()) == (36.0, 1.0)
+    neg = compute_qparams(-w.flip(1), spec, clip_ratio=0.9)
+    assert (neg.offset.item(), neg.s2.item()) == (-107.0, 4.0)  # [-107, -40]: the end nearest 0 kept
+
+
 def test_search_qparams_tries_the_smallest_ratio():
     """grid=1 compares exactly the ratios 1.0 and min_ratio = 0.8. Row [7.5, 2.4 x 127]: at 1.0 (scale 1) each 2.4
     is off by 0.4 (127 * 0.4^2.4 = 14.1); at 0.8 (scale fp16(0.8)) the 2.4s are exact codes 3 and only 7.5 clips
