@@ -15,9 +15,9 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -302,9 +302,59 @@ class OutputDir:
 JOURNAL_FORMAT = 3
 
 
-def new_journal(identity: dict[str, Any]) -> dict[str, Any]:
-    """The journal of a fresh run with `identity` (the JOURNAL_IDENTITY fields), no layer done yet."""
-    return {**identity, "quantkit_version": __version__, "journal_format": JOURNAL_FORMAT, "layers": {}}
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a journal records of the run that began it, and a resumed run must share: otherwise its layers would
+    be mixed with layers quantized from other weights, recipe, tokens, device or dtype."""
+
+    model: str  # as the user named it
+    weights: dict[str, list[int]]  # each checkpoint file's [size, mtime_ns], by name (pipeline's weights stamp)
+    recipe: str  # the resolved recipe, as YAML
+    calibration_sha256: str  # of the token windows
+    device: str
+    dtype: str  # what the checkpoint is read as
+
+    def journal_fields(self) -> dict[str, Any]:
+        """The fields as the journal holds them, with the recipe's sha256 beside its text."""
+        return {**asdict(self), "recipe_sha256": hashlib.sha256(self.recipe.encode()).hexdigest()}
+
+    def differences(self, journal: dict[str, Any]) -> list[str]:
+        """How an interrupted run's journal differs from this identity, in words: the recipe by its fields (e.g.
+        "calibration.num_samples 8 vs 4"), the weights by their files."""
+        import yaml
+
+        out = []
+        for key, value in asdict(self).items():
+            was = journal.get(key)
+            if was == value:
+                continue
+            if key == "recipe":
+                before, now = _flat(yaml.safe_load(was)), _flat(yaml.safe_load(value))
+                changed = [f"{k} {before.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(before) | set(now), key=str)
+                           if before.get(k) != now.get(k)]
+                out.append(f"recipe {', '.join(changed) or 'text'}")
+            elif key == "weights":
+                was = was if isinstance(was, dict) else {}
+                changed = [f for f in sorted(set(was) | set(value)) if was.get(f) != value.get(f)]
+                out.append(f"checkpoint files changed since ({', '.join(changed)})")
+            else:
+                out.append(f"{key.replace('_', ' ')} {was!r} vs {value!r}")
+        return out
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A recipe's YAML as dotted keys ("passes.0.damp"), its passes by position."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def new_journal(identity: RunIdentity, threads: int) -> dict[str, Any]:
+    """The journal of a fresh run with `identity`, on `threads` CPU threads, no layer done yet."""
+    return {**identity.journal_fields(), "threads": threads, "quantkit_version": __version__,
+            "journal_format": JOURNAL_FORMAT, "layers": {}}
 
 
 def _other_writer(journal: dict[str, Any]) -> str:
@@ -316,9 +366,9 @@ def _other_writer(journal: dict[str, Any]) -> str:
     return f"quantkit {version}" + (f" (journal format {fmt})" if fmt is not None else " (an earlier journal format)")
 
 
-# What a journal records of its run, which a resumed run must share (pipeline.run_quantize), and of each layer.
-_JOURNAL_TYPES: dict[str, type] = {"model": str, "weights": dict, "recipe": str, "recipe_sha256": str,
-                                   "calibration_sha256": str, "device": str, "dtype": str}
+# What a journal records of its run (RunIdentity's fields, and the recipe's sha256), and of each layer.
+_JOURNAL_TYPES: dict[str, type] = {
+    **{name: get_origin(kind) or kind for name, kind in get_type_hints(RunIdentity).items()}, "recipe_sha256": str}
 JOURNAL_IDENTITY = tuple(_JOURNAL_TYPES)
 _JOURNAL_LAYER = {"shard": str, "sha256": str, "rel_error": (int, float), "seconds": (int, float), "notes": list,
                   "metrics": dict}

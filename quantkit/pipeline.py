@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from quantkit.artifact import (
     MANIFEST,
     RECIPE,
     OutputDir,
+    RunIdentity,
     atomic_save_safetensors,
     manifest_digest,
     new_journal,
@@ -377,24 +377,10 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
     model_path = Path(job.model).expanduser()
     protect = (model_path,) if model_path.exists() else ()  # a local model: never the output to replace
     out.check(resume=job.resume, overwrite=job.overwrite, protect=protect)
-    peak_before_open = memory.peak_rss_bytes()
     with _timed(phases, "model"):
-        source = open_model(job.model, trust_remote_code=job.trust_remote_code)
-    # ru_maxrss only grows: raised by the opening and no higher at the end, the run's peak was the opening's
-    opening = (peak_before_open, memory.peak_rss_bytes())
-    log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
-             source.num_layers, dtype_name(source.checkpoint_dtype), source.path)
-    artifact = (source.path / MANIFEST).is_file()
-    if artifact or getattr(source.config, "quantization_config", None) is not None:
-        what = "a quantkit artifact" if artifact else "its config.json has a quantization_config"
-        raise QuantkitError(f"{source.origin} is already quantized ({what}); quantize the original floating-point "
-                            "checkpoint")
+        source, opening = _open_source(job)
     conversion = _choose_dtype(job, source)  # said once the format has taken the dtype (in _plan)
-    job = replace(job, recipe=fit_context(job.recipe, source, reporter))
-    if job.calib is not None:  # the saved recipe names the data calibrated on, so that it reproduces the run
-        named = str(job.calib) in named_sets()
-        dataset = str(job.calib) if named else str(Path(job.calib).expanduser().resolve())
-        job = replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
+    job = _resolved_job(job, source, reporter)
     recipe = job.recipe
     packer, specs = _plan(source, recipe, job)
     _check_cache_fits(recipe, source)
@@ -402,44 +388,20 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         reporter.warn(conversion)
     with _timed(phases, "calibration data"):
         tokenizer = load_tokenizer(source.path, job.trust_remote_code, source.origin)
-        calib = resolve_calibration(job, source, tokenizer, reporter)
-    if calib.source.endswith(WIKITEXT_FILE):
-        reporter.warn(f"calibrating on the WikiText-2 test split ({calib.source}), the text `quantkit eval` measures "
-                      "perplexity on: that perplexity will be optimistic; provide the train split "
-                      "(<data dir>/wikitext-2-raw-v1/train.jsonl) for results comparable to the papers")
-    log.info("calibration: %s, %s sampling, %d x %d tokens, sha256 %s", calib.source, calib.sampling,
-             calib.tokens.shape[0], calib.tokens.shape[1], calib.sha256)
+        calib = _calibration(job, source, tokenizer, reporter)
     journal = out.prepare(resume=job.resume, overwrite=job.overwrite, protect=protect)
-    threads = torch.get_num_threads()  # float sums (matmuls, reductions) are split by thread: the bits depend on it
     recipe_yaml = to_yaml(recipe)
-    try:
+    with _stops_reported(out, reporter):
         calib_info = {
             "source": calib.source, "sampling": calib.sampling, "seed": calib.seed,
             "num_samples": int(calib.tokens.shape[0]), "seq_len": int(calib.tokens.shape[1]),
             "sha256": calib.sha256,
         }
-        identity = {
-            "model": source.origin, "weights": _weights_stamp(source),
-            "recipe": recipe_yaml, "recipe_sha256": hashlib.sha256(recipe_yaml.encode()).hexdigest(),
-            "calibration_sha256": calib.sha256, "device": job.device, "dtype": dtype_name(source.dtype),
-        }
-        if journal is not None:
-            if differences := _identity_differences(journal, identity):
-                raise QuantkitError(f"--resume: the interrupted run differs from this one: {'; '.join(differences)}; "
-                                    "rerun with --overwrite to start afresh, or resume with what it used")
-            if journal.get("threads", threads) != threads:  # a warning, not a refusal: the result is as good
-                reporter.warn(f"--resume: the interrupted run used {journal['threads']} CPU threads, this one "
-                              f"{threads}: torch splits float sums by thread, so the layers from here on may differ "
-                              "in their last bits from an uninterrupted run's (set OMP_NUM_THREADS to match)")
-        else:
-            journal = {**new_journal(identity), "threads": threads}
-            out.save_journal(journal)
+        identity = RunIdentity(model=source.origin, weights=_weights_stamp(source), recipe=recipe_yaml,
+                               calibration_sha256=calib.sha256, device=job.device, dtype=dtype_name(source.dtype))
+        journal = _journal_for(out, journal, identity, reporter)
         passes = [get_pass(p.name)(p.config) for p in recipe.passes if p.enabled]
-        edges = None  # held only when a pass rewrites them; otherwise _finalize copies them from the checkpoint
-        if any(type(p).prepare is not Pass.prepare for p in passes):
-            edges = source.edges()
-            for p in passes:
-                p.prepare(edges, source.config)
+        edges = _prepared_edges(source, passes)
         tokens = calib.tokens
         if not any(p.reads_activations for p in passes) and recipe.engine.error_samples is not None:
             tokens = tokens[:recipe.engine.error_samples]  # only the per-layer error reads them
@@ -470,6 +432,90 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         manifest = _finalize(job, source, packer, specs, out, calib_info, layers, recipe_yaml, t0, tokenizer, edges,
                              phases, opening)
         out.commit()
+    log.info("wrote %s (%s format)", out.final, packer.name)
+    return RunSummary(  # the peak and the timings as the manifest records them
+        output=out.final, seconds=time.time() - t0, peak_rss_bytes=manifest["peak_rss_bytes"],
+        output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
+        format_notes=spec_notes(recipe, specs, packer, source), timings=manifest["timings"],
+        peak_rss_while=manifest.get("peak_rss_while"),
+    )
+
+
+def _open_source(job: QuantizeJob) -> tuple[ModelSource, tuple[int, int]]:
+    """The model to quantize, refused if it is quantized already, and the peak RSS before and after opening it
+    (`_peak_while`)."""
+    peak_before = memory.peak_rss_bytes()
+    source = open_model(job.model, trust_remote_code=job.trust_remote_code)
+    # ru_maxrss only grows: raised by the opening and no higher at the end, the run's peak was the opening's
+    opening = (peak_before, memory.peak_rss_bytes())
+    log.info("model %s: %s, %d layers, %s, weights in %s", source.origin, source.adapter.model_type,
+             source.num_layers, dtype_name(source.checkpoint_dtype), source.path)
+    artifact = (source.path / MANIFEST).is_file()
+    if artifact or getattr(source.config, "quantization_config", None) is not None:
+        what = "a quantkit artifact" if artifact else "its config.json has a quantization_config"
+        raise QuantkitError(f"{source.origin} is already quantized ({what}); quantize the original floating-point "
+                            "checkpoint")
+    return source, opening
+
+
+def _resolved_job(job: QuantizeJob, source: ModelSource, reporter: Reporter) -> QuantizeJob:
+    """`job` with the recipe that the run saves: its windows capped at the model's context (`fit_context`), and
+    its dataset the --calib data calibrated on, so that the saved recipe reproduces the run."""
+    job = replace(job, recipe=fit_context(job.recipe, source, reporter))
+    if job.calib is None:
+        return job
+    dataset = str(job.calib) if str(job.calib) in named_sets() else str(Path(job.calib).expanduser().resolve())
+    return replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
+
+
+def _calibration(job: QuantizeJob, source: ModelSource, tokenizer: Any, reporter: Reporter) -> CalibrationSet:
+    """The run's token windows (`resolve_calibration`), with a warning where they come from the text eval measures."""
+    calib = resolve_calibration(job, source, tokenizer, reporter)
+    if calib.source.endswith(WIKITEXT_FILE):
+        reporter.warn(f"calibrating on the WikiText-2 test split ({calib.source}), the text `quantkit eval` measures "
+                      "perplexity on: that perplexity will be optimistic; provide the train split "
+                      "(<data dir>/wikitext-2-raw-v1/train.jsonl) for results comparable to the papers")
+    log.info("calibration: %s, %s sampling, %d x %d tokens, sha256 %s", calib.source, calib.sampling,
+             calib.tokens.shape[0], calib.tokens.shape[1], calib.sha256)
+    return calib
+
+
+def _journal_for(out: OutputDir, journal: dict[str, Any] | None, identity: RunIdentity,
+                 reporter: Reporter) -> dict[str, Any]:
+    """The journal this run records its layers in: a resumed run's (`journal`), refused where the interrupted run
+    differs from `identity`, else a new one, saved."""
+    threads = torch.get_num_threads()  # float sums (matmuls, reductions) are split by thread: the bits depend on it
+    if journal is None:
+        journal = new_journal(identity, threads)
+        out.save_journal(journal)
+        return journal
+    if differences := identity.differences(journal):
+        raise QuantkitError(f"--resume: the interrupted run differs from this one: {'; '.join(differences)}; "
+                            "rerun with --overwrite to start afresh, or resume with what it used")
+    if journal.get("threads", threads) != threads:  # a warning, not a refusal: the result is as good
+        reporter.warn(f"--resume: the interrupted run used {journal['threads']} CPU threads, this one "
+                      f"{threads}: torch splits float sums by thread, so the layers from here on may differ "
+                      "in their last bits from an uninterrupted run's (set OMP_NUM_THREADS to match)")
+    return journal
+
+
+def _prepared_edges(source: ModelSource, passes: list[Pass]) -> ModelEdges | None:
+    """The model's embeddings, final norm and lm_head as the passes' `prepare` rewrites them, or None where no pass
+    does (they are read only at the end then, when _finalize copies them from the checkpoint)."""
+    if all(type(p).prepare is Pass.prepare for p in passes):
+        return None
+    edges = source.edges()
+    for p in passes:
+        p.prepare(edges, source.config)
+    return edges
+
+
+@contextlib.contextmanager
+def _stops_reported(out: OutputDir, reporter: Reporter) -> Iterator[None]:
+    """Around the work that writes `out`: a run stopped by Ctrl-C, by a QuantkitError or by its machine (a full
+    disk) says what it leaves for --resume, and lets go of the work dir at once (an embedding caller goes on)."""
+    try:
+        yield
     except KeyboardInterrupt:
         if out.work.exists():  # else the commit's rename went through: the output is complete
             again = "--resume --overwrite" if out.final.exists() else "--resume"
@@ -484,14 +530,7 @@ def run_quantize(job: QuantizeJob, reporter: Reporter | None = None) -> RunSumma
         exc.args = (f"{exc}{note}",)
         raise
     finally:
-        out.release()  # a run that failed lets go of the work dir at once (an embedding caller goes on)
-    log.info("wrote %s (%s format)", out.final, packer.name)
-    return RunSummary(  # the peak and the timings as the manifest records them
-        output=out.final, seconds=time.time() - t0, peak_rss_bytes=manifest["peak_rss_bytes"],
-        output_bytes=_tree_bytes(out.final), calibration=calib_info, layers=layers, notes=manifest["notes"],
-        format_notes=spec_notes(recipe, specs, packer, source), timings=manifest["timings"],
-        peak_rss_while=manifest.get("peak_rss_while"),
-    )
+        out.release()
 
 
 def _peak_while(source: ModelSource, peak: int, opening: tuple[int, int]) -> str | None:
@@ -555,37 +594,6 @@ def _weights_stamp(source: ModelSource) -> dict[str, list[int]]:
         files = sorted({f for pattern in CHECKPOINT_FILES for f in source.path.glob(pattern) if f.is_file()})
     stats = {f.name: f.stat() for f in files}
     return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
-
-
-def _identity_differences(journal: dict[str, Any], identity: dict[str, Any]) -> list[str]:
-    """How an interrupted run's journal differs from this run's identity, in words: the recipe by its fields
-    (e.g. "calibration.num_samples 8 vs 4"), the weights by their files."""
-    import yaml
-
-    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(value, dict):
-            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
-        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):  # passes, by position
-            return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{prefix}{i}.").items()}
-        return {prefix.rstrip("."): value}
-
-    out = []
-    for key, value in identity.items():
-        was = journal.get(key)
-        if was == value or key == "recipe_sha256":
-            continue
-        if key == "recipe":
-            before, now = flat(yaml.safe_load(was)), flat(yaml.safe_load(value))
-            changed = [f"{k} {before.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(before) | set(now), key=str)
-                       if before.get(k) != now.get(k)]
-            out.append(f"recipe {', '.join(changed) or 'text'}")
-        elif key == "weights":
-            was = was if isinstance(was, dict) else {}
-            files = sorted(set(was) | set(value))
-            out.append(f"checkpoint files changed since ({', '.join(f for f in files if was.get(f) != value.get(f))})")
-        else:
-            out.append(f"{key.replace('_', ' ')} {was!r} vs {value!r}")
-    return out
 
 
 def _run_layers(

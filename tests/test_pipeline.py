@@ -1724,9 +1724,11 @@ def test_overwrite_takes_a_directory_of_temp_files_alone_as_quantkits(tmp_path):
     assert (mine / "thesis.txt").read_text() == "precious"
 
 
-def _journal_identity() -> dict:
-    return {"model": "m", "weights": {}, "recipe": "name: x\n", "recipe_sha256": "0" * 64,
-            "calibration_sha256": "0" * 64, "device": "cpu", "dtype": "float16"}
+def _journal_identity():
+    from quantkit.artifact import RunIdentity
+
+    return RunIdentity(model="m", weights={}, recipe="name: x\n", calibration_sha256="0" * 64, device="cpu",
+                       dtype="float16")
 
 
 def test_a_resumed_run_holds_the_lock_and_keeps_it_until_its_commit(tmp_path, monkeypatch):
@@ -1738,7 +1740,7 @@ def test_a_resumed_run_holds_the_lock_and_keeps_it_until_its_commit(tmp_path, mo
 
     first = OutputDir(tmp_path / "b")
     first.prepare(resume=False, overwrite=False)
-    first.save_journal(new_journal(_journal_identity()))
+    first.save_journal(new_journal(_journal_identity(), threads=1))
     first.release()
     resumed = OutputDir(tmp_path / "b")
     assert resumed.prepare(resume=True, overwrite=False)["layers"] == {}
