@@ -771,14 +771,7 @@ def _quantize_layer(
     work.hessians.clear()
     notes, metrics = work.notes, work.metrics
 
-    prefix = adapter.layer_prefix(i)
-    shard: dict[str, torch.Tensor] = {}
-    for name, parts in packed.items():
-        for key, t in parts.items():
-            shard[f"{prefix}{name}.{key}"] = t
-    for key, t in block.state_dict().items():
-        if not any(key == f"{name}.weight" for name in packed):  # biases, norms: kept as they are
-            shard[prefix + key] = t.to("cpu", source.dtype)
+    shard = _layer_shard(adapter.layer_prefix(i), packed, block, source.dtype)
     atomic_save_safetensors(shard, shard_path)
 
     if by_role:
@@ -791,14 +784,33 @@ def _quantize_layer(
         else:
             y_q = runner.run(block, x[:n_err])
             x.copy_(y_ref)
-    rel, metrics["sink_rel_error"] = output_errors(y_q, y_ref[:n_err])
-    if not (math.isfinite(rel) and math.isfinite(metrics["sink_rel_error"])):  # an unusable artifact: stop here
-        whose = ("the unquantized block's outputs overflow on the calibration text"
-                 if not bool(torch.isfinite(y_ref[:n_err]).all()) else
-                 "the block rebuilt from its packed shard gives non-finite outputs (a scale or table overflowed)")
-        raise QuantkitError(f"layer {i}: relative output error {rel:g}: {whose}; the layer is not recorded as done")
+    rel, metrics["sink_rel_error"] = _finite_errors(i, y_q, y_ref[:n_err])
     lap("pack+propagate")
     return rel, notes, metrics, steps
+
+
+def _layer_shard(prefix: str, packed: dict[str, dict[str, torch.Tensor]], block: nn.Module,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A layer's shard: each quantized linear's packed tensors, and the block's other tensors (biases, norms) as
+    they are, in the checkpoint's `dtype`, under the layer's `prefix`."""
+    shard = {f"{prefix}{name}.{key}": t for name, parts in packed.items() for key, t in parts.items()}
+    quantized = {f"{name}.weight" for name in packed}
+    for key, t in block.state_dict().items():
+        if key not in quantized:
+            shard[prefix + key] = t.to("cpu", dtype)
+    return shard
+
+
+def _finite_errors(i: int, y_q: torch.Tensor, y_ref: torch.Tensor) -> tuple[float, float]:
+    """Layer `i`'s output errors (`output_errors`), or an error that stops the run where they are not finite: an
+    unusable artifact, whose layer is not recorded as done."""
+    rel, sink = output_errors(y_q, y_ref)
+    if not (math.isfinite(rel) and math.isfinite(sink)):
+        whose = ("the unquantized block's outputs overflow on the calibration text"
+                 if not bool(torch.isfinite(y_ref).all()) else
+                 "the block rebuilt from its packed shard gives non-finite outputs (a scale or table overflowed)")
+        raise QuantkitError(f"layer {i}: relative output error {rel:g}: {whose}; the layer is not recorded as done")
+    return rel, sink
 
 
 def output_errors(y_q: torch.Tensor, y_ref: torch.Tensor) -> tuple[float, float]:
@@ -822,6 +834,19 @@ def _finalize(
 ) -> dict[str, Any]:
     """Write the non-layer shard (with the passes' rewritten edges, if any), index, config, tokenizer, recipe
     and manifest into the work dir; returns the manifest."""
+    untied = _write_rest(source, packer, out, edges)
+    _write_index(source, out)
+    _write_config(source, packer, specs, out, untied)
+    tokenizer.save_pretrained(out.work)
+    atomic_write(out.work / RECIPE, recipe_yaml)
+    manifest = _manifest(job, source, packer, specs, out, calib_info, layers, t0, phases, opening)
+    atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _write_rest(source: ModelSource, packer: Packer, out: OutputDir, edges: ModelEdges | None) -> bool:
+    """Write the last shard: the tensors outside the layers (the embeddings, final norm and lm_head as the passes
+    rewrote them, where they did). Returns whether a tied lm_head came apart from the embeddings."""
     total = source.num_layers + 1
     a = source.adapter
     rest = {name: t.to(source.dtype) if t.is_floating_point() else t
@@ -837,6 +862,12 @@ def _finalize(
         # that never tie (the config still says tied, so that transformers and quantkit's eval tie as before)
         rest[a.lm_head + ".weight"] = rest[a.embed + ".weight"].clone()
     atomic_save_safetensors(rest, out.work / shard_name(total, total))
+    return untied
+
+
+def _write_index(source: ModelSource, out: OutputDir) -> None:
+    """model.safetensors.index.json over every shard, from their headers."""
+    total = source.num_layers + 1
     weight_map: dict[str, str] = {}
     tensor_bytes = 0  # total_size: the tensors' bytes, as transformers' own indexes count it (headers apart)
     for i in range(total):
@@ -848,6 +879,11 @@ def _finalize(
     index = {"metadata": {"total_size": tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write(out.work / "model.safetensors.index.json", json.dumps(index, indent=2))
 
+
+def _write_config(source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
+                  untied: bool) -> None:
+    """The checkpoint's config.json with the format's quantization_config and entries, and the generation config."""
+    a = source.adapter
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = packer.quantization_config(specs)
     config.update(packer.config_entries(specs, a.layers_prefix, {role: a.linears[role] for role in specs}))
@@ -859,9 +895,15 @@ def _finalize(
     for extra in ("generation_config.json",):
         if (source.path / extra).is_file():
             shutil.copyfile(source.path / extra, out.work / extra)
-    tokenizer.save_pretrained(out.work)
-    atomic_write(out.work / RECIPE, recipe_yaml)
 
+
+def _manifest(
+    job: QuantizeJob, source: ModelSource, packer: Packer, specs: dict[str, QuantSpec], out: OutputDir,
+    calib_info: dict[str, Any], layers: list[LayerReport], t0: float, phases: dict[str, float],
+    opening: tuple[int, int],
+) -> dict[str, Any]:
+    """The manifest of the work dir's files as they stand: what made the artifact, every layer's error and time,
+    and each file's size and sha256."""
     import safetensors
     import transformers
 
@@ -889,7 +931,6 @@ def _finalize(
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
     }
     manifest["manifest_sha256"] = manifest_digest(manifest)
-    atomic_write(out.work / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
 
 
