@@ -565,15 +565,9 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
 
     from quantkit import kernels
     from quantkit.artifact import load_manifest
-    from quantkit.emulate import (
-        EMULATED,
-        check_against_reference,
-        check_anyprec,
-        check_atom,
-        emulate,
-        emulate_atom,
-    )
+    from quantkit.emulate import EMULATED
     from quantkit.eval.loading import artifact_recipe, packed_linears
+    from quantkit.validation import check_linear, exact_part
 
     manifest = load_manifest(output)
     fmt = manifest["format"]
@@ -588,12 +582,7 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
     # Short headers, explained in the caption, so that the table fits an 80-column log with whole linear names
     # (long headers squeezed the names to "self_attn.…").
     # The exact column names what is exact: Any-Precision's lookup GEMV has no integer sums, its codes are.
-    exact_column, exact_means = {
-        "anyprec": ("codes", "the codes the emulation decodes from the bitplanes equal the reference unpack's at "
-                             "every width the artifact serves"),
-        "atom": ("int32", "the emulation's int32 sums of every group (outliers included) equal the reference "
-                          "integer products"),
-    }.get(fmt, ("int32", "the emulation's int32 sums equal the reference integer product"))
+    exact_column, exact_means = exact_part(fmt)
     caption = (f"{exact_column}: {exact_means}; plain, outliers: max |y - y_ref| / max |y_ref| of its fp16 "
                "outputs, each token's against its own and the largest over tokens, on Gaussian activations, and "
                "on the same with a few channels 30x larger")
@@ -614,39 +603,15 @@ def validate(output: Path, tokens: int, seed: int, tolerance: float, kernel: str
             if checked and linear.layer != previous:
                 reporter.phase("validating layers", previous + 1, layers)
             checked, previous = checked + 1, linear.layer
-            i, name, parts, q = linear.layer, linear.name, linear.parts, linear.q
-            weight = q.dequantize()
-            k = weight.shape[1]
-            if device:
-                for label in kernels.path_labels(fmt, weight.shape[0], k, device, tokens):
-                    ran[label] = ran.get(label, 0) + 1
-            plain = rng.standard_normal((tokens, k)).astype(np.float32)
-            heavy = plain.copy()
-            heavy[:, rng.choice(k, size=max(1, k // 64), replace=False)] *= 30
-            act = recipe.activations
-            bits, clip = (act.bits, act.clip_ratio) if fmt == "atom" and act else (4, 1.0)
-            if fmt == "atom":
-                checks = [check_atom(emulate_atom(parts, x, bits, clip), q, x, bits, clip) for x in (plain, heavy)]
-            elif fmt == "anyprec":  # every width the artifact serves
-                checks = [check_anyprec(parts, q, x) for x in (plain, heavy)]
-            else:
-                checks = [check_against_reference(emulate(fmt, parts, x), weight, x) for x in (plain, heavy)]
-            stopped = ""  # a kernel the warp simulator stopped (a bug in its source): this linear fails, the rest run
-            try:
-                same = device is None or all(kernels.matches_emulation(fmt, parts, x, device, bits, clip)
-                                             for x in (plain, heavy))
-            except kernels.SimulatorFailure as exc:
-                same, stopped = False, f": {exc}"
-            exact, close = all(c.exact for c in checks), all(c.rel_error <= tolerance for c in checks)
-            ok = same and exact and close
-            if not ok:
-                why = [what for what, good in ((exact_column, exact), (f"error above {tolerance:g}", close),
-                                               ("kernel" + stopped, same)) if not good]
-                failures.append(f"layer {i} {name} ({', '.join(why)})")
-            style = "" if ok else "[bold red]"
-            table.add_row(str(i), name, style + ("yes" if exact else "NO"),
-                          *(f"{style}{c.rel_error:.2e}" for c in checks),
-                          *([style + ("yes" if same else "NO")] if device else []))
+            result = check_linear(fmt, linear, recipe, rng, tokens, device)
+            for label in result.paths:
+                ran[label] = ran.get(label, 0) + 1
+            if why := result.problems(fmt, tolerance):
+                failures.append(f"layer {result.layer} {result.name} ({', '.join(why)})")
+            style = "[bold red]" if why else ""
+            table.add_row(str(result.layer), result.name, style + ("yes" if result.exact else "NO"),
+                          *(f"{style}{e:.2e}" for e in result.errors),
+                          *([style + ("yes" if result.kernel_same else "NO")] if device else []))
         if checked:
             reporter.phase("validating layers", previous + 1, layers)
     finally:

@@ -238,6 +238,7 @@ def test_atom_emulation_and_validate(tmp_path, calib_txt, monkeypatch):
     check = check_atom(emulation, q, x, 4, 0.9)
     assert check.exact and check.rel_error < 2e-3
     import quantkit.emulate
+    import quantkit.validation
 
     real, used = quantkit.emulate.emulate_atom, set()
 
@@ -245,7 +246,7 @@ def test_atom_emulation_and_validate(tmp_path, calib_txt, monkeypatch):
         used.add((bits, clip_ratio))
         return real(tensors, x, bits, clip_ratio)
 
-    monkeypatch.setattr(quantkit.emulate, "emulate_atom", spy)
+    monkeypatch.setattr(quantkit.validation, "emulate_atom", spy)  # where validate calls it
     assert "every packed linear matches" in cli_ok("validate", out).output
     assert used == {(4, 0.9)}
 
@@ -407,6 +408,7 @@ def test_validate_fails_on_one_mismatch_in_the_outlier_run_of_one_linear(artifac
     activations with outlier channels) of the last linear checked, in its int32 sums, its output error or its
     kernel run, while every other check passes."""
     import quantkit.emulate
+    import quantkit.validation
     from quantkit import kernels
     from quantkit.emulate import Check
 
@@ -426,7 +428,7 @@ def test_validate_fails_on_one_mismatch_in_the_outlier_run_of_one_linear(artifac
         matched.append(1)
         return not (failing == "kernel" and len(matched) == 28)
 
-    monkeypatch.setattr(quantkit.emulate, "check_against_reference", check)
+    monkeypatch.setattr(quantkit.validation, "check_against_reference", check)  # where validate calls it
     monkeypatch.setattr(kernels, "resolve_device", lambda kernel: "cpu")
     monkeypatch.setattr(kernels, "matches_emulation", matches)
     monkeypatch.setattr(kernels, "path_labels", lambda *args: ["small-M"])
@@ -441,12 +443,14 @@ def test_validate_applies_its_tolerance_and_outlier_channels(artifacts, monkeypa
     reference everywhere), and the failure says so. The second activations are the first with max(1, K // 64)
     channels 30 times larger, the rest equal."""
     import quantkit.emulate
+    import quantkit.validation
 
     failed = cli("validate", artifacts["qqq"], "--kernel", "none", "--tolerance", "0")
     assert failed.exit_code == 1 and "error above 0" in failed.output
     seen: list[np.ndarray] = []
     real = quantkit.emulate.check_against_reference
-    monkeypatch.setattr(quantkit.emulate, "check_against_reference", lambda e, w, x: seen.append(x) or real(e, w, x))
+    monkeypatch.setattr(quantkit.validation, "check_against_reference",
+                        lambda e, w, x: seen.append(x) or real(e, w, x))
     cli_ok("validate", artifacts["qqq"], "--kernel", "none")
     plain, heavy = seen[0], seen[1]
     k = plain.shape[1]
@@ -660,3 +664,18 @@ def test_anyprec_gemv_adds_its_chunks_in_float32_and_rounds_once():
     assert y[0, 0] == np.float16(2.0**-12) and y[1, 0] == 0
     assert within_anyprec_tc_bound(tensors, x[1:], 3, y[1:], y[1:])
     assert not within_anyprec_tc_bound(tensors, x[1:], 3, y[1:] + np.float16(2.0**-24), y[1:])
+
+
+def test_a_linear_check_names_each_failing_part():
+    """LinearCheck.problems says what fails in the words validate prints: the exact part by its column, an error
+    above the tolerance (a NaN error too, in either activation run), and the kernel, with the simulator's message
+    where it stopped one; a linear no kernel ran on fails on its emulation alone."""
+    from quantkit.validation import LinearCheck
+
+    ok = LinearCheck(0, "mlp.down_proj", True, (1e-3, 2e-3), None)
+    assert ok.problems("qqq", 4e-3) == []
+    assert LinearCheck(0, "x", False, (1e-3, 1e-3), True).problems("anyprec", 4e-3) == ["codes"]
+    assert LinearCheck(0, "x", True, (1e-3, float("nan")), True).problems("qqq", 4e-3) == ["error above 0.004"]
+    assert LinearCheck(0, "x", True, (float("nan"), 1e-3), True).problems("qqq", 4e-3) == ["error above 0.004"]
+    stopped = LinearCheck(0, "x", False, (5e-3, 1e-3), False, "C05 at lane 3")
+    assert stopped.problems("atom", 4e-3) == ["int32", "error above 0.004", "kernel: C05 at lane 3"]
