@@ -349,43 +349,13 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
     import torch
 
     from quantkit.eval.loading import load_for_eval
-    from quantkit.eval.perplexity import wikitext_perplexity, wikitext_rows
-    from quantkit.files import atomic_write, cannot_write
+    from quantkit.eval.perplexity import wikitext_perplexity
+    from quantkit.files import atomic_write
 
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
-        raise QuantkitError("--tasks names no task")
-    lm_tasks = [t for t in names if t != "wikitext"]
-    if lm_tasks:
-        from quantkit.eval.lmeval import LM_EVAL_TASKS, check_task_data, require_lm_eval
-
-        unknown = [t for t in lm_tasks if t not in LM_EVAL_TASKS]
-        if unknown:
-            raise QuantkitError(f"unknown task(s) {', '.join(unknown)}; known: wikitext, {', '.join(LM_EVAL_TASKS)}")
-    # everything the run needs, before any model time: each task's data (every problem at once) and the results'
-    # destination
-    problems, rows = [], []
-    if "wikitext" in names:
-        try:
-            rows = wikitext_rows(data_dir)
-        except QuantkitError as exc:
-            problems.append(str(exc))
-    for check in (require_lm_eval, lambda: check_task_data(lm_tasks, data_dir)) if lm_tasks else ():
-        try:
-            check()
-        except QuantkitError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise QuantkitError("\n".join(problems))
-    if output_json is not None:  # a Path (click's path_type)
-        if output_json.name in ("", ".", ".."):
-            raise QuantkitError(f"--output-json {str(output_json)!r}: name the file to write")
-        parent = output_json.parent
-        if not parent.is_dir():
-            raise QuantkitError(f"--output-json: {parent} {not_a_directory(parent)}")
-        if why := cannot_write(output_json):
-            raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
-        _check_results_path(output_json, Path(model).expanduser())
+    names, lm_tasks = _task_names(tasks)
+    rows = _check_eval_data(names, lm_tasks, data_dir)  # every problem at once, before any model time
+    if output_json is not None:
+        _check_output_json(output_json, Path(model).expanduser())
     _check_device(device)
     if device == "cpu" and torch.cuda.is_available():
         console.print("note: evaluating on the CPU; --device cuda runs on the GPU", highlight=False)
@@ -415,19 +385,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
 
         results.update(run_lm_eval(loaded.model, loaded.tokenizer, lm_tasks, data_dir=data_dir, limit=limit,
                                    batch_size=batch_size))
-    table = Table(title=loaded.description)
-    table.add_column("task")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for task, metrics in results.items():
-        for key, value in metrics.items():
-            if key == "sample_len":  # lm-eval's count of the documents scored, not a score
-                table.add_row(task, "documents", f"{value:.0f}")
-            elif key == "windows":  # what the perplexity averages over
-                table.add_row(task, "windows", f"{value} x {metrics['seq_len']} tokens")
-            elif isinstance(value, float) and not key.endswith("seconds"):  # 4 decimals, or 6 digits where large
-                table.add_row(task, key, f"{value:.4f}" if abs(value) < 1e6 else f"{value:.6g}")
-    Console().print(table)
+    Console().print(_results_table(loaded.description, results))
     # what the numbers depend on, so that a results file says how it was made
     options = {"tasks": names, "seq_len": seq_len, "limit": limit, "batch_size": batch_size, "dtype": dtype,
                "bits": bits, "device": device}
@@ -444,6 +402,77 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
                                 "are the JSON line above") from None
     else:
         click.echo(json.dumps(payload))
+
+
+def _task_names(tasks: str) -> tuple[list[str], list[str]]:
+    """--tasks as task names, and those of them that lm-eval runs (all but wikitext); unknown ones refused."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise QuantkitError("--tasks names no task")
+    lm_tasks = [t for t in names if t != "wikitext"]
+    if lm_tasks:
+        from quantkit.eval.lmeval import LM_EVAL_TASKS
+
+        unknown = [t for t in lm_tasks if t not in LM_EVAL_TASKS]
+        if unknown:
+            raise QuantkitError(f"unknown task(s) {', '.join(unknown)}; known: wikitext, {', '.join(LM_EVAL_TASKS)}")
+    return names, lm_tasks
+
+
+def _check_eval_data(names: list[str], lm_tasks: list[str], data_dir: Path | None) -> list[str]:
+    """Every task's data, checked before the model loads, with every problem in one error; returns WikiText-2's
+    test rows (none where wikitext is not a task)."""
+    from quantkit.eval.perplexity import wikitext_rows
+
+    problems, rows = [], []
+    if "wikitext" in names:
+        try:
+            rows = wikitext_rows(data_dir)
+        except QuantkitError as exc:
+            problems.append(str(exc))
+    if lm_tasks:
+        from quantkit.eval.lmeval import check_task_data, require_lm_eval
+
+        for check in (require_lm_eval, lambda: check_task_data(lm_tasks, data_dir)):
+            try:
+                check()
+            except QuantkitError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise QuantkitError("\n".join(problems))
+    return rows
+
+
+def _check_output_json(path: Path, model: Path) -> None:
+    """Refuse, before the model loads, an --output-json that names no file, lies in no writable directory, or
+    would overwrite what it may not (`_check_results_path`)."""
+    from quantkit.files import cannot_write
+
+    if path.name in ("", ".", ".."):
+        raise QuantkitError(f"--output-json {str(path)!r}: name the file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise QuantkitError(f"--output-json: {parent} {not_a_directory(parent)}")
+    if why := cannot_write(path):
+        raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
+    _check_results_path(path, model)
+
+
+def _results_table(title: str, results: dict[str, dict]) -> Table:
+    """The scores as a table: each task's metrics, with lm-eval's document count and the perplexity's windows."""
+    table = Table(title=title)
+    table.add_column("task")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            if key == "sample_len":  # lm-eval's count of the documents scored, not a score
+                table.add_row(task, "documents", f"{value:.0f}")
+            elif key == "windows":  # what the perplexity averages over
+                table.add_row(task, "windows", f"{value} x {metrics['seq_len']} tokens")
+            elif isinstance(value, float) and not key.endswith("seconds"):  # 4 decimals, or 6 digits where large
+                table.add_row(task, key, f"{value:.4f}" if abs(value) < 1e6 else f"{value:.6g}")
+    return table
 
 
 def _check_results_path(path: Path, model: Path) -> None:
