@@ -372,3 +372,17 @@ def test_alpha_candidates_take_max_w_over_every_consumer() -> None:
     weights = [torch.tensor([[1.0, 1.0]]), torch.tensor([[4.0, -0.25]])]
     candidates = Smooth(SmoothConfig(alphas=[0.5]))._candidates(x, weights, torch.arange(2))
     assert candidates[0][1].tolist() == [0.5, 2.0]
+
+
+def test_kv_channels_pair_each_query_channel_with_its_kv_heads():
+    """4 query heads of width 2 over 2 KV heads: heads 0 and 1 read KV head 0, heads 2 and 3 KV head 1, channel for
+    channel; with as many KV heads as query heads (no GQA) every channel pairs with itself."""
+    from types import SimpleNamespace
+
+    from quantkit.models.adapters import adapter_for
+
+    llama = adapter_for("llama")
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=8)
+    assert llama.kv_channels(config).tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert llama.kv_channels(SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, hidden_size=8)).tolist() \
+        == list(range(8))

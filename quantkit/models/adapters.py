@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
@@ -81,6 +82,14 @@ class ArchAdapter:
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def kv_channels(self, config) -> torch.Tensor:
+        """For each query-side channel (a q_proj row, an o_proj input column), the KV-side channel (k_proj or
+        v_proj row) it pairs with: grouped-query attention gives query head h the KV head h // (heads / KV heads),
+        channel for channel within the head."""
+        heads, kv, d = self.head_dims(config)
+        channel = torch.arange(heads * d)
+        return (channel // d) // (heads // kv) * d + channel % d
 
     @property
     def kv_projections(self) -> tuple[str, str]:

@@ -74,6 +74,10 @@ class LayerWork:
         """(query heads, KV heads, head dim) of the block's attention."""
         return self.adapter.head_dims(self.config)
 
+    def kv_channels(self) -> torch.Tensor:
+        """For each query-side channel of the block's attention, the KV-side channel it pairs with (GQA)."""
+        return self.adapter.kv_channels(self.config)
+
     def hessian(self, name: str) -> torch.Tensor:
         role = self.linears[name]
         if role not in self.hessians:

@@ -46,12 +46,15 @@ class Reorder(Pass):
         names = [a.linears[t][0] for t in self.config.targets]
         salience = work.input_absmax(names)
         if a.o_proj in names:
-            heads, kv_heads, d = work.head_dims()
-            per_kv = salience[a.o_proj].reshape(kv_heads, heads // kv_heads, d).amax(dim=1)  # [H_kv, D]
-            within = torch.argsort(per_kv, dim=1, stable=True)  # [H_kv, D]
+            _, kv_heads, d = work.head_dims()
+            pairs = work.kv_channels().to(salience[a.o_proj].device)  # each o_proj column's v_proj row
+            per_kv = torch.zeros(kv_heads * d, device=pairs.device).scatter_reduce(
+                0, pairs, salience[a.o_proj].float(), "amax", include_self=False).reshape(kv_heads, d)
+            within = torch.argsort(per_kv, dim=1, stable=True)  # [H_kv, D]: each KV head's channel order
             v_perm = (within + torch.arange(kv_heads, device=within.device)[:, None] * d).reshape(-1)
-            o_perm = (within.repeat_interleave(heads // kv_heads, dim=0)
-                      + torch.arange(heads, device=within.device)[:, None] * d).reshape(-1)
+            # each query head takes its KV head's order, within its own columns
+            columns = torch.arange(pairs.numel(), device=pairs.device)
+            o_perm = columns - columns % d + within.reshape(-1)[pairs]
             _permute_columns(work.module(a.o_proj), o_perm)
             _permute_rows(work.module(a.v_proj), v_perm)
         if a.down_proj in names:

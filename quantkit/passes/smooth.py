@@ -61,7 +61,7 @@ class SmoothAttention(Pass):
     transforms = True
 
     def run(self, work: LayerWork) -> None:
-        heads, kv_heads, d = work.head_dims()
+        d = work.head_dims()[2]
         amax: list[torch.Tensor] = []
 
         def observe(key: torch.Tensor, value: torch.Tensor) -> None:
@@ -75,7 +75,7 @@ class SmoothAttention(Pass):
         lam = torch.cat([lam, lam], dim=1)  # [H_kv, D]
         a = work.adapter
         _scale_rows(work.module(a.k_proj), 1.0 / lam.reshape(-1))
-        _scale_rows(work.module(a.q_proj), lam.repeat_interleave(heads // kv_heads, dim=0).reshape(-1))
+        _scale_rows(work.module(a.q_proj), lam.reshape(-1)[work.kv_channels().to(lam.device)])
         work.metrics["smooth_attention.key_absmax_ratio"] = float(amax[0].max() / amax[0].median().clamp(min=1e-9))
 
 
@@ -198,12 +198,9 @@ class Smooth(Pass):
 
     def _channel_groups(self, work: LayerWork, role: str) -> torch.Tensor:
         """For each input channel of the point, the producer row it comes from (GQA: query heads share v rows)."""
-        k = work.weight(work.names(role)[0]).shape[1]
-        if role != "o":
-            return torch.arange(k)
-        heads, kv_heads, d = work.head_dims()
-        head = torch.arange(k) // d
-        return (head // (heads // kv_heads)) * d + torch.arange(k) % d
+        if role == "o":
+            return work.kv_channels()
+        return torch.arange(work.weight(work.names(role)[0]).shape[1])
 
     def _producer_rows(self, work: LayerWork, role: str, lam: torch.Tensor) -> torch.Tensor:
         """lambda per producer row (identical across the channels that share a row)."""
