@@ -9,10 +9,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from quantkit.models.adapters import ArchAdapter
+from quantkit.models.block import BlockRunner
 from quantkit.models.source import ModelEdges
 from quantkit.quantizers import QuantizedLinear, QuantSpec
-from quantkit.simulate import fake_quantize_activation
+from quantkit.simulate import ActivationSim, KVSim, fake_quantize_activation
 
 
 class _KVObserved(Exception):
@@ -40,14 +43,16 @@ class LayerWork:
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> diagonal Fisher [N, K] (squeezellm)
     column_order: dict[str, torch.Tensor] = field(default_factory=dict)  # role -> the quantizer's column order (Atom)
     inputs: torch.Tensor | None = None  # calibration inputs of the block [n, L, H] (the CPU cache)
-    runner: Any = None  # models.block.BlockRunner
-    adapter: Any = None  # models.adapters.ArchAdapter
-    config: Any = None  # the model's transformers config
+    # what runs the block over its inputs, names its modules by role and configures it: set by the pipeline, left
+    # unset by tests of a pass that needs none of them
+    runner: BlockRunner | None = None
+    adapter: ArchAdapter | None = None
+    config: PretrainedConfig | None = None  # the model's transformers config
     act_bits: int | None = None  # runtime activation quantization the recipe simulates (per token)
-    kv: Any = None  # simulate.KVSim or None
+    kv: KVSim | None = None  # the KV cache quantization the recipe simulates
     sink_weight: float | None = None  # recipe calibration.sink_weight / token_cap: see token_weights
     token_cap: float | None = None
-    hessian_sim: Any = None  # simulate.ActivationSim: Hessians of the inputs as it quantizes them (Atom), or None
+    hessian_sim: ActivationSim | None = None  # Hessians of the inputs as it quantizes them (Atom), or None
 
     def weight(self, name: str) -> torch.Tensor:
         return self.block.get_submodule(name).weight
@@ -277,7 +282,7 @@ class Pass:
     def __init__(self, config: Any):
         self.config = config
 
-    def prepare(self, edges: ModelEdges, config: Any) -> None:
+    def prepare(self, edges: ModelEdges, config: PretrainedConfig) -> None:
         """Rewrite the model-level tensors (embeddings, final norm, lm_head) before any block runs."""
 
     def run(self, work: LayerWork) -> None:

@@ -13,9 +13,9 @@ rotate both rewrite is rounded twice, each time within half an ulp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from quantkit.errors import QuantkitError
 from quantkit.hadamard import rotation
@@ -43,7 +43,7 @@ class FoldNorms(Pass):
     Config = FoldNormsConfig
     transforms = True
 
-    def prepare(self, edges: ModelEdges, config: Any) -> None:
+    def prepare(self, edges: ModelEdges, config: PretrainedConfig) -> None:
         gamma = edges.final_norm.double()
         edges.lm_head = (edges.lm_head.double() * gamma).to(edges.lm_head.dtype)
         edges.final_norm = torch.ones_like(edges.final_norm)
@@ -85,7 +85,7 @@ class Rotate(Pass):
             self._q = rotation(n)
         return self._q
 
-    def prepare(self, edges: ModelEdges, config: Any) -> None:
+    def prepare(self, edges: ModelEdges, config: PretrainedConfig) -> None:
         if not torch.all(edges.final_norm == 1):
             raise RotationError("rotate: the final norm still has weights; put fold_norms before rotate")
         q = self._rotation(edges.embed.shape[1])
