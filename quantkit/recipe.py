@@ -166,6 +166,15 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
+    def enabled_pass(self, name: str) -> Any | None:
+        """The config of pass `name` where the recipe runs it (listed and enabled), else None."""
+        return enabled_pass(self.passes, name)
+
+
+def enabled_pass(passes: list[PassEntry], name: str) -> Any | None:
+    """The config of the enabled pass `name` among `passes`, or None."""
+    return next((p.config for p in passes if p.name == name and p.enabled), None)
+
 
 _SECTIONS = {
     "weights": WeightConfig,
@@ -233,16 +242,15 @@ def parse_recipe(raw: Any, where: str = "recipe") -> Recipe:
 def _check_clip(passes: list[PassEntry], weights: WeightConfig, where: str) -> None:
     """The clipping search's ratios are per (row, column group) in the weight's own column order, and only RTN and
     GPTQ take them: refuse the recipes whose quantizer would form other groups, or none, and so ignore them."""
-    if not any(p.name == "clip" and p.enabled for p in passes):
+    if enabled_pass(passes, "clip") is None:
         return
     quantizer = passes[-1]
     why = ""
     if quantizer.name not in ("rtn", "gptq"):
         why = f"{quantizer.name} takes no clip ratios"
-    elif weights.outliers or any(p.name == "outlier_order" and p.enabled for p in passes):
+    elif weights.outliers or enabled_pass(passes, "outlier_order") is not None:
         why = "Atom's quantizer forms its groups along the outlier order (weights.clip_ratio clips them)"
-    elif (quantizer.name == "gptq" and weights.granularity == "group" and quantizer.config.act_order
-          and not quantizer.config.static_groups):
+    elif quantizer.name == "gptq" and weights.granularity == "group" and quantizer.config.dynamic_groups:
         why = ("GPTQ with act-order and dynamic groups forms its groups along the activation order; set "
                "passes.gptq.static_groups=true or passes.gptq.act_order=false")
     if why:

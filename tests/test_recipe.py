@@ -238,3 +238,16 @@ def test_set_fills_a_section_the_recipe_file_leaves_null(tmp_path: Path) -> None
     path = tmp_path / "r.yaml"
     path.write_text("name: x\nactivations: null\npasses: [{name: rtn}]\n")
     assert load_recipe(path, ["activations.bits=8"]).activations.bits == 8
+
+
+def test_enabled_pass_gives_a_listed_and_enabled_pass_config_only():
+    """qoq-g128 lists clip and gptq: their configs; a pass it does not list, or one switched off, gives None. GPTQ's
+    groups are dynamic only with act-order and without static groups."""
+    recipe = load_recipe("qoq-g128")
+    assert recipe.enabled_pass("clip") is not None and recipe.enabled_pass("squeezellm") is None
+    assert recipe.enabled_pass("gptq").block_size == 128
+    off = load_recipe("qoq-g128", overrides=["passes.clip.enabled=false"])
+    assert off.enabled_pass("clip") is None
+    gptq = recipe.enabled_pass("gptq")
+    assert [type(gptq)(act_order=a, static_groups=s).dynamic_groups
+            for a, s in ((True, False), (True, True), (False, False))] == [True, False, False]

@@ -110,13 +110,12 @@ class CompressedTensorsPacker(Packer):
             raise ExportError("compressed-tensors records activations as dynamic per-token scales of max|x|; the "
                               "recipe's activation groups, outliers or clip_ratio would be evaluated here and not "
                               "computed by the engine: use --set export.format=quantkit for a simulation-only artifact")
-        for p in self.recipe.passes:
-            if (p.name == "gptq" and p.config.act_order and not p.config.static_groups
-                    and self.recipe.weights.granularity == "group"):
-                raise ExportError(
-                    "compressed-tensors cannot store act-order GPTQ with dynamic groups (g_idx; removed in "
-                    "compressed-tensors 0.20 and unread by current engines): set passes.gptq.static_groups=true"
-                )
+        gptq = self.recipe.enabled_pass("gptq")
+        if gptq is not None and gptq.dynamic_groups and self.recipe.weights.granularity == "group":
+            raise ExportError(
+                "compressed-tensors cannot store act-order GPTQ with dynamic groups (g_idx; removed in "
+                "compressed-tensors 0.20 and unread by current engines): set passes.gptq.static_groups=true"
+            )
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         if spec.progressive or spec.zero_form == "scaled":
@@ -234,10 +233,8 @@ class CompressedTensorsPacker(Packer):
                 "num_bits": recipe.activations.bits, "type": "int", "symmetric": recipe.activations.symmetric,
                 "strategy": "token", "dynamic": True, "observer": None,
             }
-        actorder = None
-        for p in recipe.passes:
-            if p.name == "gptq" and p.config.act_order:
-                actorder = "weight"
+        gptq = recipe.enabled_pass("gptq")
+        actorder = "weight" if gptq is not None and gptq.act_order else None
         groups = {}
         single = len(by_spec) == 1 and set(specs) == set(ROLE_PATTERNS)
         for i, (spec, roles) in enumerate(by_spec.items()):

@@ -36,6 +36,12 @@ class GPTQConfig:
     observer: str = "minmax"  # "minmax" or "mse" (per-group clipping search before the column sweep)
     max_damp: float = 10.0
 
+    @property
+    def dynamic_groups(self) -> bool:
+        """Whether groups form along the activation order as the sweep reaches them (act-order without static
+        groups): their members are not the weight's own column ranges, so a format stores them with g_idx."""
+        return self.act_order and not self.static_groups
+
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
