@@ -1,6 +1,7 @@
 """Weight clipping search (QServe B.2.4, Eq. 10): a clip ratio per group that minimizes the output error.
 
-Candidates scale both ends of the range: ratio in {1, 1 - step, ..., min_ratio}. For every linear but q_proj and
+Candidates scale both ends of the range, widened to hold 0 (`compute_qparams`' clip_ratio): ratio in
+{1, 1 - step, ..., min_ratio}. For every linear but q_proj and
 k_proj the objective is the layer output error of each (row, group), measured exactly with the calibration
 Hessian block of that group: d_g^T H_gg d_g with d = w - fake_quant(w; ratio) (for per-channel quantization this is
 the row's full output MSE). For q_proj and k_proj, whose errors matter only through the softmax, one ratio per
