@@ -1,14 +1,14 @@
 """Weight clipping search (QServe B.2.4, Eq. 10): a clip ratio per group that minimizes the output error.
 
 Candidates scale both ends of the range, widened to hold 0 (`compute_qparams`' clip_ratio): ratio in
-{1, 1 - step, ..., min_ratio}. For every linear but q_proj and
-k_proj the objective is the layer output error of each (row, group), measured exactly with the calibration
-Hessian block of that group: d_g^T H_gg d_g with d = w - fake_quant(w; ratio) (for per-channel quantization this is
-the row's full output MSE). For q_proj and k_proj, whose errors matter only through the softmax, one ratio per
-tensor minimizes the output MSE of the attention module (softmax and o_proj included, as QServe's code does) on
-a few calibration sequences. The chosen ratios are stored in
-`work.clip` and used by the weight quantizer that follows (RTN, or GPTQ's static parameters or dynamic groups);
-recipes whose quantizer forms other groups (Atom's order, act-order with dynamic groups) or none are refused.
+{1, 1 - step, ..., min_ratio}. For every linear but q_proj and k_proj the objective is the layer output error of
+each (row, group), measured exactly with the calibration Hessian block of that group: d_g^T H_gg d_g with
+d = w - fake_quant(w; ratio) (for per-channel quantization this is the row's full output MSE). For q_proj and
+k_proj, whose errors matter only through the softmax, one ratio per tensor minimizes the output MSE of the
+attention module (softmax and o_proj included, as QServe's code does) on a few calibration sequences. The chosen
+ratios are stored in `work.clip` and used by the weight quantizer that follows (RTN, or GPTQ's static parameters
+or dynamic groups); recipes whose quantizer forms other groups (Atom's order, act-order with dynamic groups) or
+none are refused.
 """
 
 from __future__ import annotations

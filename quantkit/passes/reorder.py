@@ -47,9 +47,10 @@ class Reorder(Pass):
         salience = work.input_absmax(names)
         if a.o_proj in names:
             _, kv_heads, d = work.head_dims()
-            pairs = work.kv_channels().to(salience[a.o_proj].device)  # each o_proj column's v_proj row
-            per_kv = torch.zeros(kv_heads * d, device=pairs.device).scatter_reduce(
-                0, pairs, salience[a.o_proj].float(), "amax", include_self=False).reshape(kv_heads, d)
+            o_salience = salience[a.o_proj]
+            pairs = work.kv_channels().to(o_salience.device)  # each o_proj column's v_proj row
+            per_kv = o_salience.new_zeros(kv_heads * d).scatter_reduce(
+                0, pairs, o_salience, "amax", include_self=False).reshape(kv_heads, d)
             within = torch.argsort(per_kv, dim=1, stable=True)  # [H_kv, D]: each KV head's channel order
             v_perm = (within + torch.arange(kv_heads, device=within.device)[:, None] * d).reshape(-1)
             # each query head takes its KV head's order, within its own columns
