@@ -349,14 +349,16 @@ def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int
     x8 = torch.round(w / s1).clamp(-p, p).reshape(n, k // gs, gs)
     lo8 = x8.amin(dim=-1)
     hi8 = x8.amax(dim=-1)
+    lo0, hi0 = lo8.clamp(max=0), hi8.clamp(min=0)  # the range widened to hold 0, which a ratio scales
     levels = spec.qmax - spec.qmin
 
     def lqq(clip: float | torch.Tensor) -> QParams:
         # a clip ratio clips the group's integer values to `clip` times their range widened to hold 0, as the other
         # kinds' ratios do: a group on both sides of 0 narrows at both ends, a one-sided one (say [100, 119]) only
         # at the end away from 0, where scaling both ends would shift its range (to [90, 107]) instead
-        lo = torch.round(torch.clamp(lo8, lo8.clamp(max=0) * clip, hi8.clamp(min=0) * clip))
-        hi = torch.round(torch.clamp(hi8, lo8.clamp(max=0) * clip, hi8.clamp(min=0) * clip))
+        floor, ceiling = lo0 * clip, hi0 * clip
+        lo = torch.round(torch.clamp(lo8, floor, ceiling))
+        hi = torch.round(torch.clamp(hi8, floor, ceiling))
         s2 = torch.round((hi - lo) / levels).clamp(1, 16)
         u_hi = lqq_code_bound(lo, s2, levels)
         return QParams(
