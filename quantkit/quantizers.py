@@ -280,7 +280,7 @@ def _progressive_by_clip(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dt
     s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
     if spec.level2 == "lqq":
         return _lqq_by_clip(w32, s1, spec, gs)
-    x = (w32 / s1).clamp(-p, p).reshape(n, k // gs, gs)
+    x = (w32 / s1).clamp_(-p, p).reshape(n, k // gs, gs)
     lo0 = x.amin(dim=-1).clamp(max=0)
     hi0 = x.amax(dim=-1).clamp(min=0)
     levels = spec.qmax - spec.qmin
@@ -346,7 +346,7 @@ def _lqq_by_clip(w: torch.Tensor, s1: torch.Tensor, spec: QuantSpec, gs: int
     of the clip ratio (`qparams_by_clip`)."""
     n, k = w.shape
     p = spec.protective_range
-    x8 = torch.round(w / s1).clamp(-p, p).reshape(n, k // gs, gs)
+    x8 = (w / s1).round_().clamp_(-p, p).reshape(n, k // gs, gs)
     lo8 = x8.amin(dim=-1)
     hi8 = x8.amax(dim=-1)
     lo0, hi0 = lo8.clamp(max=0), hi8.clamp(min=0)  # the range widened to hold 0, which a ratio scales
@@ -402,7 +402,7 @@ def select_qparams(mask: torch.Tensor, a: QParams, b: QParams) -> QParams:
 
 def _group_error(x: torch.Tensor, qp: QParams, spec: QuantSpec, norm: float) -> torch.Tensor:
     """Sum of |x - fake_quant(x)|^norm per (row, group), shaped like the scales."""
-    err = (x - dequantize(quantize(x, qp, spec), qp)).abs().pow(norm)
+    err = (x - quantize_dequantize(x, qp, spec)).abs_().pow_(norm)
     if spec.granularity == "tensor":
         return err.sum().reshape(1, 1)
     n, k = x.shape
@@ -474,20 +474,25 @@ def dequantize(q: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None = None) 
 
 
 def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
-    """Float codes of `w`; `ex` broadcasts a per-group field to `w`'s shape."""
+    """Float codes of `w`; `ex` broadcasts a per-group field to `w`'s shape. The first operation makes a fresh
+    tensor and the rest work on it in place: the same operations in the same order, so the same bits, with one
+    buffer instead of one per step (searches quantize a weight dozens of times)."""
     if qp.s1 is not None:
-        x = (w / qp.s1.to(w.device).reshape(-1, *([1] * (w.ndim - 1)))).clamp(-qp.protect, qp.protect)
+        x = (w / qp.s1.to(w.device).reshape(-1, *([1] * (w.ndim - 1)))).clamp_(-qp.protect, qp.protect)
         if qp.offset is not None:  # LQQ: unsigned codes of the INT8 values above the group minimum
-            q = torch.round((torch.round(x) - ex(qp.offset)) / ex(qp.s2)) - qp.code_offset
+            q = x.round_().sub_(ex(qp.offset)).div_(ex(qp.s2)).round_().sub_(qp.code_offset)
         else:  # QServe's Eq. 7, round(x / s + z): the zero is added before rounding (ties-to-even sees it)
-            q = torch.round(x / ex(qp.s2) + ex(qp.zero))
-        return torch.maximum(torch.minimum(q, ex(qp.code_hi).float()), ex(qp.code_lo).float())
+            q = x.div_(ex(qp.s2)).add_(ex(qp.zero)).round_()
+        torch.minimum(q, ex(qp.code_hi).float(), out=q)
+        return torch.maximum(q, ex(qp.code_lo).float(), out=q)
     if qp.szero is not None:
-        q = torch.round((w + ex(qp.szero)) / ex(qp.scale)) - qp.code_offset
+        q = (w + ex(qp.szero)).div_(ex(qp.scale)).round_().sub_(qp.code_offset)
     else:
         q = w / ex(qp.scale)
-        q = torch.round(q if qp.zero is None else q + ex(qp.zero))  # as Eq. 7 and compressed-tensors round
-    return q.clamp(spec.qmin, spec.qmax)
+        if qp.zero is not None:
+            q.add_(ex(qp.zero))
+        q.round_()  # as Eq. 7 and compressed-tensors round
+    return q.clamp_(spec.qmin, spec.qmax)
 
 
 def requantize_int8(codes: torch.Tensor, qp: QParams) -> QParams:
@@ -516,27 +521,44 @@ def lut_width(lut: torch.Tensor, spec: QuantSpec, bits: int) -> torch.Tensor:
 
 
 def _dequant(q: torch.Tensor, qp: QParams, ex) -> torch.Tensor:
+    """Float weights of codes `q` (left as they are: the first operation makes a fresh tensor, the rest work on it
+    in place, as in `_codes`)."""
     if qp.lut is not None:  # codebook: the row's centroid at the widest width the tables hold
         widest = qp.lut[:, qp.lut.shape[1] - 2 * qp.code_offset:]
         return torch.gather(widest.to(q.device), 1, (q + qp.code_offset).long())
     if qp.ratio is not None:  # QQQ per group: the INT8 value the kernel computes, times the channel scale
         s_channel = qp.s_channel.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
-        return torch.round(q * ex(qp.ratio)) * s_channel
+        return (q * ex(qp.ratio)).round_().mul_(s_channel)
     if qp.offset is not None:  # LQQ: (u * s2 + min8) * s1, as u * (s1 * s2) + min8 * s1 (both exact)
         s1 = qp.s1.to(q.device).reshape(-1, *([1] * (q.ndim - 1)))
-        return (q + qp.code_offset) * ex(qp.scale) + ex(qp.offset) * s1
+        return (q + qp.code_offset).mul_(ex(qp.scale)).add_(ex(qp.offset) * s1)
     if qp.szero is not None:  # unsigned-domain codes times scale, minus the fp16 scaled zero
-        return (q + qp.code_offset) * ex(qp.scale) - ex(qp.szero)
+        return (q + qp.code_offset).mul_(ex(qp.scale)).sub_(ex(qp.szero))
     if qp.zero is not None:
-        q = q - ex(qp.zero).float()
+        return (q - ex(qp.zero).float()).mul_(ex(qp.scale))
     return q * ex(qp.scale)
+
+
+def quantize_dequantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """`dequantize(quantize(w, qp, spec, g_idx), qp, g_idx)`, the same bits without the int8 codes in between, for
+    the searches that fake-quantize a weight per candidate. The float codes are integers in int8's range already;
+    adding 0 turns a -0 code into the +0 the int8 round trip gives. (A NaN weight stays NaN here, where the int8
+    cast would make it some code; quantize's callers refuse non-finite weights first.)"""
+    w = w.float()
+    grouped = _grouped_view(w, qp, g_idx)
+    if grouped is not None:
+        view, ex = grouped
+        return _dequant(_codes(view, qp, spec, ex).add_(0.0), qp, ex).reshape(w.shape)
+    k = w.shape[1]
+    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
+    return _dequant(_codes(w, qp, spec, ex).add_(0.0), qp, ex)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16,
                   clip_ratio: float | torch.Tensor | None = None) -> torch.Tensor:
     """Round-to-nearest quantize then dequantize `w` (float32 result), at `clip_ratio` where given (compute_qparams)."""
-    qp = compute_qparams(w, spec, scale_dtype, clip_ratio=clip_ratio)
-    return dequantize(quantize(w, qp, spec), qp)
+    return quantize_dequantize(w, compute_qparams(w, spec, scale_dtype, clip_ratio=clip_ratio), spec)
 
 
 def quantize_column(col: torch.Tensor, qp: QParams, group: torch.Tensor | int, spec: QuantSpec

@@ -12,6 +12,7 @@ from quantkit.quantizers import (
     fake_quantize,
     fake_quantize_per_token,
     quantize,
+    quantize_dequantize,
     search_qparams,
 )
 
@@ -337,3 +338,52 @@ def test_all_zero_group_gets_scale_one_and_the_code_of_zero(symmetric: bool) -> 
         assert qp.zero[0].tolist() == [-8, -8] and qp.zero[1, 0].item() == -8
         assert q[0].tolist() == [-8] * 8 and q[1, :4].tolist() == [-8] * 4
     assert torch.equal(dequantize(q, qp)[0], torch.zeros(8))
+
+
+_EVERY_KIND = [
+    dict(bits=4, symmetric=True, granularity="group", group_size=32),
+    dict(bits=4, symmetric=False, granularity="group", group_size=32),
+    dict(bits=3, symmetric=False, granularity="channel"),
+    dict(bits=8, symmetric=True, granularity="tensor"),
+    dict(bits=4, symmetric=False, granularity="channel", zero_form="scaled"),
+    dict(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True),
+    dict(bits=4, symmetric=False, granularity="group", group_size=32, progressive=True, level2="lqq"),
+    dict(bits=4, symmetric=True, granularity="channel", narrow_range=True),
+    dict(bits=4, symmetric=True, granularity="group", group_size=32, row_block=2),
+]
+
+
+@pytest.mark.parametrize("kind", _EVERY_KIND, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_quantize_dequantize_is_the_int8_round_trip_to_the_bit(kind: dict) -> None:
+    # the searches' shortcut skips the int8 codes; it must give their bits, the sign of zero included (tiny
+    # negative weights round to a -0 code, which int8 cannot hold), and leave its float32 inputs alone
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(8, 128, generator=g)
+    w[0] = -1e-4  # but for its first, every code of row 0 rounds to -0 under the symmetric kinds
+    w[0, 0] = 1.0
+    w[1, :32] = 0.25  # an all-equal group
+    w[2, :64] *= 50  # outliers in some groups
+    spec = QuantSpec(**kind)
+    qp = compute_qparams(w, spec)
+    before = w.clone()
+    expected = dequantize(quantize(w, qp, spec), qp)
+    got = quantize_dequantize(w, qp, spec)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(fake_quantize(w, spec).view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(w.view(torch.int32), before.view(torch.int32))
+    if kind["granularity"] == "group" and not kind.get("progressive") and not kind.get("row_block"):
+        g_idx = torch.randperm(128, generator=g) // 32  # GPTQ's act-order groups
+        expected = dequantize(quantize(w, qp, spec, g_idx), qp, g_idx)
+        assert torch.equal(quantize_dequantize(w, qp, spec, g_idx).view(torch.int32), expected.view(torch.int32))
+
+
+def test_dequantize_leaves_float_codes_alone() -> None:
+    # dequantize's chain works in place after its first operation; float32 codes passed in must survive it
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    for kind in _EVERY_KIND:
+        spec = QuantSpec(**kind)
+        qp = compute_qparams(w, spec)
+        codes = quantize(w, qp, spec).float()
+        kept = codes.clone()
+        dequantize(codes, qp)
+        assert torch.equal(codes, kept), kind

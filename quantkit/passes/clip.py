@@ -19,7 +19,7 @@ import torch
 
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
-from quantkit.quantizers import QuantSpec, dequantize, fake_quantize, qparams_by_clip, quantize
+from quantkit.quantizers import QuantSpec, fake_quantize, qparams_by_clip, quantize_dequantize
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def hessian_clip_search(
     by_clip = qparams_by_clip(w, spec, dtype)  # the groups' ranges once, for every ratio
     for ratio in ratios:
         qp = by_clip(ratio)
-        d = (w - dequantize(quantize(w, qp, spec), qp)).reshape(n, groups, gs)
+        d = (w - quantize_dequantize(w, qp, spec)).reshape(n, groups, gs)
         err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
         if best_err is None:
             best_err = err
