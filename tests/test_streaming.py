@@ -554,3 +554,36 @@ def test_synthetic_tokenizer_config_and_calibration_text_agree_with_their_docstr
     rows = text.split("\n")
     assert len(rows) == 7 and all(len(row.split(" ")) == 5 for row in rows)
     assert set(text.split()) <= set(CALIBRATION_WORDS.split())
+
+
+class _FakeGlibc:
+    """Records the allocator calls quantkit.memory makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+def test_reused_temporaries_lifts_the_mmap_threshold_then_restores_it_and_trims(monkeypatch) -> None:
+    from quantkit import memory
+
+    libc = _FakeGlibc()
+    monkeypatch.setattr(memory, "_glibc", lambda: libc)
+    monkeypatch.setattr(memory, "_applied", False)
+    with memory.reused_temporaries():  # return_freed_memory not applied: glibc recycles by itself, nothing to do
+        pass
+    assert libc.calls == []
+    memory.return_freed_memory()
+    assert libc.calls == [("mallopt", -3, 1 << 20)]
+    libc.calls.clear()
+    with pytest.raises(RuntimeError), memory.reused_temporaries(below=8 << 20):
+        assert libc.calls == [("mallopt", -3, 8 << 20), ("mallopt", -1, 1 << 30)]
+        raise RuntimeError("a search that fails still leaves the policy as it found it")
+    assert libc.calls[2:] == [("mallopt", -3, 1 << 20), ("mallopt", -1, 128 << 10), ("malloc_trim", 0)]

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from quantkit import memory
 from quantkit.models.adapters import ROLES
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
@@ -125,7 +126,8 @@ class Smooth(Pass):
             return
         inputs = self._sample_inputs(work, [work.names(role)[0] for role in points])
         for role in points:
-            self._smooth_point(work, role, inputs[work.names(role)[0]])
+            with memory.reused_temporaries():  # each candidate builds the same temporaries
+                self._smooth_point(work, role, inputs[work.names(role)[0]])
 
     def _smooth_point(self, work: LayerWork, role: str, x: torch.Tensor) -> None:
         """Search lambda for the point read by `role` on its sampled inputs `x`, and fold the best (if any beats no
