@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit import memory
 from quantkit.passes import register
 from quantkit.passes.base import LayerWork, Pass
 from quantkit.quantizers import QuantSpec, fake_quantize, qparams_by_clip, quantize_dequantize
@@ -80,14 +81,17 @@ class Clip(Pass):
             if spec.granularity == "tensor" or name in attention:
                 continue
             w = work.weight(name).detach().float()
-            best, _ = hessian_clip_search(w, work.hessian(name), spec, work.scale_dtype, ratios)
+            hessian = work.hessian(name)  # the first call collects every role's: not in the search's scope
+            with memory.reused_temporaries():  # each ratio builds the same temporaries
+                best, _ = hessian_clip_search(w, hessian, spec, work.scale_dtype, ratios)
             work.clip[name] = best
             work.metrics[f"{name}.clip_mean"] = float(best.mean())
         searched = sorted(attention & set(work.specs))
         if searched:  # both searches leave the weights as they found them: one reference serves both
             reference = work.attention_output(self.config.attention_samples)
         for name in searched:
-            work.clip[name] = self._attention_ratio(work, name, reference)
+            with memory.reused_temporaries():
+                work.clip[name] = self._attention_ratio(work, name, reference)
             work.metrics[f"{name}.clip"] = float(work.clip[name])
 
     def _attention_ratio(self, work: LayerWork, name: str, reference: torch.Tensor) -> float:
