@@ -450,27 +450,30 @@ def _grouped_view(t: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None):
     return t.reshape(n, groups, gs), ex
 
 
+def _broadcast_view(t: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None):
+    """`t` and the function that broadcasts a per-group field to it: `_grouped_view`'s where groups are contiguous,
+    else `t` itself with the fields expanded to every column (`_expand`). quantize, dequantize and
+    quantize_dequantize all dispatch through here, so they meet the same operands."""
+    grouped = _grouped_view(t, qp, g_idx)
+    if grouped is not None:
+        return grouped
+    k = t.shape[1]
+    return t, lambda f: None if f is None else _expand(f, k, qp.group_size, g_idx)
+
+
 def quantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes (int8, signed domain) of `w` under fixed qparams."""
     w = w.float()
-    grouped = _grouped_view(w, qp, g_idx)
-    if grouped is not None:
-        return _codes(grouped[0], qp, spec, grouped[1]).to(torch.int8).reshape(w.shape)
-    k = w.shape[1]
-    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
-    return _codes(w, qp, spec, ex).to(torch.int8)
+    view, ex = _broadcast_view(w, qp, g_idx)
+    return _codes(view, qp, spec, ex).to(torch.int8).reshape(w.shape)
 
 
 def dequantize(q: torch.Tensor, qp: QParams, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 weights: (q - zero) * scale, or the variant's formula; exact products, so a cast to the scale
     dtype rounds once."""
     q = q.float()
-    grouped = _grouped_view(q, qp, g_idx)
-    if grouped is not None:
-        return _dequant(grouped[0], qp, grouped[1]).reshape(q.shape)
-    k = q.shape[1]
-    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
-    return _dequant(q, qp, ex)
+    view, ex = _broadcast_view(q, qp, g_idx)
+    return _dequant(view, qp, ex).reshape(q.shape)
 
 
 def _codes(w: torch.Tensor, qp: QParams, spec: QuantSpec, ex) -> torch.Tensor:
@@ -546,13 +549,8 @@ def quantize_dequantize(w: torch.Tensor, qp: QParams, spec: QuantSpec, g_idx: to
     adding 0 turns a -0 code into the +0 the int8 round trip gives. (A NaN weight stays NaN here, where the int8
     cast would make it some code; quantize's callers refuse non-finite weights first.)"""
     w = w.float()
-    grouped = _grouped_view(w, qp, g_idx)
-    if grouped is not None:
-        view, ex = grouped
-        return _dequant(_codes(view, qp, spec, ex).add_(0.0), qp, ex).reshape(w.shape)
-    k = w.shape[1]
-    ex = lambda t: None if t is None else _expand(t, k, qp.group_size, g_idx)  # noqa: E731
-    return _dequant(_codes(w, qp, spec, ex).add_(0.0), qp, ex)
+    view, ex = _broadcast_view(w, qp, g_idx)
+    return _dequant(_codes(view, qp, spec, ex).add_(0.0), qp, ex).reshape(w.shape)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype = torch.float16,
