@@ -446,10 +446,24 @@ def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dic
     return content
 
 
+# config.json's torch_dtype: the dtypes an artifact's model can be (the dequantized weights' dtype).
+MODEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def artifact_config(path: Path, manifest: dict) -> dict[str, Any]:
     """Artifact `path`'s config.json, which must name as many layers as its manifest wrote: a config edited or
-    copied from another model would otherwise load a model with layers missing or left at random."""
+    copied from another model would otherwise load a model with layers missing or left at random. Its model_type
+    must be a string, its layer count an integer and its torch_dtype (if any) a floating dtype of MODEL_DTYPES."""
     config = read_artifact_json(path, "config.json", ("model_type", "num_hidden_layers"))
+    wrong = [f"{key} is {config[key]!r}, not {what}" for key, what, ok in (
+        ("model_type", "a string", isinstance(config["model_type"], str)),
+        ("num_hidden_layers", "an integer",
+         isinstance(config["num_hidden_layers"], int) and not isinstance(config["num_hidden_layers"], bool)),
+        ("torch_dtype", f"one of {', '.join(MODEL_DTYPES)}", config.get("torch_dtype") in (None, *MODEL_DTYPES)),
+    ) if key in config and not ok]
+    if wrong:
+        raise ArtifactError(f"{path / 'config.json'}: {'; '.join(wrong)}; the artifact is damaged (copy it again, or "
+                            "quantize again)")
     if config["num_hidden_layers"] != manifest["num_layers"]:
         raise ArtifactError(f"{path}: config.json says {config['num_hidden_layers']} layers where the manifest wrote "
                             f"{manifest['num_layers']}; copy the artifact again, or quantize again")

@@ -157,6 +157,10 @@ class QParams:
         return QParams(group_size=self.group_size, protect=self.protect, code_offset=self.code_offset, **values)
 
 
+# QParams' fields of one value per group (the others: s1 and s_channel per row, lut per row's table)
+_PER_GROUP = ("scale", "zero", "szero", "s2", "code_lo", "code_hi", "offset", "ratio")
+
+
 @dataclass
 class QuantizedLinear:
     """Integer codes [N, K] (signed int8 domain) with their qparams; `g_idx` maps columns to groups if permuted."""
@@ -168,6 +172,33 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.codes, self.qparams, self.g_idx)
+
+    def shape_problem(self) -> str:
+        """What in these tensors' shapes cannot be read as one weight [N, K], in words, or "": a reader's check of
+        unpacked tensors, which would otherwise broadcast a short field over the weight or fail inside the
+        dequantization. Each field has N rows (1 per tensor), each per-group field one column per group (or 1),
+        g_idx one group per column, and the dequantization (traced on the meta device, no arithmetic) is [N, K]."""
+        if self.codes.ndim != 2:
+            return f"the codes are {self.codes.ndim}-D, not [N, K]"
+        n, k = self.codes.shape
+        qp = self.qparams
+        rows = 1 if self.spec.granularity == "tensor" else n
+        fields = {f: getattr(qp, f) for f in QParams.TENSORS if getattr(qp, f) is not None}
+        if bad := [f"{f} is {list(t.shape)}" for f, t in fields.items() if t.ndim != 2 or t.shape[0] != rows]:
+            return f"{', '.join(bad)} for a weight of {n} x {k} ({rows} row(s) each)"
+        if self.g_idx is not None:
+            if self.g_idx.shape != (k,):
+                return f"g_idx has {list(self.g_idx.shape)} entries for {k} columns"
+        elif qp.lut is None and qp.group_size > 0 and k % qp.group_size == 0:
+            groups = k // qp.group_size
+            if bad := [f"{f} has {t.shape[1]} columns" for f, t in fields.items()
+                       if f in _PER_GROUP and t.shape[1] not in (1, groups)]:
+                return f"{', '.join(bad)} for {groups} group(s) of {qp.group_size}"
+        try:
+            traced = self.to("meta").dequantize()
+        except (RuntimeError, ValueError, IndexError) as e:
+            return f"the dequantization cannot read them ({e})"
+        return "" if traced.shape == (n, k) else f"they dequantize to {list(traced.shape)}, not [{n}, {k}]"
 
     def finished(self) -> QuantizedLinear:
         """The result as deployed: with QQQ's per-group INT8 re-expression (`requant_int8`) applied to the final

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import cli, cli_ok, record_rewritten_file, rewrite_tensor
+from helpers import cli, cli_ok, record_rewritten_file, rewrite_tensor, wikitext_rows
 from safetensors.torch import load_file
 
 from quantkit.emulate import INT32, check_against_reference, emulate, int8_gemm, quantize_tokens
@@ -79,7 +79,8 @@ def test_validate_passes(artifacts, recipe):
 
 def test_validate_catches_a_lane_overflow(artifacts, tmp_path):
     """LiquidQuant group parameters that make a step's u * s + a leave its byte: the IMAD lanes wrap, the reference
-    does not, and validate names the linear and why."""
+    does not, and validate names the linear and why. eval, which would read the reference's weights where the
+    kernel computes others, refuses the artifact, naming the values the packer would not have written."""
     import shutil
 
     broken = tmp_path / "broken"
@@ -96,6 +97,9 @@ def test_validate_catches_a_lane_overflow(artifacts, tmp_path):
     assert result.exit_code == 1 and "NO" in result.output
     # the verdict names the failing linear and why, in words a log without colours keeps
     assert "layer 0 mlp.down_proj (int32" in " ".join(result.output.split())
+    result = cli("eval", broken, "--data-dir", wikitext_rows(tmp_path / "data"), "--limit", "1", "--seq-len", "64")
+    assert result.exit_code == 2 and "layer 0 mlp.down_proj: it holds values that the liquidquant packer does not " \
+        "write (liquidquant: a code would overflow the kernel's byte lane" in " ".join(result.output.split())
 
 
 def test_validate_refuses_bad_options_and_damaged_linears(artifacts, tmp_path):
@@ -150,6 +154,34 @@ def test_packed_linears_refuse_layers_past_the_artifact(artifacts):
 
     with pytest.raises(QuantkitError, match=r"has layers 0\.\.1, not 2"):
         next(packed_linears(artifacts["qqq"], [2]))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (("B", lambda t: t.view(torch.float32)),
+     "layer 0 mlp.down_proj: its B is float32 [32, 512] where the layout has int32 [32, 512]"),
+    (("s_channel", lambda t: t[:, :-1].clone()), "its tensors do not fit the manifest's 4-bit spec"),
+    (("config.json", "torch_dtype", "int8"), "torch_dtype is 'int8', not one of float16, bfloat16, float32"),
+    (("config.json", "num_hidden_layers", 2.0), "num_hidden_layers is 2.0, not an integer"),
+    (("quantkit_manifest.json", "weights", {}), "the manifest quantizes roles none where its recipe targets"),
+])
+def test_validate_refuses_an_edited_artifact_naming_what_disagrees(artifacts, tmp_path, edit, match):
+    """validate reads a packed linear as eval does: tensors stored in another dtype than the layout's (QQQ's B as
+    float32, the same bytes), a scale cut short, or a config.json or manifest edited to what the artifact is not,
+    are refused as damage (exit 2) naming it, where they had run the kernels on a misread weight or failed later."""
+    import shutil
+
+    edited = shutil.copytree(artifacts["qqq"], tmp_path / "edited")
+    if edit[0].endswith(".json"):
+        file = edited / edit[0]
+        content = json.loads(file.read_text())
+        content[edit[1]] = edit[2]
+        file.write_text(json.dumps(content))
+        record_rewritten_file(edited, file)
+    else:
+        rewrite_tensor(edited, "model.layers.0.mlp.down_proj." + edit[0], edit[1])
+    result = cli("validate", edited)
+    assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
 
 
 def test_validate_fails_when_the_kernel_differs_from_the_emulation(artifacts, monkeypatch):

@@ -1335,6 +1335,98 @@ def test_the_quantization_method_is_read_from_either_form_of_config():
     assert _quant_method(SimpleNamespace()) is None
 
 
+def _edit_json(artifact: Path, name: str, change) -> None:
+    """Apply `change` to the dict in JSON file `name` of an artifact, and record the file as written."""
+    file = artifact / name
+    content = json.loads(file.read_text())
+    change(content)
+    file.write_text(json.dumps(content))
+    record_rewritten_file(artifact, file)
+
+
+def _set(key: str, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+# Edits of an artifact whose files are whole (sizes and hashes recorded) but whose content a reader must refuse, each
+# with what the refusal says. The synthetic model: 3 layers, hidden 256, MLP 512, 4 heads of 64, 2 KV heads, vocab 512;
+# rtn-w4a16-g128 stores compressed-tensors pack-quantized weights (weight_packed, weight_scale fp16 [N, K/128],
+# weight_shape).
+_DOWN = "model.layers.0.mlp.down_proj."
+EDITED_ARTIFACTS = {
+    "config hidden_size": (("config.json", _set("hidden_size", 320)),
+                           "the tensors and config.json disagree: model.embed_tokens.weight is [512, 256] where "
+                           "config.json makes it [512, 320]"),
+    "config vocab_size": (("config.json", _set("vocab_size", 500)), "model.embed_tokens.weight is [512, 256] where "
+                                                                    "config.json makes it [500, 256]"),
+    "config num_key_value_heads": (("config.json", _set("num_key_value_heads", 4)),
+                                   "model.layers.0.self_attn.k_proj.weight is [128, 256] where config.json makes it "
+                                   "[256, 256]"),
+    "config torch_dtype foo": (("config.json", _set("torch_dtype", "foo")),
+                               "torch_dtype is 'foo', not one of float16, bfloat16, float32"),
+    "config torch_dtype int8": (("config.json", _set("torch_dtype", "int8")), "torch_dtype is 'int8', not one of"),
+    "config torch_dtype Tensor": (("config.json", _set("torch_dtype", "Tensor")), "torch_dtype is 'Tensor', not one"),
+    "config layers as text": (("config.json", _set("num_hidden_layers", "3")),
+                              "num_hidden_layers is '3', not an integer"),
+    "a norm's shape": (("model.layers.1.input_layernorm.weight", lambda t: torch.cat([t, t[:1]])),
+                       "model.layers.1.input_layernorm.weight is [257] where config.json makes it [256]"),
+    "a stray tensor": (("model.layers.1.input_layernorm.bias", None),
+                       "holds tensor(s) model.layers.1.input_layernorm.bias, which its config.json's model has no "
+                       "place for"),
+    "a scale in bfloat16": ((_DOWN + "weight_scale", lambda t: t.to(torch.bfloat16)),
+                            "layer 0 mlp.down_proj: its weight_scale is bfloat16 [256, 4] where the layout has "
+                            "float16 [256, 4], not what the compressed-tensors packer writes"),
+    "a shape's rows": ((_DOWN + "weight_shape", lambda t: t + torch.tensor([1, 0])),
+                       "layer 0 mlp.down_proj: its weight_shape holds bits the layout does not write for them"),
+    "a scale row short": ((_DOWN + "weight_scale", lambda t: t[:-1].clone()),
+                          "layer 0 mlp.down_proj: scale is [255, 4] for a weight of 256 x 512 (256 row(s) each)"),
+    "a scale column short": ((_DOWN + "weight_scale", lambda t: t[:, :3].clone()),
+                             "layer 0 mlp.down_proj: scale has 3 columns for 4 group(s) of 128"),
+    "a zero point for symmetric weights": ((_DOWN + "weight_zero_point", None),
+                                           "layer 0 mlp.down_proj: it holds tensor(s) weight_zero_point that its "
+                                           "layout does not have"),
+    "manifest spec field unknown": (("quantkit_manifest.json", lambda m: m["weights"]["o"].__setitem__("colour", 1)),
+                                    "the manifest's weights.o has unknown field(s) colour"),
+    "manifest spec not a spec": (("quantkit_manifest.json", lambda m: m["weights"]["o"].__setitem__("bits", 11)),
+                                 "the manifest's weights.o is not a weight spec (bits must be in 2..8, got 11)"),
+    "manifest spec not the recipe's": (
+        ("quantkit_manifest.json", lambda m: m["weights"]["o"].__setitem__("symmetric", False)),
+        "the manifest's weights.o ({'bits': 4, 'symmetric': False"),
+    "manifest role dropped": (("quantkit_manifest.json", lambda m: m["weights"].pop("down")),
+                              "the manifest quantizes roles qkv, o, gate_up where its recipe targets qkv, o, "
+                              "gate_up, down"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITED_ARTIFACTS)
+def test_eval_refuses_an_edited_artifact_naming_what_disagrees(rtn_artifact, tmp_path, edit):
+    """An artifact whose config.json, manifest or tensors were edited (recorded, so every file is whole) is refused
+    as damaged (exit 2), naming what disagrees, before any evaluation: not a traceback from
+    transformers' load_state_dict or the dequantization, and not values read with arithmetic they were not
+    written in (a bfloat16 scale read as fp16's, a zero point a symmetric spec never wrote)."""
+    (target, change), match = EDITED_ARTIFACTS[edit]
+    edited = shutil.copytree(rtn_artifact, tmp_path / "edited")
+    if target.endswith(".json"):
+        _edit_json(edited, target, change)
+    elif change is None:  # a tensor added: a copy of one of the same layer's
+        like = {"bias": "model.layers.1.input_layernorm.weight", "weight_zero_point": _DOWN + "weight_packed"}
+        source = like[target.rsplit(".", 1)[1]]
+        shard = json.loads((edited / "model.safetensors.index.json").read_text())["weight_map"][source]
+        tensors = read_safetensors(edited / shard)
+        tensors[target] = tensors[source][:, :1].clone() if tensors[source].ndim == 2 else tensors[source].clone()
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(edited / shard), metadata={"format": "pt"})
+        _edit_json(edited, "model.safetensors.index.json", lambda d: d["weight_map"].__setitem__(target, shard))
+        record_rewritten_file(edited, edited / shard)
+    else:
+        rewrite_tensor(edited, target, change)
+    result = cli("eval", edited, "--data-dir", wikitext_rows(tmp_path / "data"), "--limit", "1", "--seq-len", "64")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and match in text, result.output
+    assert "Traceback" not in result.output and "perplexity" not in text
+
+
 def test_eval_names_a_linear_whose_shape_tensor_is_cut_short(rtn_artifact, tmp_path):
     """A compressed-tensors linear whose weight_shape holds one value in place of two (indexing it raises an
     IndexError in the unpack) is refused as a damaged artifact (exit 2) naming the layer and the linear, not with

@@ -3,6 +3,7 @@ engine would reconstruct it, with the activation and KV-cache simulation its rec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quantkit import simulate
 from quantkit.artifact import (
     MANIFEST,
+    MODEL_DTYPES,
     RECIPE,
     ArtifactError,
     artifact_config,
@@ -25,6 +27,7 @@ from quantkit.artifact import (
 )
 from quantkit.errors import QuantkitError, dtype_name, some
 from quantkit.formats import PACKERS, get_packer
+from quantkit.formats.base import ExportError
 from quantkit.models.adapters import adapter_for
 from quantkit.models.source import load_tokenizer, open_model, weight_map_problem
 from quantkit.quantizers import QuantizedLinear, QuantSpec
@@ -120,25 +123,86 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 
 def unpack_linear(path: Path, packer: Any, parts: dict[str, torch.Tensor], spec: QuantSpec, layer: int,
-                  name: str) -> QuantizedLinear:
+                  name: str, kernel_judges: bool = False) -> QuantizedLinear:
     """The packer's exact unpack of one linear's stored tensors, or an ArtifactError naming the linear and what
-    its tensors lack or hold that the manifest's spec cannot read."""
+    its tensors lack or hold that the manifest's spec cannot read, or that its packer would not have written.
+    `kernel_judges` (validate): values the packer refuses to write, such as a LiquidQuant lane its kernel overflows,
+    are returned for the caller's kernel check to fail, rather than refused."""
+    where, again = f"{path}: layer {layer} {name}", "copy the artifact again, or quantize again"
     try:
-        return packer.unpack(dict(parts), spec)
+        q = packer.unpack(dict(parts), spec)
     except KeyError as e:  # a tensor the layout needs is not in the shards
-        raise ArtifactError(f"{path}: layer {layer} {name} lacks its {e.args[0]} tensor; copy the artifact again, "
-                            "or quantize again") from None
-    except (ValueError, RuntimeError, TypeError, IndexError) as e:  # shapes or dtypes the recorded spec does not fit
+        raise ArtifactError(f"{where} lacks its {e.args[0]} tensor; {again}") from None
+    except (ValueError, RuntimeError, TypeError, IndexError) as e:  # shapes or dtypes the spec does not fit
         # (the layouts raise TypeError for a tensor of another dtype, e.g. QServe's qweight as int16; indexing a
         # shape tensor cut short raises IndexError)
-        raise ArtifactError(f"{path}: layer {layer} {name}: its tensors do not fit the manifest's "
-                            f"{spec.bits}-bit spec ({e}); copy the artifact again, or quantize again") from None
+        raise ArtifactError(f"{where}: its tensors do not fit the manifest's {spec.bits}-bit spec ({e}); "
+                            f"{again}") from None
+    if problem := q.shape_problem():
+        raise ArtifactError(f"{where}: {problem}; {again}")
+    try:
+        written = packer.pack(q)
+    except ExportError as e:
+        if kernel_judges:
+            return q
+        raise ArtifactError(f"{where}: it holds values that the {packer.name} packer does not write ({e}); "
+                            f"{again}") from None
+    except (ValueError, RuntimeError, TypeError, IndexError) as e:
+        raise ArtifactError(f"{where}: its tensors do not fit the manifest's {spec.bits}-bit spec ({e}); "
+                            f"{again}") from None
+    if problem := _not_as_written(parts, written):
+        raise ArtifactError(f"{where}: {problem}, not what the {packer.name} packer writes for the values they hold; "
+                            f"{again}")
+    return q
 
 
-def artifact_specs(manifest: dict) -> dict[str, QuantSpec]:
-    """The weight spec of each quantized role, from an artifact's manifest."""
-    return {role: QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
-            for role, w in manifest["weights"].items()}
+def _not_as_written(stored: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> str:
+    """How a linear's stored tensors differ from what its packer writes for the values they unpack to, or "". The
+    layouts are exact both ways, so any difference (a dtype, a shape, a padding bit, a tensor that the unpack read
+    past) is damage that reading alone would take for values."""
+    if extra := sorted(set(stored) - set(written)):
+        return f"it holds tensor(s) {', '.join(extra)} that its layout does not have"
+    for key, w in written.items():
+        t = stored[key]
+        if t.dtype != w.dtype or t.shape != w.shape:
+            return (f"its {key} is {dtype_name(t.dtype)} {list(t.shape)} where the layout has "
+                    f"{dtype_name(w.dtype)} {list(w.shape)}")
+        if not torch.equal(_bits(t), _bits(w)):
+            return f"its {key} holds bits the layout does not write for them"
+    return ""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, so that comparing them tells -0 from +0 and a NaN from itself."""
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def artifact_specs(path: Path, manifest: dict, recipe: Recipe) -> dict[str, QuantSpec]:
+    """The weight spec of each quantized role, from an artifact's manifest, which must be what its saved recipe
+    makes: the roles it targets, each quantized as its weights section says (or per channel, where
+    `weights.indivisible: per_channel` met a group size that does not divide). Anything else is an edited or mixed
+    artifact, whose tensors would be read with arithmetic they were not written in."""
+    damaged = "; the artifact is damaged (copy it again, or quantize again)"
+    weights = manifest["weights"]
+    if set(weights) != set(recipe.targets):
+        raise ArtifactError(f"{path}: the manifest quantizes roles {', '.join(weights) or 'none'} where its recipe "
+                            f"targets {', '.join(recipe.targets)}{damaged}")
+    fields = {f.name for f in dataclasses.fields(QuantSpec)}
+    made = (recipe.weights.spec(), recipe.weights.spec("channel"))
+    specs = {}
+    for role, w in weights.items():
+        if unknown := sorted(set(w) - fields):
+            raise ArtifactError(f"{path}: the manifest's weights.{role} has unknown field(s) {', '.join(unknown)}"
+                                f"{damaged}")
+        try:
+            spec = QuantSpec(**{**w, "group_size": w.get("group_size") or 128})
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{path}: the manifest's weights.{role} is not a weight spec ({e}){damaged}") from None
+        if spec not in made:
+            raise ArtifactError(f"{path}: the manifest's weights.{role} ({w}) is not what its recipe "
+                                f"{recipe.name!r} quantizes with{damaged}")
+        specs[role] = spec
+    return specs
 
 
 @dataclass
@@ -152,14 +216,16 @@ class PackedLinear:
     q: QuantizedLinear
 
 
-def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[PackedLinear]:
+def packed_linears(path: Path, layers: Iterable[int] | None = None, kernel_judges: bool = False
+                   ) -> Iterator[PackedLinear]:
     """The packed linears of artifact `path`, layer by layer (all layers, or those in `layers`), read one
-    layer's shards at a time."""
+    layer's shards at a time; `kernel_judges` as for `unpack_linear`."""
     manifest = load_manifest(path)
-    packer = get_packer(manifest["format"])(artifact_recipe(path), None)
+    recipe = artifact_recipe(path)
     config = artifact_config(path, manifest)
+    packer = get_packer(manifest["format"])(recipe, MODEL_DTYPES[config.get("torch_dtype") or "float16"])
     adapter = adapter_for(config["model_type"])
-    specs = artifact_specs(manifest)
+    specs = artifact_specs(path, manifest, recipe)
     weight_map = _weight_map(path)
     count = config["num_hidden_layers"]
     layers = range(count) if layers is None else list(layers)
@@ -173,7 +239,7 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None) -> Iterator[
                             if k.startswith(prefix)})
         for role, name in adapter.linear_names(list(specs)):
             parts = packer.pop_parts(tensors, name)
-            q = unpack_linear(path, packer, parts, specs[role], i, name)
+            q = unpack_linear(path, packer, parts, specs[role], i, name, kernel_judges)
             yield PackedLinear(i, name, role, parts, q)
 
 
@@ -183,10 +249,10 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     config_data = artifact_config(path, manifest)
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
-    model_dtype = getattr(torch, config_data.get("torch_dtype") or "float16")
+    model_dtype = MODEL_DTYPES[config_data.get("torch_dtype") or "float16"]
     adapter = adapter_for(config.model_type)
     packer = get_packer(manifest["format"])(recipe, model_dtype)
-    specs = artifact_specs(manifest)
+    specs = artifact_specs(path, manifest, recipe)
     for role, spec in specs.items():
         low = spec.min_bits or spec.bits
         if bits is not None and not (low <= bits <= spec.bits if spec.codebook else bits == spec.bits):
@@ -211,7 +277,15 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
         state.update(tensors)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing = set(model.state_dict()) - set(state)
+    expected = model.state_dict()
+    if unplaced := sorted(set(state) - set(expected)):
+        raise ArtifactError(f"{path}: the artifact holds tensor(s) {some(unplaced)}, which its config.json's model has "
+                            "no place for; copy the artifact again, or quantize again")
+    if wrong := [f"{key} is {list(state[key].shape)} where config.json makes it {list(t.shape)}"
+                 for key, t in expected.items() if key in state and state[key].shape != t.shape]:  # the model's order
+        raise ArtifactError(f"{path}: the tensors and config.json disagree: {some(wrong)}; copy the artifact again, "
+                            "or quantize again")
+    missing = set(expected) - set(state)
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:

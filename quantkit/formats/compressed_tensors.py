@@ -168,14 +168,12 @@ class CompressedTensorsPacker(Packer):
         if "weight" in tensors:
             codes = tensors["weight"]
             k = codes.shape[1]
-            zero = tensors.get("weight_zero_point")
-            zero = zero.to(torch.int32).reshape(scale.shape) if zero is not None else None
+            zero = None if spec.symmetric else tensors["weight_zero_point"].to(torch.int32).reshape(scale.shape)
         else:
             k = int(tensors["weight_shape"][1])
             codes = unpack_int32(tensors["weight_packed"], spec.bits, k, dim=1)
-            zero = tensors.get("weight_zero_point")
-            if zero is not None:
-                zero = unpack_int32(zero, spec.bits, scale.shape[0], dim=0).to(torch.int32)
+            zero = None if spec.symmetric else unpack_int32(tensors["weight_zero_point"], spec.bits, scale.shape[0],
+                                                            dim=0).to(torch.int32)
         return QuantizedLinear(codes, QParams(scale, zero, spec.columns_per_group(k)), spec)
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
