@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -270,6 +271,54 @@ def test_an_arc_answer_key_that_is_no_label_is_refused(tmp_path: Path) -> None:
         message = rf"line 1: answerKey 'E' is none of the labels \['A', 'B'.*\(task {task}\)"
         with pytest.raises(EvalDataError, match=message):
             check_task_data([task], root)
+
+
+def _edit_row(root: Path, file: str, change) -> None:
+    """Apply `change` to the first row of task data file `file`."""
+    rows = [json.loads(line) for line in (root / file).read_text().splitlines()]
+    change(rows[0])
+    _write_jsonl(root / file, rows)
+
+
+@pytest.mark.parametrize(("task", "file", "change", "message"), [
+    ("winogrande", "winogrande/validation.jsonl", lambda r: r.update(sentence=r["sentence"].replace("_", "it")),
+     "field 'sentence' has no blank '_' for the options to fill"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda r: r["choices"]["text"].pop(),
+     "field 'choices' does not hold lists 'text' and 'label' of one length"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda r: r["choices"].update(text=[1, 2, 3]),
+     "a choice's text or label is not text"),
+    ("arc_challenge", "arc/ARC-Challenge-Test.jsonl", lambda r: r["question"].pop("stem"),
+     "the question object's 'stem' is missing or not text"),
+    ("arc_challenge", "arc/ARC-Challenge-Test.jsonl", lambda r: r["question"]["choices"][1].pop("text"),
+     "a choice's text or label is not text"),
+    ("arc_challenge", "arc/ARC-Challenge-Test.jsonl", lambda r: r["question"].update(choices="A or B"),
+     "the question object's 'choices' is not a list of {text, label} objects"),
+])
+def test_rows_lm_eval_would_fail_on_are_refused(tmp_path: Path, task, file, change, message) -> None:
+    """Rows whose fields are all there but which lm-eval's task code would fail on once the model is loaded (a
+    WinoGrande sentence without the blank it splits at, ARC choices whose texts and labels do not pair up, an AI2
+    question without its stem or a choice without its text) are refused with their line before any model time."""
+    root = _synthetic_data(tmp_path)
+    _edit_row(root, file, change)
+    with pytest.raises(EvalDataError, match=re.escape(f"line 1: {message} (task {task})")):
+        check_task_data([task], root)
+
+
+def test_every_tasks_data_problem_is_named_at_once(tmp_path: Path) -> None:
+    """Bad rows in several tasks' files are all named in one error, each with its file and line, so that one run
+    finds every file to mend rather than one per run."""
+    root = _synthetic_data(tmp_path)
+    _edit_row(root, "piqa/validation.jsonl", lambda r: r.update(label=7))
+    _edit_row(root, "winogrande/validation.jsonl", lambda r: r.update(sentence="no blank"))
+    (root / "hellaswag/validation.jsonl").write_text("{not json\n")
+    with pytest.raises(EvalDataError) as info:
+        check_task_data(ALL_TASKS, root)
+    text = str(info.value)
+    assert text.startswith("lm-eval data that the tasks cannot read:"), text
+    for match in ("piqa/validation.jsonl, line 1: field 'label' is 7, not one of 0..1 (task piqa)",
+                  "hellaswag/validation.jsonl, line 1: not a JSON object per line",
+                  "winogrande/validation.jsonl, line 1: field 'sentence' has no blank '_'"):
+        assert match in text, text
 
 
 # ------------------------------------------------------------------------------------------ rendering

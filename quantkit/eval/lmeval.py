@@ -74,16 +74,31 @@ def _not_index(row: dict[str, Any], field: str, count: int, base: int = 0) -> st
 
 
 def _arc_problem(row: dict[str, Any]) -> str:
-    """An ARC row's answer key must be one of its choices' labels, in either layout (HF, or the AI2 original)."""
+    """An ARC row must hold its question as text and its choices as texts with labels, one each, in either layout
+    (HF, or the AI2 original), and its answer key must be one of those labels."""
     question = row["question"]
     if isinstance(question, dict):  # the original layout: {"stem", "choices": [{"text", "label"}, ...]}
         choices = question.get("choices")
-        labels = [c.get("label") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+        if not isinstance(question.get("stem"), str):
+            return "the question object's 'stem' is missing or not text"
+        if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
+            return "the question object's 'choices' is not a list of {text, label} objects"
+        texts, labels = [c.get("text") for c in choices], [c.get("label") for c in choices]
     elif isinstance(question, str) and isinstance(row.get("choices"), dict):
-        labels = row["choices"].get("label") or []
+        texts, labels = row["choices"].get("text"), row["choices"].get("label")
+        if not (isinstance(texts, list) and isinstance(labels, list) and texts and len(texts) == len(labels)):
+            return "field 'choices' does not hold lists 'text' and 'label' of one length"
     else:
         return "no choices (HF layout: question and choices {text, label}; or the AI2 original's question object)"
+    if not all(isinstance(t, str) for t in texts + labels):
+        return "a choice's text or label is not text"
     return "" if row["answerKey"] in labels else f"answerKey {row['answerKey']!r} is none of the labels {labels}"
+
+
+def _winogrande_problem(row: dict[str, Any]) -> str:
+    """The sentence holds the blank `_` that each option fills (lm-eval splits it there)."""
+    problem = _not_text(row, "sentence", "option1", "option2") or _not_index(row, "answer", 2, 1)
+    return problem or ("" if "_" in row["sentence"] else "field 'sentence' has no blank '_' for the options to fill")
 
 
 def _hellaswag_problem(row: dict[str, Any]) -> str:
@@ -158,7 +173,7 @@ LM_EVAL_TASKS: dict[str, TaskInfo] = {
             ("acc",),
             "WinoGrande validation (1267), 0-shot partial scoring; HF layout sentence/option1/option2/answer",
             ("sentence", "option1", "option2", "answer"),
-            lambda row: _not_text(row, "sentence", "option1", "option2") or _not_index(row, "answer", 2, 1),
+            _winogrande_problem,
         ),
         TaskInfo(
             "wikitext_lm",
@@ -227,22 +242,30 @@ def check_task_data(tasks: Sequence[str], data_dir: str | Path | None = None) ->
         lines = "\n".join(f"  task {name}: missing data file {path}" for name, path in missing)
         note = "" if root.is_dir() else f" (data directory {root} {not_a_directory(root)})"
         raise EvalDataError(f"lm-eval data not found{note}:\n{lines}\n{how}")
-    for info in infos:  # every row of the right layout, which lm-eval would find only once the model is loaded
-        for name in info.data_files:
-            path = root / name
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise EvalDataError(f"task {info.name}: cannot read {path} as UTF-8 text ({exc})") from None
-            rows = 0
-            for number, row in json_objects(lines, path, info.fields, EvalDataError,
-                                            fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
-                if problem := info.row_problem(row):  # values lm-eval would fail on, or score wrongly
-                    raise EvalDataError(f"{path}, line {number}: {problem} (task {info.name})")
-                rows += 1
-            if not rows:
-                raise EvalDataError(f"{path} holds no rows (task {info.name})")
+    problems = [problem for info in infos for name in info.data_files if (problem := _file_problem(info, root / name))]
+    if problems:  # every task's, so that one run finds them all
+        raise EvalDataError("\n".join(problems) if len(problems) == 1 else
+                            "lm-eval data that the tasks cannot read:\n" + "\n".join(f"  {p}" for p in problems))
     return root
+
+
+def _file_problem(info: TaskInfo, path: Path) -> str:
+    """The first thing wrong with task data file `path`, with its line, or "": every row must be of the task's
+    layout with values lm-eval can score, which it would find only once the model is loaded."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"task {info.name}: cannot read {path} as UTF-8 text ({exc})"
+    rows = 0
+    try:
+        for number, row in json_objects(lines, path, info.fields, EvalDataError,
+                                        fix=f"task {info.name} reads rows with fields {', '.join(info.fields)}"):
+            if problem := info.row_problem(row):  # values lm-eval would fail on, or score wrongly
+                return f"{path}, line {number}: {problem} (task {info.name})"
+            rows += 1
+    except EvalDataError as exc:
+        return str(exc)
+    return "" if rows else f"{path} holds no rows (task {info.name})"
 
 
 def _yaml_string_body(value: str) -> str:
