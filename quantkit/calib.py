@@ -423,17 +423,26 @@ def sample_windows(ids: list[int], *, num_samples: int, seq_len: int, seed: int,
     return torch.tensor([ids[s: s + seq_len] for s in starts], dtype=torch.long)
 
 
+def names_a_set(source: str | Path) -> bool:
+    """Whether calibration source `source` is a named set: one's bare name (a path with a folder is a file)."""
+    name = str(source)
+    return name in named_sets() and "/" not in name and os.sep not in name
+
+
 def _resolve_source(source: str | Path, data_dir: str | Path | None,
                     text_field: str) -> tuple[Path, str, str]:
-    """(file to read, text field, description for the artifact) of a file path or named set."""
+    """(file to read, text field, description for the artifact) of a file path or named set. A set's bare name is
+    the set even where the working directory holds a file or folder of that name: the set's own folder, when run
+    from the data dir (a file without a suffix is no calibration file quantkit reads)."""
     path = Path(source).expanduser()
-    if path.is_file():
+    name = str(source)
+    named = names_a_set(name)
+    if not named and path.is_file():
         return path, text_field, str(path.resolve())
-    if path.is_dir():
+    if not named and path.is_dir():
         raise CalibrationError(f"calibration source {source} is a directory; pass a file, or a named set "
                                "with --data-dir")
-    name = str(source)
-    if name not in named_sets() and (path.suffix or len(path.parts) > 1):
+    if not named and (path.suffix or len(path.parts) > 1):
         raise CalibrationError(f"calibration file {source} does not exist")
     spec = load_named_set(name)  # an unknown name raises, listing the known sets
     found = resolve_named_set(name, data_dir)

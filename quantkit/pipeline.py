@@ -45,6 +45,7 @@ from quantkit.calib import (
     generate_calibration,
     load_calibration,
     named_sets,
+    names_a_set,
     resolve_named_set,
 )
 from quantkit.errors import QuantkitError, dtype_name
@@ -462,9 +463,9 @@ def _resolved_job(job: QuantizeJob, source: ModelSource, reporter: Reporter) -> 
     """`job` with the recipe that the run saves: its windows capped at the model's context (`fit_context`), and
     its dataset the --calib data calibrated on, so that the saved recipe reproduces the run."""
     job = replace(job, recipe=fit_context(job.recipe, source, reporter))
-    if job.calib is None:
-        return job
-    dataset = str(job.calib) if str(job.calib) in named_sets() else str(Path(job.calib).expanduser().resolve())
+    chosen = job.recipe.calibration.dataset if job.calib is None else str(job.calib)
+    # a file's path made absolute (from the recipe, --set or --calib alike), so the saved recipe reads it from anywhere
+    dataset = chosen if names_a_set(chosen) else str(Path(chosen).expanduser().resolve())
     return replace(job, recipe=replace(job.recipe, calibration=replace(job.recipe.calibration, dataset=dataset)))
 
 

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -486,3 +487,24 @@ def test_a_directory_named_like_a_sets_file_is_passed_over(tmp_path: Path, monke
     (tmp_path / second).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / second).write_text("Once upon a time.\n", encoding="utf-8")
     assert resolve_named_set("tinystories", tmp_path) == tmp_path / second
+
+
+def test_a_sets_name_is_the_set_beside_a_folder_or_file_of_that_name(shared_data, tokenizer, tmp_path, monkeypatch):
+    """Run from the data dir (`--calib c4 --data-dir .`), the set's own folder c4/ is in the working directory: the
+    bare name is still the set, not refused as "a directory; pass a named set with --data-dir", which is what the
+    user did. A file of a set's name (no suffix: no format quantkit reads) does not hide the set either."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.chdir(shared_data)
+    cal = load_calibration("c4", tokenizer, num_samples=2, seq_len=64, data_dir=".")
+    assert cal.source == f"c4:{(shared_data / 'c4' / 'c4-train.00000-of-01024.first800.jsonl').resolve()}"
+    here = tmp_path / "here"
+    (here / "c4").mkdir(parents=True)
+    shutil.copy(shared_data / "c4" / "c4-train.00000-of-01024.first800.jsonl", here / "c4")
+    (here / "wikitext2").write_text("Some local text. " * 200, encoding="utf-8")
+    monkeypatch.chdir(here)
+    assert load_calibration("c4", tokenizer, num_samples=2, seq_len=64, data_dir=here).sha256 == cal.sha256
+    with pytest.raises(CalibrationError, match="under data dir"):  # the set's own not-found error
+        load_calibration("wikitext2", tokenizer, num_samples=1, seq_len=8, data_dir=here)

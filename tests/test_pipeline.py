@@ -2207,15 +2207,25 @@ def test_windows_of_the_full_context_and_the_generation_config_pass_through(
     assert yaml.safe_load((tmp_path / "capped" / "quantkit_recipe.yaml").read_text())["calibration"]["seq_len"] == 512
 
 
+@pytest.mark.parametrize("given", ["--calib", "--set", "recipe"])
 def test_a_relative_calib_path_is_saved_absolute(
-    synthetic: Path, calib_txt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    synthetic: Path, calib_txt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str,
 ) -> None:
-    """A --calib given relative to the working directory is recorded absolute, in the saved recipe and as the
-    manifest's calibration source, so that quantizing again from the saved recipe elsewhere reads the same file and
-    calibrates on the same tokens, where the relative name would not be found."""
+    """A calibration file given relative to the working directory (by --calib, by --set calibration.dataset, or in a
+    recipe file) is recorded absolute, in the saved recipe and as the manifest's calibration source, so that
+    quantizing again from the saved recipe elsewhere reads the same file and calibrates on the same tokens, where
+    the relative name would not be found."""
     monkeypatch.chdir(Path(calib_txt).parent)
+    name = Path(calib_txt).name
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "mine", "weights": {"bits": 4, "group_size": 128},
+                                      "calibration": {"dataset": name}, "passes": [{"name": "rtn"}],
+                                      "export": {"format": "compressed-tensors"}}))
+    how = {"--calib": ["--recipe", "rtn-w4a16-g128", "--calib", name],
+           "--set": ["--recipe", "rtn-w4a16-g128", "--set", f"calibration.dataset={name}"],
+           "recipe": ["--recipe", recipe]}[given]
     out = tmp_path / "out"
-    cli_ok("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", Path(calib_txt).name, *FAST)
+    cli_ok("quantize", synthetic, *how, "-o", out, *FAST)
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     assert manifest["calibration"]["source"] == str(Path(calib_txt).resolve())
     assert yaml.safe_load((out / "quantkit_recipe.yaml").read_text())["calibration"]["dataset"] == \
