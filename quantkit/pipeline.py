@@ -519,8 +519,12 @@ def _stops_reported(out: OutputDir, reporter: Reporter) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         if out.work.exists():  # else the commit's rename went through: the output is complete
-            again = "--resume --overwrite" if out.final.exists() else "--resume"
-            reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
+            if _layers_kept(out) == 0:  # stopped before its first layer: a --resume would find nothing to continue
+                shutil.rmtree(out.work, ignore_errors=True)
+                reporter.warn("interrupted before any layer was finished: nothing is kept; rerun to start again")
+            else:
+                again = "--resume --overwrite" if out.final.exists() else "--resume"
+                reporter.warn(f"interrupted: finished layers are kept in {out.work}; rerun with {again} to continue")
         raise
     except (QuantkitError, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in _MACHINE_ERRNOS:
@@ -557,17 +561,25 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
 _MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
 
 
+def _layers_kept(out: OutputDir) -> int | None:
+    """How many finished layers the work dir's journal records: 0 where it has none yet (stopped before its journal
+    was written, or before its first layer), None where the journal cannot be read."""
+    try:
+        return len(json.loads((out.work / JOURNAL).read_text())["layers"])
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _unfinished(out: OutputDir) -> str:
     """What a run stopped by an error leaves, said after its message: the work dir holding the layers its journal
     records, or nothing where it records none (the work dir is removed, as an error found before any layer leaves
     none)."""
     if not out.work.exists():  # committed: the error came after the output was complete
         return ""
-    try:
-        done = len(json.loads((out.work / JOURNAL).read_text())["layers"])
-    except FileNotFoundError:  # stopped before its journal was written: nothing to resume
-        done = 0
-    except (OSError, ValueError, KeyError, TypeError):  # not readable now: keep it, for a look
+    done = _layers_kept(out)
+    if done is None:  # not readable now: keep it, for a look
         return f"; the run's files are kept in {out.work}"
     if done == 0:
         shutil.rmtree(out.work, ignore_errors=True)

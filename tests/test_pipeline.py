@@ -1615,6 +1615,33 @@ def test_an_interrupted_overwrite_says_how_to_resume(synthetic, calib_txt, tmp_p
     assert [r.replayed for r in summary.layers] == [True, False, False]
 
 
+@pytest.mark.parametrize("where", ["before the journal", "after the journal"])
+def test_an_interrupt_before_the_first_layer_keeps_nothing(synthetic, calib_txt, tmp_path, monkeypatch, where):
+    """Ctrl-C before any layer is finished (once OUT.partial is made, before or after the journal is written) leaves no
+    OUT.partial and says nothing is kept: it had said "rerun with --resume", which then refused, finding nothing to
+    resume; a plain rerun then runs."""
+    import quantkit.pipeline as pipeline
+
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    target = "_weights_stamp" if where == "before the journal" else "_journal_for"  # inside the run's scope
+    real = getattr(pipeline, target)
+
+    def stopped(*args, **kwargs):
+        if target == "_journal_for":
+            real(*args, **kwargs)  # written, with no layer yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, target, stopped)
+    reporter = _Warnings()
+    with pytest.raises(KeyboardInterrupt):
+        run_quantize(job, reporter)
+    assert reporter.said[-1] == "interrupted before any layer was finished: nothing is kept; rerun to start again"
+    assert not (tmp_path / "b.partial").exists() and not (tmp_path / "b").exists()
+    monkeypatch.setattr(pipeline, target, real)
+    assert len(run_quantize(job).layers) == 3
+
+
 def test_a_commit_interrupted_between_its_renames_resumes(synthetic, calib_txt, tmp_path, monkeypatch):
     """--overwrite's commit moves the old OUT aside, then OUT.partial into place: interrupted between the two, the
     work dir still holds its journal, so --resume finishes the run (the hint says so), and the old output that was
