@@ -139,8 +139,8 @@ class OutputDir:
     def check(self, resume: bool, overwrite: bool, protect: tuple[Path, ...] = ()) -> None:
         """Refuse, before any work, to clobber an existing output or an interrupted run, and --overwrite to replace
         anything but quantkit's own output: a directory that is not an artifact, a file, or `protect` (the model
-        being quantized) or a directory holding it. An output that cannot be written, or that another run is
-        writing, is refused too."""
+        being quantized) or a directory holding it. An output inside the model's folder, that cannot be written,
+        or that another run is writing, is refused too."""
         if self.final.name in ("", ".", ".."):
             raise ArtifactError(f"-o {self.final}: name the output directory itself (quantkit writes NAME.partial "
                                 "beside it, then renames it to NAME)")
@@ -163,6 +163,9 @@ class OutputDir:
             if model.resolve() == final or final in model.resolve().parents:
                 raise ArtifactError(f"the output {self.final} would replace the model being quantized ({model}); "
                                     "choose another output path")
+            if model.is_dir() and model.resolve() in final.parents:  # its *.safetensors would be read as the model's
+                raise ArtifactError(f"the output {self.final} is inside the model being quantized ({model}), whose "
+                                    "folder must hold the model's files alone; choose another output path")
         for path in (self.final, None if resume else self.work):  # --overwrite replaces only quantkit's output
             if path is not None and path.exists() and not _ours(path):
                 raise ArtifactError(

@@ -771,6 +771,10 @@ def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path)
         result = cli("quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o", target,
                      "--overwrite")
         assert result.exit_code == 2 and "would replace the model" in result.output, result.output
+    for inside in ("x.safetensors", "sub/q"):  # a folder in the model's, whose shards would be read as its own
+        result = cli("quantize", model, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o",
+                     model / inside)
+        assert result.exit_code == 2 and "is inside the model being quantized" in " ".join(result.output.split())
     assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in synthetic.iterdir())
 
 

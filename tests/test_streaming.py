@@ -183,6 +183,20 @@ def test_pickles_are_refused(stories260k, tmp_path):
         open_model(d)
 
 
+def test_a_folder_named_like_a_shard_is_not_read_as_one(stories260k, tmp_path):
+    """A model folder without a shard index is read from its *.safetensors files: a folder among them named like one
+    (an output written inside the model, `-o MODEL/x.safetensors`) is passed over, not read as "a corrupt safetensors
+    header ... Is a directory" that made the model unreadable."""
+    d = _copy_model(stories260k, tmp_path / "m")
+    assert not (d / "model.safetensors.index.json").exists()
+    reference = open_model(d)
+    (d / "x.safetensors").mkdir()
+    again = open_model(d)
+    assert again.num_layers == reference.num_layers
+    name = f"{again.adapter.layer_prefix(0)}mlp.down_proj.weight"
+    assert torch.equal(again.read([name])[name], reference.read([name])[name])
+
+
 def test_content_digest_follows_the_bytes_not_the_mtime(tmp_path):
     """Caches keyed by content_digest survive a copy or a re-provisioned mount (same bytes, new mtime) and are
     invalidated by a change of bytes even at the same size; a damaged memo is ignored, not trusted."""

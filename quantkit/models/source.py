@@ -126,7 +126,7 @@ class ModelSource:
         self._convert_to: torch.dtype | None = None  # read floating tensors as this dtype (`convert_to`)
         self._dtypes: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(p for p in path.glob("*.safetensors") if p.is_file())  # not a folder named like one
         if not files:
             pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
             hint = (
