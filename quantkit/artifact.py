@@ -113,12 +113,20 @@ def _trash_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
 
 
+def _remove(path: Path) -> None:
+    """Delete `path`, a directory tree or a file or link (a link, not what it points to), as far as it can."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _trash(path: Path) -> None:
     """Delete directory `path` in one step as readers see it: renamed to a hidden sibling, then deleted; a kill
     on the way leaves only the sibling, which the next run on this output deletes (`OutputDir.check`)."""
     hidden = _trash_name(path)
     path.rename(hidden)
-    shutil.rmtree(hidden, ignore_errors=True)
+    _remove(hidden)
 
 
 @dataclass
@@ -131,6 +139,13 @@ class OutputDir:
 
     final: Path
     _lock: int | None = field(default=None, init=False, repr=False)
+    _link: Path | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # an output that is a symlink (to a folder on a bigger disk, say) is written where it points, so the link
+        # stays and names the new output: replacing the link itself would move the artifact onto the link's disk
+        if self.final.is_symlink():
+            self._link, self.final = self.final, Path(os.path.realpath(self.final))
 
     @property
     def work(self) -> Path:
@@ -274,7 +289,7 @@ class OutputDir:
         self._drop_run_files()
         self.release()
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
     def _drop_run_files(self) -> None:
         """Remove the journal and lock from a committed output."""
@@ -284,9 +299,9 @@ class OutputDir:
     def _sweep(self) -> None:
         """Delete what killed runs left beside this output: trashed directories (`_trash`, `commit`), and the journal
         and lock of a commit killed right after its rename."""
-        for name in (self.final.name, self.work.name):
-            for stale in self.final.parent.glob(f".{glob.escape(name)}.trash-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        for path in (self.final, self.work, self._link):  # the link's: what an --overwrite of it once left
+            for stale in path.parent.glob(f".{glob.escape(path.name)}.trash-*") if path else ():
+                _remove(stale)
         # a work dir a kill left before it was renamed into place; one of a live run is locked (or just made)
         for fresh in self.final.parent.glob(f".{glob.escape(self.work.name)}.new-*"):
             try:

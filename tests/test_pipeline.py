@@ -737,6 +737,27 @@ def test_output_exists_is_refused(stories260k, tinystories_txt, tmp_path):
     assert (out / "keep.txt").read_text() == "precious"
 
 
+def test_a_symlinked_output_is_written_where_it_points(synthetic, calib_txt, tmp_path):
+    """-o LINK, a symlink to an output on another disk: the run (and an --overwrite of it) writes where the link
+    points and the link stays, naming the new output. --overwrite had renamed the link aside, put the new output
+    in its place on the link's disk, and left the renamed link (`.LINK.trash-*`) for good, since rmtree refuses
+    links; an old run's such leftover is removed now."""
+    real = tmp_path / "disk" / "art"
+    real.parent.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    args = ["quantize", synthetic, "--recipe", "rtn-w4a16-g128", "--calib", calib_txt, *FAST, "-o", link]
+    cli_ok(*args)
+    first = json.loads((real / "quantkit_manifest.json").read_text())["manifest_sha256"]
+    (tmp_path / ".link.trash-0123456789ab").symlink_to(real.parent)  # what an --overwrite before this fix left
+    cli_ok(*args, "--overwrite", "--set", "weights.group_size=64")
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    manifest = json.loads((real / "quantkit_manifest.json").read_text())
+    assert manifest["manifest_sha256"] != first and manifest["weights"]["o"]["group_size"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["art"]
+
+
 def test_overwrite_replaces_only_quantkit_output(synthetic, calib_txt, tmp_path):
     """--overwrite replaces an earlier artifact (once the new one is complete) and nothing else: not a directory
     that is not quantkit's, not a file, not the model itself or a directory holding it, and not a sibling that
