@@ -834,10 +834,21 @@ def output_errors(y_q: torch.Tensor, y_ref: torch.Tensor) -> tuple[float, float]
     diff, ref = (y_q.float() - y_ref.float()), y_ref.float()
 
     def rel(d: torch.Tensor, r: torch.Tensor) -> float:
-        return float(torch.linalg.vector_norm(d) / torch.linalg.vector_norm(r).clamp(min=1e-30))
+        nd, nr = torch.linalg.vector_norm(d), torch.linalg.vector_norm(r)
+        if bool(torch.isfinite(nd) & torch.isfinite(nr)):
+            return float(nd / nr.clamp(min=1e-30))
+        return _scaled_norm(d) / max(_scaled_norm(r), 1e-30)  # squares past float32's range (values past 1e19)
 
     sink = rel(diff[:, 0], ref[:, 0])
     return (rel(diff[:, 1:], ref[:, 1:]) if ref.shape[1] > 1 else sink), sink
+
+
+def _scaled_norm(t: torch.Tensor) -> float:
+    """||t|| of finite values whose squares float32 cannot hold, taken over t / max|t| (inf where t is not finite)."""
+    top = t.abs().amax()
+    if not bool(torch.isfinite(top)) or top == 0:
+        return float(torch.linalg.vector_norm(t))
+    return float(torch.linalg.vector_norm(t / top)) * float(top)
 
 
 def _finalize(

@@ -90,6 +90,26 @@ def test_output_errors_keep_the_attention_sink_apart():
     assert output_errors(y_q[:, :1], y_ref[:, :1]) == pytest.approx((0.1, 0.1))  # only a sink: it is the error
 
 
+def test_output_errors_of_outputs_whose_squares_pass_float32(tmp_path, calib_txt):
+    """Outputs near 1e22 (a bfloat16 checkpoint's huge but finite weight) have squares past float32's range: their
+    errors are the same ratios as at 1e0, not an inf that stopped the run, blaming "a scale or table overflowed"."""
+    from quantkit.pipeline import output_errors
+
+    y_ref = torch.tensor([[[3.0, 4.0], [3.0, 4.0], [6.0, 8.0]]])
+    y_q = y_ref + torch.tensor([[[0.5, 0.0], [0.0, 1.0], [0.0, 0.0]]])
+    small = output_errors(y_q, y_ref)
+    assert output_errors(y_q * 1e22, y_ref * 1e22) == pytest.approx(small, rel=1e-6)
+    assert small == pytest.approx((1.0 / 125 ** 0.5, 0.1))
+
+    model = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                  num_hidden_layers=2, dtype="bfloat16"))
+    set_weight(model, "model.layers.0.mlp.down_proj.weight", 1e22, at=(3, 5))
+    out = tmp_path / "out"
+    cli_ok("quantize", model, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    errors = [layer["rel_error"] for layer in json.loads((out / "quantkit_manifest.json").read_text())["layers"]]
+    assert all(math.isfinite(e) for e in errors) and errors[0] > 0
+
+
 def _ppl(model, ids, seq_len=128):
     return perplexity(model, ids, seq_len, limit=4).perplexity
 
