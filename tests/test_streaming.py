@@ -452,7 +452,8 @@ def test_a_file_cut_inside_its_header_is_named_truncated(stories260k: Path, tmp_
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_a_nan_weight_is_named_whatever_the_checkpoint_dtype(tmp_path: Path, dtype: str) -> None:
     """A read of a layer checks its tensors for NaN in every floating dtype a checkpoint stores, bfloat16 (Llama 3's)
-    included, not only in the one the synthetic models use."""
+    included, not only in the one the synthetic models use; the message says where the first is, for the
+    embeddings and a 1-D norm too (read whole at the start, they had been named without a position)."""
     from helpers import set_weight
 
     from quantkit.synthetic import SyntheticLlama, write_synthetic_llama
@@ -463,8 +464,18 @@ def test_a_nan_weight_is_named_whatever_the_checkpoint_dtype(tmp_path: Path, dty
     set_weight(d, "model.layers.1.mlp.up_proj.weight", float("nan"), at=(3, 4))
     source = open_model(d)
     assert source.checkpoint_dtype == getattr(torch, dtype)
-    with pytest.raises(ModelError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' has 1 NaN/Inf"):
+    with pytest.raises(ModelError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' has 1 NaN/Inf value\(s\) "
+                                         r"\(the first at row 3, column 4\)"):
         source.layer_tensors(1)
+    set_weight(d, "model.embed_tokens.weight", float("inf"), at=(7, 2))  # read whole at the start, not scanned
+    set_weight(d, "model.embed_tokens.weight", float("nan"), at=(9, 0))
+    set_weight(d, "model.norm.weight", float("nan"), at=(5,))
+    with pytest.raises(ModelError, match=r"'model\.embed_tokens\.weight' has 2 NaN/Inf value\(s\) \(the first at "
+                                         r"row 7, column 2\)"):
+        source.read(["model.embed_tokens.weight"])
+    with pytest.raises(ModelError, match=r"'model\.norm\.weight' has 1 NaN/Inf value\(s\) \(the first at row 5, "
+                                         r"column 0\)"):
+        source.read(["model.norm.weight"])
 
 
 def test_content_digest_rehashes_a_file_of_another_size_at_the_same_mtime(tmp_path: Path) -> None:

@@ -250,8 +250,10 @@ class ModelSource:
                 raise ModelError(f"{file}: cannot read tensors ({exc})") from None
         for name, t in out.items():
             if t.is_floating_point() and not _all_finite(t):
-                bad = (~torch.isfinite(t)).sum().item()
-                raise ModelError(f"{self.origin}: tensor {name!r} has {bad} NaN/Inf values; refusing to quantize it")
+                bad = ~torch.isfinite(t.reshape(len(t) if t.ndim else 1, -1))
+                row, col = (int(i) for i in bad.nonzero()[0])
+                raise ModelError(f"{self.origin}: tensor {name!r} has {int(bad.sum())} NaN/Inf value(s) (the first "
+                                 f"at row {row}, column {col}); refusing to quantize it")
             if (t.is_floating_point() and self.narrows(t.dtype)
                     and (largest := _largest_magnitude(t)) > torch.finfo(self.dtype).max):
                 raise self.out_of_range(name, largest, t.dtype)
