@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -89,6 +90,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_TEXT_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # 1e-2: text to YAML 1.1 (PyYAML), a number to YAML 1.2 and to the user
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         if not math.isfinite(value):  # YAML's .inf and .nan: no field means them (damp .inf never factorizes)
@@ -99,6 +102,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{where}: unsupported config type {tp!r}")
+
+
+# The exponent forms that YAML 1.2 reads as floats and PyYAML's YAML 1.1 as strings: 1e-2, 5E3 (no dot), 1.0e2 (no
+# exponent sign)
+_YAML11_TEXT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
 def _name(tp: Any) -> str:

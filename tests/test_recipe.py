@@ -211,6 +211,19 @@ def test_a_value_of_another_yaml_type_is_refused(override: str, match: str) -> N
         load_recipe("gptq-w4a16-g128", [override])
 
 
+@pytest.mark.parametrize("written", ["1e-2", "1.0e-2", "10e-3", "1.0E-2", "+1e-2"])
+def test_a_number_in_exponent_form_is_a_number(tmp_path, written: str) -> None:
+    """1e-2 is text to PyYAML's YAML 1.1 (it wants a dot and an exponent sign) but a number to YAML 1.2 and to anyone
+    writing it: a number field takes it, from --set and from a recipe file alike, and the saved recipe holds the
+    number. A quoted number in another form stays text, and refused."""
+    assert load_recipe("gptq-w4a16-g128", [f"passes.gptq.damp={written}"]).passes[0].config.damp == 0.01
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"name: mine\nweights: {{bits: 4}}\npasses:\n  - {{name: gptq, damp: {written}}}\n")
+    assert "damp: 0.01" in to_yaml(load_recipe(recipe))
+    with pytest.raises(RecipeError, match=r"damp: expected a number, got '0\.01'"):
+        load_recipe("gptq-w4a16-g128", ["passes.gptq.damp='0.01'"])
+
+
 def test_passes_are_numbered_from_zero_and_a_number_past_the_last_is_named() -> None:
     """`--set passes.N.field` addresses the pass at index N (qqq: 0 smooth, 1 gptq), and an index past the last pass
     is an error naming the recipe's passes, not an IndexError."""
