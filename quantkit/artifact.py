@@ -299,8 +299,9 @@ class OutputDir:
     def _sweep(self) -> None:
         """Delete what killed runs left beside this output: trashed directories (`_trash`, `commit`), and the journal
         and lock of a commit killed right after its rename."""
-        for path in (self.final, self.work, self._link):  # the link's: what an --overwrite of it once left
-            for stale in path.parent.glob(f".{glob.escape(path.name)}.trash-*") if path else ():
+        # beside a symlinked output, the link's too: what an --overwrite of the link itself once left
+        for path in [self.final, self.work, *([self._link] if self._link else [])]:
+            for stale in path.parent.glob(f".{glob.escape(path.name)}.trash-*"):
                 _remove(stale)
         # a work dir a kill left before it was renamed into place; one of a live run is locked (or just made)
         for fresh in self.final.parent.glob(f".{glob.escape(self.work.name)}.new-*"):

@@ -176,8 +176,8 @@ class QuantizedLinear:
     def shape_problem(self) -> str:
         """What in these tensors' shapes cannot be read as one weight [N, K], in words, or "": a reader's check of
         unpacked tensors, which would otherwise broadcast a short field over the weight or fail inside the
-        dequantization. Each field has N rows (1 per tensor), each per-group field one column per group (or 1),
-        g_idx one group per column, and the dequantization (traced on the meta device, no arithmetic) is [N, K]."""
+        dequantization. Each field has N rows (1 per tensor), each per-group field one column per group, g_idx one
+        group per column, and the dequantization (traced on the meta device, no arithmetic) is [N, K]."""
         if self.codes.ndim != 2:
             return f"the codes are {self.codes.ndim}-D, not [N, K]"
         n, k = self.codes.shape
@@ -192,7 +192,7 @@ class QuantizedLinear:
         elif qp.lut is None and qp.group_size > 0 and k % qp.group_size == 0:
             groups = k // qp.group_size
             if bad := [f"{f} has {t.shape[1]} columns" for f, t in fields.items()
-                       if f in _PER_GROUP and t.shape[1] not in (1, groups)]:
+                       if f in _PER_GROUP and t.shape[1] != groups]:
                 return f"{', '.join(bad)} for {groups} group(s) of {qp.group_size}"
         try:
             traced = self.to("meta").dequantize()

@@ -1427,6 +1427,8 @@ EDITED_ARTIFACTS = {
                           "layer 0 mlp.down_proj: scale is [255, 4] for a weight of 256 x 512 (256 row(s) each)"),
     "a scale column short": ((_DOWN + "weight_scale", lambda t: t[:, :3].clone()),
                              "layer 0 mlp.down_proj: scale has 3 columns for 4 group(s) of 128"),
+    "a scale of one column": ((_DOWN + "weight_scale", lambda t: t[:, :1].clone()),  # would broadcast over them
+                              "layer 0 mlp.down_proj: scale has 1 columns for 4 group(s) of 128"),
     "a zero point for symmetric weights": ((_DOWN + "weight_zero_point", None),
                                            "layer 0 mlp.down_proj: it holds tensor(s) weight_zero_point that its "
                                            "layout does not have"),

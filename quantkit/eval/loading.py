@@ -162,6 +162,8 @@ def _not_as_written(stored: dict[str, torch.Tensor], written: dict[str, torch.Te
     past) is damage that reading alone would take for values."""
     if extra := sorted(set(stored) - set(written)):
         return f"it holds tensor(s) {', '.join(extra)} that its layout does not have"
+    if lacking := sorted(set(written) - set(stored)):
+        return f"it lacks tensor(s) {', '.join(lacking)} of its layout"
     for key, w in written.items():
         t = stored[key]
         if t.dtype != w.dtype or t.shape != w.shape:
