@@ -912,8 +912,8 @@ def _write_config(source: ModelSource, packer: Packer, specs: dict[str, QuantSpe
     config["quantization_config"] = packer.quantization_config(specs)
     config.update(packer.config_entries(specs, a.layers_prefix, {role: a.linears[role] for role in specs}))
     config["torch_dtype"] = dtype_name(source.dtype)
-    if untied:
-        config["tie_word_embeddings"] = False
+    if untied or not source.tied_embeddings:  # an lm_head stored apart, as transformers reads a config that ties
+        config["tie_word_embeddings"] = False  # but holds both: the stored head, not the embeddings
     config.pop("dtype", None)
     atomic_write(out.work / "config.json", json.dumps(config, indent=2))
     for extra in ("generation_config.json",):

@@ -1053,6 +1053,30 @@ def test_tied_embeddings_stay_tied_through_quantize_and_eval(tmp_path, calib_txt
     assert torch.equal(loaded.lm_head.weight, reference.model.embed_tokens.weight)
 
 
+def test_a_config_that_ties_beside_a_stored_head_keeps_the_head(tmp_path, calib_txt):
+    """config.json says tie_word_embeddings but the checkpoint stores an lm_head of its own: transformers reads the
+    stored head (both present with different values, it does not tie them), and so do quantize, the artifact's
+    config (tie_word_embeddings false) and eval, also of an artifact whose config still says tie. eval had tied the
+    head to the embeddings, a different model (perplexity 9 where the checkpoint's is 538)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_synthetic_llama(tmp_path / "m", SyntheticLlama(hidden_size=128, intermediate_size=256,
+                                                                      num_hidden_layers=1))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert not torch.equal(reference.lm_head.weight, reference.model.embed_tokens.weight)
+    out = tmp_path / "art"
+    cli_ok("quantize", model_dir, "--recipe", "rtn-w4a16-g128", "-o", out, "--calib", calib_txt, *FAST)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded = load_for_eval(out).model
+    assert torch.equal(loaded.lm_head.weight, reference.lm_head.weight)
+    written = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**written, "tie_word_embeddings": True}))  # as quantize wrote it
+    record_rewritten_file(out, out / "config.json")
+    assert torch.equal(load_for_eval(out).model.lm_head.weight, reference.lm_head.weight)
+
+
 def test_quantize_shorthands_win_over_set(synthetic, calib_txt, tmp_path):
     """--num-samples and --seq-len win over --set calibration.num_samples / seq_len (and over the recipe), as their
     help says: the calibration recorded is 3 x 48 tokens."""

@@ -288,13 +288,16 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
         raise ArtifactError(f"{path}: the tensors and config.json disagree: {some(wrong)}; copy the artifact again, "
                             "or quantize again")
     missing = set(expected) - set(state)
-    if getattr(config, "tie_word_embeddings", False):
-        missing.discard("lm_head.weight")
+    head = adapter.lm_head + ".weight"
+    tied = getattr(config, "tie_word_embeddings", False) and head not in state  # a stored head is read, as
+    if tied:                                                                    # transformers does
+        missing.discard(head)
     if missing:
         raise ArtifactError(f"{path}: the artifact lacks tensor(s) {some(sorted(missing))}; copy the artifact again, "
                             "or quantize again")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    model.tie_weights()
+    if tied:
+        model.tie_weights()
     _rebuild_buffers(model)
     model.to(device)
     act, kv = simulate.sims_for(recipe)
