@@ -519,8 +519,7 @@ def _stops_reported(out: OutputDir, reporter: Reporter) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         if out.work.exists():  # else the commit's rename went through: the output is complete
-            if _layers_kept(out) == 0:  # stopped before its first layer: a --resume would find nothing to continue
-                shutil.rmtree(out.work, ignore_errors=True)
+            if _drop_if_empty(out):  # stopped before its first layer: a --resume would find nothing to continue
                 reporter.warn("interrupted before any layer was finished: nothing is kept; rerun to start again")
             else:
                 again = "--resume --overwrite" if out.final.exists() else "--resume"
@@ -528,11 +527,15 @@ def _stops_reported(out: OutputDir, reporter: Reporter) -> Iterator[None]:
         raise
     except (QuantkitError, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno not in _MACHINE_ERRNOS:
+            _drop_if_empty(out)
             raise
         note = _unfinished(out)
         if isinstance(exc, OSError):  # the disk filled, say: the message, not a traceback
             raise QuantkitError(f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "") + note) from None
         exc.args = (f"{exc}{note}",)
+        raise
+    except Exception:  # a bug's traceback: a work dir without a finished layer would only block the next run
+        _drop_if_empty(out)
         raise
     finally:
         out.release()
@@ -572,6 +575,14 @@ def _layers_kept(out: OutputDir) -> int | None:
         return None
 
 
+def _drop_if_empty(out: OutputDir) -> bool:
+    """Remove the work dir of a run stopped before its first layer (nothing to resume); whether it did."""
+    if out.work.exists() and _layers_kept(out) == 0:
+        shutil.rmtree(out.work, ignore_errors=True)
+        return True
+    return False
+
+
 def _unfinished(out: OutputDir) -> str:
     """What a run stopped by an error leaves, said after its message: the work dir holding the layers its journal
     records, or nothing where it records none (the work dir is removed, as an error found before any layer leaves
@@ -581,8 +592,7 @@ def _unfinished(out: OutputDir) -> str:
     done = _layers_kept(out)
     if done is None:  # not readable now: keep it, for a look
         return f"; the run's files are kept in {out.work}"
-    if done == 0:
-        shutil.rmtree(out.work, ignore_errors=True)
+    if _drop_if_empty(out):
         return ""
     return (f"; {out.work} keeps the {done} layer(s) finished before it: --resume continues from them where the "
             "model and recipe are unchanged, --overwrite starts afresh")

@@ -1713,6 +1713,29 @@ def test_an_interrupt_before_the_first_layer_keeps_nothing(synthetic, calib_txt,
     assert len(run_quantize(job).layers) == 3
 
 
+def test_an_unexpected_error_before_the_first_layer_leaves_no_work_dir(synthetic, calib_txt, tmp_path, monkeypatch):
+    """An exception no check foresaw (a bug: here the packer's) raised before any layer was finished ends the run
+    with it, and leaves no OUT.partial: its journal of no layers had made the next run refuse, asking for --resume
+    or --overwrite. A weights.outliers override that compressed-tensors cannot store is refused up front."""
+    from quantkit.formats.compressed_tensors import CompressedTensorsPacker
+
+    def broken(self, q):
+        raise ValueError("codes out of range for 4 bits")
+
+    monkeypatch.setattr(CompressedTensorsPacker, "pack", broken)
+    recipe = load_recipe("rtn-w4a16-g128", ["calibration.num_samples=4", "calibration.seq_len=64"])
+    job = QuantizeJob(model=str(synthetic), recipe=recipe, output=tmp_path / "b", calib=str(calib_txt))
+    with pytest.raises(ValueError, match="codes out of range"):
+        run_quantize(job)
+    assert not (tmp_path / "b.partial").exists()
+    monkeypatch.undo()
+    result = cli("quantize", synthetic, "--recipe", "rtn-w4a16-g128", "-o", tmp_path / "c", "--calib", calib_txt,
+                 *FAST, "--set", "weights.outliers=128")
+    assert result.exit_code == 2 and "compressed-tensors cannot express Atom's INT8 outlier columns" in \
+        " ".join(result.output.split()), result.output
+    assert not (tmp_path / "c.partial").exists()
+
+
 def test_a_commit_interrupted_between_its_renames_resumes(synthetic, calib_txt, tmp_path, monkeypatch):
     """--overwrite's commit moves the old OUT aside, then OUT.partial into place: interrupted between the two, the
     work dir still holds its journal, so --resume finishes the run (the hint says so), and the old output that was

@@ -128,6 +128,12 @@ class CompressedTensorsPacker(Packer):
         if spec.codebook:
             raise ExportError(f"{module}: compressed-tensors cannot express lookup-table (codebook) weights; use "
                               "--set export.format=anyprec")
+        if spec.outliers or spec.row_block > 1:
+            raise ExportError(
+                f"{module}: compressed-tensors cannot express Atom's INT8 outlier columns (weights.outliers) or its "
+                "scales shared by row blocks (weights.row_block); use --set export.format=atom, or "
+                "export.format=quantkit for a simulation-only artifact"
+            )
         if spec.requant_int8:
             raise ExportError(
                 f"{module}: compressed-tensors cannot express QQQ's per-group INT8 re-expression (requant_int8); "
