@@ -280,6 +280,24 @@ def test_w4a8_engine_formats_refuse_what_their_engines_would_not_compute(fmt, re
         get_packer(fmt)(load_recipe(recipe, overrides), torch.float16).check_recipe()
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (["kv_cache.rope=pre"], "has keys quantized before RoPE"),
+    (["kv_cache.bits=6"], "has bits 6"),
+    (["kv_cache.symmetric=true", "kv_cache.bits=2"], "has bits 2, symmetric ones"),
+])
+def test_qserve_refuses_a_kv_cache_its_engines_do_not_run(overrides, match):
+    """OmniServe quantizes the KV cache per (token, head) to asymmetric 4 or 8 bits after RoPE and SGLang keeps it in
+    floating point: a recipe simulating another KV cache would have eval measure what no engine serves, so its export
+    is refused (it had been accepted silently). KV8 and none pass; none is noted, as OmniServe quantizes it anyway."""
+    with pytest.raises(ExportError, match=match):
+        QServePacker(load_recipe("qoq", overrides), torch.float16).check_recipe()
+    for ok in (["kv_cache.bits=8"], ["kv_cache=null"], []):
+        packer = QServePacker(load_recipe("qoq", ok), torch.float16)
+        packer.check_recipe()
+        noted = any(n.startswith("kv cache: the recipe simulates none") for n in packer.notes({"o": group_spec(128)}))
+        assert noted == (ok == ["kv_cache=null"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_check_recipe_needs_fp16(dtype):
     with pytest.raises(ExportError, match="must be float16"):

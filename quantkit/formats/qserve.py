@@ -101,6 +101,16 @@ class QServePacker(Packer):
         self.require_fp16()
         self.require_all_targets("OmniServe and SGLang's qoq method")
         self.require_int8_token_activations("OmniServe and SGLang's qoq method")
+        kv = self.recipe.kv_cache
+        if kv is not None and (problems := [text for bad, text in (
+                (kv.bits not in (4, 8), f"bits {kv.bits}"), (kv.symmetric, "symmetric ones"),
+                (kv.rope != "post", "keys quantized before RoPE")) if bad]):
+            raise ExportError(
+                "qserve: OmniServe quantizes the KV cache per (token, head) to asymmetric 4 or 8 bits, keys after "
+                "RoPE, and SGLang keeps it in floating point, so the recipe must simulate one of those (kv_cache: "
+                f"{{bits: 4, symmetric: false}}, or none); it has {', '.join(problems)}; use --set "
+                "export.format=quantkit for a simulation-only artifact"
+            )
 
     def check(self, module: str, spec: QuantSpec, shape: tuple[int, int]) -> None:
         """A QServe variant spec, N and K multiples of 32, and (per group) K a multiple of the group size; shapes
@@ -224,6 +234,9 @@ class QServePacker(Packer):
             out.append(f"{len(self.engine_unfit)} linears have N or K not a multiple of {ENGINE_TILE} ([N, K] = "
                        f"{shapes}): OmniServe's and SGLang's QServe kernels cannot run them (no bounds checks); "
                        "quantkit's kernels (validate, bench) can")
+        if self.recipe.kv_cache is None:
+            out.append("kv cache: the recipe simulates none, as SGLang serves it; OmniServe quantizes it to 4 or 8 "
+                       "bits at run time, which quantkit eval did not measure (kv_cache: {bits: 4} would)")
         if not self._norms_are_ones():
             out.append("OmniServe's W4A8 loader ignores every '*norm*' tensor (uses ones), and this recipe leaves "
                        "norm weights other than one (no fold_norms, or a smoothing of the q/k/v or gate/up input "
