@@ -425,6 +425,7 @@ _NUMBER = (int, float)
 # The fields inside those that readers use (inspect's summary, the weight specs), by the entry they sit in.
 _ENTRY_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "calibration": {"source": str, "num_samples": int, "seq_len": int, "sha256": str},
+    "activations": {"bits": int}, "kv_cache": {"bits": int},  # where not null
     "timings": {"total_seconds": _NUMBER},
     "weights.*": {"bits": int, "symmetric": bool, "granularity": str},
     "layers.*": {"index": int, "rel_error": _NUMBER, "seconds": _NUMBER, "metrics": dict},
@@ -442,11 +443,20 @@ def _manifest_problems(content: Any) -> list[str]:
         for where, fields in _ENTRY_FIELDS.items():
             name, _, each = where.partition(".")
             value = content[name]
+            if value is None:  # activations or kv_cache: none simulated
+                continue
             entries = (value.items() if isinstance(value, dict) else enumerate(value)) if each else [(None, value)]
             for key, entry in entries:
                 at = name if key is None else f"{name}.{key}"
                 wrong += [f"{at}.{field}" for field, kind in fields.items()
                           if not (isinstance(entry, dict) and isinstance(entry.get(field, ...), kind))]
+    if not wrong:  # what inspect shows where present: every layer metric a number, a resumed run's time
+        wrong += [f"layers.{i}.metrics.{key}" for i, layer in enumerate(content["layers"])
+                  for key, v in layer["metrics"].items() if isinstance(v, bool) or not isinstance(v, _NUMBER)]
+        timings = content["timings"]
+        if timings.get("resumed_layers") is not None:
+            wrong += [f"timings.{key}" for key, kind in (("resumed_layers", int), ("resumed_layer_seconds", _NUMBER))
+                      if isinstance(timings.get(key), bool) or not isinstance(timings.get(key), kind)]
     problems = [f"{', '.join(wrong)} missing or of the wrong type"] if wrong else []
     # a file entry names a file of the artifact itself, never a path out of it
     outside = [name for name in content.get("files") or {} if Path(name).name != name or name in ("", ".", "..")]
@@ -494,12 +504,15 @@ def load_manifest(path: Path) -> dict[str, Any]:
     lists must be there with the size it records (a stat each, no hashing): a missing or truncated shard is an
     error that names it before anything reads the artifact."""
     manifest = Path(path) / MANIFEST
+    partial = Path(str(path) + ".partial")
+    unfinished = f"; {partial} holds an unfinished run (quantkit quantize ... --resume)" if partial.is_dir() else ""
     if not Path(path).exists():
-        raise ArtifactError(f"{path} does not exist")
+        raise ArtifactError(f"{path} does not exist{unfinished}")
+    if Path(path).is_file():
+        raise ArtifactError(f"{path} is a file; pass the artifact's folder" + (
+            f" ({Path(path).parent})" if Path(path).name == MANIFEST else ""))
     if not manifest.is_file():
-        partial = Path(str(path) + ".partial")
-        extra = f"; {partial} holds an unfinished run (quantkit quantize ... --resume)" if partial.exists() else ""
-        raise ArtifactError(f"{path} is not a quantkit artifact (no {MANIFEST}){extra}")
+        raise ArtifactError(f"{path} is not a quantkit artifact (no {MANIFEST}){unfinished}")
     try:
         content = json.loads(manifest.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -510,9 +510,13 @@ def recipes() -> None:
               "and the manifest with its own digest; exit 1 naming the files that differ.")
 def inspect(output: Path, verify: bool) -> None:
     """Summarize an artifact: format, bits, groups, layers, bytes, recipe, calibration hash, per-layer error."""
-    from quantkit.artifact import artifact_config, load_manifest, read_safetensors, verify_files
+    from quantkit.artifact import artifact_config, load_manifest, manifest_digest, read_safetensors, verify_files
 
     m = load_manifest(output)
+    if not verify and "manifest_sha256" in m and manifest_digest(m) != m["manifest_sha256"]:  # costs no file read
+        console.print("[bold yellow]warning:[/] the manifest's content differs from its recorded digest: it was "
+                      "edited after quantize wrote it, and what it says below may not be what was written "
+                      "(--verify checks every file)", highlight=False, soft_wrap=True)
     # what costs no tensor read: the config against the manifest, and every shard's header
     artifact_config(output, m)
     for name in m["files"]:

@@ -1641,6 +1641,12 @@ def test_inspect_names_a_damaged_manifest_field_and_files_outside_the_artifact(r
         (lambda m: m["layers"][0].pop("rel_error"), "layers.0.rel_error missing or of the wrong type"),
         (lambda m: m["files"].update({"../outside": {"bytes": 1, "sha256": "0" * 64}}),
          "files lists '../outside', not file names of the artifact"),
+        # fields inspect shows where present, which had ended in a KeyError or a format error
+        (lambda m: m.update(activations={"x": 1}), "activations.bits missing or of the wrong type"),
+        (lambda m: m.update(kv_cache={"bits": "4"}), "kv_cache.bits missing or of the wrong type"),
+        (lambda m: m["layers"][0]["metrics"].update(sink_rel_error="abc"),
+         "layers.0.metrics.sink_rel_error missing or of the wrong type"),
+        (lambda m: m["timings"].update(resumed_layers=1), "timings.resumed_layer_seconds missing or of the wrong"),
     ]:
         out = shutil.copytree(rtn_artifact, tmp_path / "art", dirs_exist_ok=True)
         manifest = json.loads((out / "quantkit_manifest.json").read_text())
@@ -1650,6 +1656,26 @@ def test_inspect_names_a_damaged_manifest_field_and_files_outside_the_artifact(r
         assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
         assert "Traceback" not in result.output
         shutil.rmtree(out)
+
+
+def test_inspect_warns_of_an_edited_manifest_and_names_what_it_was_given(rtn_artifact, tmp_path):
+    """Plain inspect checks the manifest against its own digest (no file read) and warns where it was edited; the
+    manifest file passed for its folder, and an artifact whose run is still OUT.partial, are named as such."""
+    out = shutil.copytree(rtn_artifact, tmp_path / "art")
+    assert "warning" not in cli_ok("inspect", out).output
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    manifest["recipe"] = "something-else"
+    (out / "quantkit_manifest.json").write_text(json.dumps(manifest))
+    said = " ".join(cli_ok("inspect", out).output.split())
+    assert "warning: the manifest's content differs from its recorded digest" in said and "something-else" in said
+    result = cli("inspect", out / "quantkit_manifest.json")
+    assert result.exit_code == 2 and f"is a file; pass the artifact's folder ({out})" in " ".join(
+        result.output.split())
+    shutil.copytree(rtn_artifact, tmp_path / "run.partial")
+    for command in ("inspect", "validate"):
+        result = cli(command, tmp_path / "run")
+        assert result.exit_code == 2 and "does not exist; " in result.output and "run.partial holds an unfinished " \
+            "run" in " ".join(result.output.split()), result.output
 
 
 def test_a_directory_named_after_a_recipe_does_not_hide_it(tmp_path, monkeypatch):
