@@ -196,6 +196,9 @@ class OutputDir:
             )
         journal = (self.work / JOURNAL).is_file()
         if resume and not journal:
+            if self.work.exists() and not _ours(self.work):  # --overwrite would refuse it too
+                raise ArtifactError(f"--resume: {self.work} holds no journal, and files that are not quantkit's, so "
+                                    "nothing can be resumed; choose another output path, or empty it yourself")
             if self.work.exists():
                 raise ArtifactError(f"--resume: {self.work} holds no journal (its run was killed before it recorded "
                                     "one), so nothing can be resumed; rerun with --overwrite to start afresh")

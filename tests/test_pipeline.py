@@ -1818,6 +1818,17 @@ def test_a_run_killed_before_its_journal_can_be_restarted(synthetic, calib_txt, 
     with pytest.raises(QuantkitError, match="already exists"):
         run_quantize(job)
     assert not any((tmp_path / "b" / name).exists() for name in ("quantkit_journal.json", "quantkit_run.lock"))
+    # an OUT.partial of someone else's files: --resume does not send the user to an --overwrite that refuses it
+    stray = tmp_path / "g.partial"
+    stray.mkdir()
+    (stray / "keep.txt").write_text("x")
+    elsewhere = QuantizeJob(**{**job.__dict__, "output": tmp_path / "g"})
+    with pytest.raises(QuantkitError, match="holds no journal, and files that are not quantkit's, so nothing can be "
+                                            "resumed; choose another output path, or empty it yourself"):
+        run_quantize(QuantizeJob(**{**elsewhere.__dict__, "resume": True}))
+    with pytest.raises(QuantkitError, match="is not quantkit's output"):
+        run_quantize(QuantizeJob(**{**elsewhere.__dict__, "overwrite": True}))
+    assert (stray / "keep.txt").read_text() == "x"
 
 
 def test_resume_removes_stray_directories_from_the_work_dir(synthetic, calib_txt, tmp_path):
