@@ -406,7 +406,7 @@ def eval_cmd(model, tasks, seq_len, limit, batch_size, data_dir, output_json, dt
 
 def _task_names(tasks: str) -> tuple[list[str], list[str]]:
     """--tasks as task names, and those of them that lm-eval runs (all but wikitext); unknown ones refused."""
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    names = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))  # each once, in order
     if not names:
         raise QuantkitError("--tasks names no task")
     lm_tasks = [t for t in names if t != "wikitext"]

@@ -1107,13 +1107,14 @@ def test_quantize_data_dir_finds_a_named_set(synthetic, calib_txt, tmp_path, mon
 
 def test_eval_options_reach_the_perplexity(rtn_artifact, tmp_path):
     """--seq-len, --limit and --batch-size reach the perplexity (4 windows of 32 tokens, progress after each batch
-    of 2), and --dtype its forward passes: bfloat16 scores near float32, but not bit for bit."""
+    of 2), and --dtype its forward passes: bfloat16 scores near float32, but not bit for bit. A task named twice
+    runs, and is recorded, once."""
     data = wikitext_rows(tmp_path / "data")
     ppl = {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / f"{dtype}.json"
         result = cli_ok("eval", rtn_artifact, "--data-dir", data, "--seq-len", "32", "--limit", "4", "--batch-size",
-                        "2", "--dtype", dtype, "--output-json", out)
+                        "2", "--dtype", dtype, "--output-json", out, "--tasks", "wikitext, wikitext")  # run once
         progress = [line.split(",")[0] for line in result.output.splitlines() if line.startswith("wikitext windows:")]
         assert progress == ["wikitext windows: 2/4", "wikitext windows: 4/4"], result.output
         payload = json.loads(out.read_text())
