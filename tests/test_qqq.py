@@ -304,3 +304,12 @@ def test_stored_scales_by_hand():
     assert float(t["s_channel"][0, 2]) == float(q.qparams.s_channel[8, 0])
     assert float(t["s_group"][1, 64 + 1]) == float(q.qparams.ratio[64 + 8, 1])
     assert float(t["s_group"][0, 0]) == float(q.qparams.ratio[0, 0])
+
+
+def test_a_simulated_kv_cache_is_noted_as_not_served():
+    """vLLM keeps the KV cache in floating point: a qqq recipe that simulates a quantized one gets a note that eval
+    measured what the engine does not serve (it had said nothing); the bundled recipes, which simulate none, do not."""
+    specs = {"o": load_recipe("qqq").weights.spec("channel")}
+    assert not any("KV cache" in n for n in QQQPacker(load_recipe("qqq"), torch.float16).notes(specs))
+    packer = QQQPacker(load_recipe("qqq", ["kv_cache={bits: 4}"]), torch.float16)
+    assert any("KV cache quantization is simulated by quantkit eval, not exported" in n for n in packer.notes(specs))

@@ -212,8 +212,13 @@ class QQQPacker(Packer):
         return {"quant_method": self.quant_method, "wbits": 4, "group_size": sizes.pop()}
 
     def notes(self, specs: dict[str, QuantSpec]) -> list[str]:
+        """Who loads it; and a simulated KV cache, which its engines do not run."""
+        kv = ([] if self.recipe.kv_cache is None else
+              ["export format qqq: the recipe's KV cache quantization is simulated by quantkit eval, not exported: "
+               "vLLM keeps its KV cache in floating point (fp16, or fp8 with --kv-cache-dtype fp8), so it serves "
+               "other numbers than eval measured"])
         return ["export format qqq: vLLM loads it from PR #5218 until its removal (PR #23204, Aug 2025), so pin a "
-                "vLLM of that window (<= v0.10.1); GPTQModel's QQQ kernel also reads it"]
+                "vLLM of that window (<= v0.10.1); GPTQModel's QQQ kernel also reads it", *kv]
 
 
 def _require_qqq(spec: QuantSpec, where: str) -> None:
