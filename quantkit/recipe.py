@@ -314,6 +314,8 @@ def apply_override(raw: dict, assignment: str) -> None:
     path = [p for p in key.strip().split(".") if p]
     if not path:
         raise RecipeError(f"--set {assignment!r}: empty key")
+    if path[0] == "targets" and len(path) > 1:  # a list of roles, not a section (only passes are addressed inside)
+        raise RecipeError(f"--set {key.strip()}: targets is a list of roles; set it whole, e.g. targets=[qkv,o,down]")
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None  # a SafeLoader
     except yaml.YAMLError as exc:

@@ -224,6 +224,16 @@ def test_a_number_in_exponent_form_is_a_number(tmp_path, written: str) -> None:
         load_recipe("gptq-w4a16-g128", ["passes.gptq.damp='0.01'"])
 
 
+@pytest.mark.parametrize("recipe", ["rtn-w4a16-g128", "qoq"])
+def test_an_item_of_targets_is_refused_naming_how_to_set_it(recipe: str) -> None:
+    """`--set targets.0=down` had made targets a mapping ("expected a non-empty list of roles") or said to set a
+    field of a pass: targets is a list, set whole."""
+    with pytest.raises(RecipeError, match=r"--set targets\.0: targets is a list of roles; set it whole, e\.g\. "
+                                          r"targets=\[qkv,o,down\]"):
+        load_recipe(recipe, ["targets.0=down"])
+    assert load_recipe(recipe, ["targets=[down]"]).targets == ["down"]
+
+
 def test_passes_are_numbered_from_zero_and_a_number_past_the_last_is_named() -> None:
     """`--set passes.N.field` addresses the pass at index N (qqq: 0 smooth, 1 gptq), and an index past the last pass
     is an error naming the recipe's passes, not an IndexError."""
