@@ -288,9 +288,11 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
         raise ArtifactError(f"{path}: the tensors and config.json disagree: {some(wrong)}; copy the artifact again, "
                             "or quantize again")
     missing = set(expected) - set(state)
-    head = adapter.lm_head + ".weight"
-    tied = getattr(config, "tie_word_embeddings", False) and head not in state  # a stored head is read, as
-    if tied:                                                                    # transformers does
+    head, embed = adapter.lm_head + ".weight", adapter.embed + ".weight"
+    # as transformers reads a config that ties: a stored head of other values than the embeddings is not tied to them
+    tied = getattr(config, "tie_word_embeddings", False) and (
+        head not in state or (embed in state and torch.equal(state[head], state[embed])))
+    if tied:
         missing.discard(head)
     if missing:
         raise ArtifactError(f"{path}: the artifact lacks tensor(s) {some(sorted(missing))}; copy the artifact again, "
