@@ -443,19 +443,20 @@ def _check_eval_data(names: list[str], lm_tasks: list[str], data_dir: Path | Non
     return rows
 
 
-def _check_output_json(path: Path, model: Path) -> None:
-    """Refuse, before the model loads, an --output-json that names no file, lies in no writable directory, or
-    would overwrite what it may not (`_check_results_path`)."""
+def _check_output_json(path: Path, model: Path | None, option: str = "--output-json",
+                       earlier: tuple[str, ...] = ("model", "results"), writer: str = "quantkit eval") -> None:
+    """Refuse, before the model loads (or the GPU is timed), a results file `option` that names no file, lies in no
+    writable directory, or would overwrite what it may not (`_check_results_path`)."""
     from quantkit.files import cannot_write
 
     if path.name in ("", ".", ".."):
-        raise QuantkitError(f"--output-json {str(path)!r}: name the file to write")
+        raise QuantkitError(f"{option} {str(path)!r}: name the file to write")
     parent = path.parent
     if not parent.is_dir():
-        raise QuantkitError(f"--output-json: {parent} {not_a_directory(parent)}")
+        raise QuantkitError(f"{option}: {parent} {not_a_directory(parent)}")
     if why := cannot_write(path):
-        raise QuantkitError(f"--output-json: cannot write in {parent} ({why})")
-    _check_results_path(path, model)
+        raise QuantkitError(f"{option}: cannot write in {parent} ({why})")
+    _check_results_path(path, model, option, earlier, writer)
 
 
 def _results_table(title: str, results: dict[str, dict]) -> Table:
@@ -475,22 +476,23 @@ def _results_table(title: str, results: dict[str, dict]) -> Table:
     return table
 
 
-def _check_results_path(path: Path, model: Path) -> None:
-    """Refuse an --output-json that would overwrite the model being evaluated (a file of its directory, or the GGUF
-    file) or an existing file that is not an earlier results file of `quantkit eval`."""
-    if model.exists():
+def _check_results_path(path: Path, model: Path | None, option: str = "--output-json",
+                        earlier: tuple[str, ...] = ("model", "results"), writer: str = "quantkit eval") -> None:
+    """Refuse a results file that would overwrite the model or artifact in use (a file of its directory, or the GGUF
+    file) or an existing file that is not an earlier results file of `writer` (a JSON object with `earlier`'s keys)."""
+    if model is not None and model.exists():
         target, home = path.resolve(), model.resolve()
         if target == home or (home.is_dir() and home in target.parents):
-            raise QuantkitError(f"--output-json {path} is inside the model being evaluated ({model}); write the "
+            raise QuantkitError(f"{option} {path} is inside {model}, whose files it would overwrite; write the "
                                 "results elsewhere")
     if path.exists():
         try:
-            earlier = json.loads(path.read_text())
+            content = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            earlier = None
-        if not (isinstance(earlier, dict) and {"model", "results"} <= set(earlier)):
-            raise QuantkitError(f"--output-json: {path} exists and is not a results file of quantkit eval; choose "
-                                "another path, or delete it")
+            content = None
+        if not (isinstance(content, dict) and set(earlier) <= set(content)):
+            raise QuantkitError(f"{option}: {path} exists and is not a results file of {writer}; choose another path, "
+                                "or delete it")
 
 
 @main.command()
@@ -744,6 +746,7 @@ def bench_cmd(ctx: click.Context, output: Path | None, shapes: tuple[tuple[int, 
     from click.core import ParameterSource
 
     from quantkit import kernel_bench, kernels
+    from quantkit.artifact import load_manifest
 
     given = {name for name in ("shapes", "formats", "paths")
              if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
@@ -754,6 +757,10 @@ def bench_cmd(ctx: click.Context, output: Path | None, shapes: tuple[tuple[int, 
         raise click.UsageError("--layer picks a layer of OUTPUT; give the artifact too")
     if output is not None:
         kernel_bench.benchable_format(output)  # what OUTPUT is, before the GPU is asked for
+        if layer is not None and not 0 <= layer < (count := load_manifest(output)["num_layers"]):
+            raise click.UsageError(f"--layer {layer}: {output} has layers 0..{count - 1}")
+    if json_path is not None:  # before minutes of timing: not the artifact's own files, nor another tool's
+        _check_output_json(json_path, output, "--json", ("device", "rows", "bars"), "quantkit bench")
     if not kernels.cuda_available():
         raise QuantkitError("quantkit bench needs a CUDA device and CuPy (pip install 'quantkit[cuda]'); on a CPU, "
                             "`quantkit validate` checks the kernels in the warp simulator instead")

@@ -135,8 +135,17 @@ def test_validate_refuses_bad_options_and_damaged_linears(artifacts, tmp_path):
 
 def test_bench_refuses_what_it_cannot_time_before_asking_for_a_gpu(artifacts, tmp_path):
     """quantkit bench checks its options and OUTPUT (an artifact of a layout with kernels) before it looks for a
-    GPU, so that a CPU machine names the mistake, not the missing device."""
+    GPU, so that a CPU machine names the mistake, not the missing device: a --layer past the artifact's, and a
+    --json that would overwrite one of the artifact's files (it had replaced the manifest with the rows), another
+    tool's file, or lies under a file (a traceback after the whole run) too."""
+    (tmp_path / "notes.txt").write_text("mine")
+    manifest = (artifacts["qqq"] / "quantkit_manifest.json").read_bytes()
     for args, says in [(["--m", "abc"], "--m"), (["--m", "0,4"], "--m"), (["--iters", "0"], "--iters"),
+                       ([artifacts["qqq"], "--layer", "5"], "--layer 5: "),
+                       ([artifacts["qqq"], "--json", artifacts["qqq"] / "quantkit_manifest.json"],
+                        "whose files it would overwrite"),
+                       (["--json", tmp_path / "notes.txt"], "exists and is not a results file of quantkit bench"),
+                       (["--json", tmp_path / "notes.txt" / "r.json"], "--json: "),
                        (["--warmup", "-1"], "--warmup"), (["--formats", "qqq,nope"], "nope: not a layout"),
                        (["--layer", "1"], "--layer picks a layer of OUTPUT"), (["--shapes", "\u00b2x128"], "--shapes"),
                        ([artifacts["qqq"], "--formats", "qqq"], "--formats: with OUTPUT"),
@@ -144,8 +153,9 @@ def test_bench_refuses_what_it_cannot_time_before_asking_for_a_gpu(artifacts, tm
                        ([artifacts["qqq"], "--layer", "-1"], "--layer"),
                        ([tmp_path / "nowhere"], "does not exist")]:
         result = cli("bench", *args)
-        assert result.exit_code == 2 and says in result.output, (args, result.output)
+        assert result.exit_code == 2 and says in " ".join(result.output.split()), (args, result.output)
         assert "needs a CUDA device" not in result.output
+    assert (artifacts["qqq"] / "quantkit_manifest.json").read_bytes() == manifest
 
 
 def test_packed_linears_refuse_layers_past_the_artifact(artifacts):

@@ -1626,7 +1626,7 @@ def test_eval_names_malformed_data_and_unwritable_output_before_loading_the_mode
     config = (rtn_artifact / "config.json").read_bytes()
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    for where, match in [(rtn_artifact / "config.json", "is inside the model being evaluated"),
+    for where, match in [(rtn_artifact / "config.json", "whose files it would overwrite"),
                          (notes, "exists and is not a results file of quantkit eval")]:
         result = cli("eval", rtn_artifact, "--data-dir", wikitext_rows(tmp_path / "good"), "--output-json", where)
         assert result.exit_code == 2 and match in " ".join(result.output.split()), result.output
