@@ -336,7 +336,7 @@ def _describe_calibration(cal: dict) -> str:
                    "printed either way).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="Compute dtype for the evaluation forward passes.")
-@click.option("--bits", type=click.IntRange(1, 8),
+@click.option("--bits", type=click.IntRange(2, 8),
               help="Any-Precision artifacts: evaluate at this width (any from the recipe's min_bits to its bits; "
                    "default: the widest).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,

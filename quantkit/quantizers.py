@@ -108,8 +108,8 @@ class QuantSpec:
                     self.progressive or self.codebook or self.requant_int8 or self.narrow_range)):
             raise ValueError("outliers and row_block (Atom) need symmetric group or per-channel weights without "
                              "another variant")
-        if self.min_bits is not None and not (self.codebook and 1 <= self.min_bits <= self.bits):
-            raise ValueError(f"min_bits needs codebook weights and 1 <= min_bits <= bits, got {self.min_bits}")
+        if self.min_bits is not None and not (self.codebook and 2 <= self.min_bits <= self.bits):
+            raise ValueError(f"min_bits needs codebook weights and 2 <= min_bits <= bits, got {self.min_bits}")
 
     @property
     def qmin(self) -> int:

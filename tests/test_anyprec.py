@@ -591,3 +591,18 @@ def test_quantile_start_takes_the_value_where_the_weight_reaches_the_target() ->
     centroids, borders = kmeans_rows(SortedRows.build(w, torch.ones_like(w)), 2, max_iter=1, restarts=0)
     assert borders.tolist() == [[0, 4, 8]]
     assert centroids.tolist() == [[2.5, 6.5]]
+
+
+def test_a_width_below_two_is_refused_up_front():
+    """The quantizer serves widths 2..8: `weights.min_bits=1` is refused with the recipe, where it had written an
+    artifact that validate and `eval --bits 1` then failed on with a traceback; `--bits 1` is out of the option's
+    range."""
+    from helpers import cli
+
+    from quantkit.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"min_bits needs codebook weights and 2 <= min_bits <= bits, got 1"):
+        load_recipe("anyprec-3to8", ["weights.min_bits=1"])
+    assert load_recipe("anyprec-3to8", ["weights.min_bits=2"]).weights.min_bits == 2
+    result = cli("eval", "nowhere", "--bits", "1")
+    assert result.exit_code == 2 and "--bits" in result.output and "2<=x<=8" in result.output
