@@ -482,6 +482,11 @@ def read_artifact_json(path: Path, name: str, keys: tuple[str, ...] = ()) -> dic
 MODEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def artifact_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The model dtype of an artifact's config.json (checked by `artifact_config`; float16 where it names none)."""
+    return MODEL_DTYPES[config.get("torch_dtype") or "float16"]
+
+
 def artifact_config(path: Path, manifest: dict) -> dict[str, Any]:
     """Artifact `path`'s config.json, which must name as many layers as its manifest wrote: a config edited or
     copied from another model would otherwise load a model with layers missing or left at random. Its model_type

@@ -16,10 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quantkit import simulate
 from quantkit.artifact import (
     MANIFEST,
-    MODEL_DTYPES,
     RECIPE,
     ArtifactError,
     artifact_config,
+    artifact_dtype,
     json_object,
     load_manifest,
     read_artifact_json,
@@ -225,7 +225,7 @@ def packed_linears(path: Path, layers: Iterable[int] | None = None, kernel_judge
     manifest = load_manifest(path)
     recipe = artifact_recipe(path)
     config = artifact_config(path, manifest)
-    packer = get_packer(manifest["format"])(recipe, MODEL_DTYPES[config.get("torch_dtype") or "float16"])
+    packer = get_packer(manifest["format"])(recipe, artifact_dtype(config))
     adapter = adapter_for(config["model_type"])
     specs = artifact_specs(path, manifest, recipe)
     weight_map = _weight_map(path)
@@ -251,7 +251,7 @@ def _load_artifact(path: Path, dtype: torch.dtype, bits: int | None, device: tor
     config_data = artifact_config(path, manifest)
     config_data.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_data)
-    model_dtype = MODEL_DTYPES[config_data.get("torch_dtype") or "float16"]
+    model_dtype = artifact_dtype(config_data)
     adapter = adapter_for(config.model_type)
     packer = get_packer(manifest["format"])(recipe, model_dtype)
     specs = artifact_specs(path, manifest, recipe)
